@@ -1,0 +1,35 @@
+//! Meter and gate HTTP APIs on prepaid balances.
+//!
+//! tollgate admits each request by reserving its price against a locally
+//! *leased* slice of the caller's account balance, commits the charge when the
+//! handler starts, and releases it for zero when the request ends before
+//! execution. The request path uses atomics only: no I/O, no lock and no heap
+//! allocation.
+//!
+//! The crate is layered; each module depends only on the ones listed before
+//! it:
+//!
+//! - [`model`]: the pure accounting types and their atomics. No tokio, no I/O.
+//!
+//! The numbered rules the code enforces live in `INVARIANTS.md` at the root of
+//! the repository; comments and tests cite them as `I<n>`.
+#![forbid(unsafe_code)]
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
+pub mod model;
+mod sync;
+
+pub use model::{
+    AccountId, AccountOverage, AccountStatus, BalanceExhaustion, BalanceShortfall, CancelHandle,
+    CancelOutcome, CommitError, CommitFunding, CostUnits, DenyReason, EnforcementMode,
+    FencingToken, KeyId, KeyStatus, LeaseDebit, LeaseGrant, LeaseId, LocalLease, LocalSharding,
+    Locality, PermissionBits, PolicyRevision, Principal, PrincipalSnapshot, RefillSignal,
+    RefillVerdict, RequestId, Reservation, Retry, ShardOccupancy, SharedCharge, UsageEvent,
+    UsageSource,
+};
+
+/// Compiles and runs the README's examples as doctests, so the first code a
+/// newcomer reads cannot rot.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;

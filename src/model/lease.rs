@@ -1,0 +1,893 @@
+//! A lease's units on this instance: the counter the request path debits.
+
+use std::fmt;
+use std::sync::Arc;
+
+use jiff::{SignedDuration, Timestamp};
+
+use crate::model::sharding::{CachePadded, split_evenly};
+use crate::model::{
+    AccountId, CostUnits, DenyReason, FencingToken, LeaseId, LocalSharding, Locality,
+    ShardOccupancy,
+};
+use crate::sync::{AtomicBool, AtomicU64, Ordering};
+
+/// Units the allocator moved from an account's balance to this instance.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LeaseGrant {
+    /// The lease's identity in the store.
+    pub lease_id: LeaseId,
+    /// The account whose balance funded it.
+    pub account_id: AccountId,
+    /// The capability every release, consolidation and usage event naming
+    /// this lease must present.
+    pub fencing_token: FencingToken,
+    /// How many units were granted.
+    pub units: CostUnits,
+    /// When the allocator stops honouring the lease. After this plus its
+    /// reclaim grace the allocator may return the remainder to the balance.
+    pub expires_at: Timestamp,
+}
+
+/// The doorbell a lease rings when it needs the refill task's attention.
+///
+/// Implementations run on the request path, inside a debit: they must not
+/// block, lock, allocate or do I/O (I5). Waking a task through an
+/// `AtomicWaker` is the intended shape.
+pub trait RefillSignal: Send + Sync {
+    /// Ask for the lease to be replaced or consolidated.
+    fn request_refill(&self);
+}
+
+/// What the refill task should do about a lease, from
+/// [`LocalLease::refill_due_or_rearm`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RefillVerdict {
+    /// Nothing to do; any premature doorbell has been re-armed.
+    Idle,
+    /// The lease is at or below its low-water mark: acquire a replacement
+    /// while it keeps serving.
+    Draining,
+    /// The lease refused a debit. Fold its unspent units and the largest
+    /// refused quote into one new grant, so a quote the account can fund is
+    /// not refused for want of a bigger lease.
+    Refused,
+}
+
+/// The instance-local view of one [`LeaseGrant`]: its remaining units as
+/// atomics, optionally split across shards.
+///
+/// # Invariants
+///
+/// - Units only move between the shards and the debits taken from them, so
+///   once the lease is quiescent `remaining() == granted − committed` exactly
+///   (I6).
+/// - No debit succeeds at or after [`usable_until`](Self::usable_until)
+///   (I2).
+/// - The low-water doorbell rings at most once per shard between two calls
+///   of [`refill_due_or_rearm`](Self::refill_due_or_rearm), and a refusal
+///   rings it at most once per lease (I7).
+///
+/// A lease is *quiescent* when the caller holds the only `Arc` to it and
+/// [`is_only_local_view`](Self::is_only_local_view) is true: then no request
+/// can debit or credit it, and its remaining count is final.
+pub struct LocalLease {
+    terms: LeaseTerms,
+    low_water: CostUnits,
+    shards: Box<[Arc<CachePadded<Shard>>]>,
+    refused: CachePadded<AtomicU64>,
+    refill: Option<Arc<dyn RefillSignal>>,
+}
+
+/// A successful debit: which shard's counter gave the units, and how many.
+///
+/// Holding one keeps a view of that shard alive, which is what makes the lease
+/// non-quiescent while any reservation on it exists. Crediting it returns the
+/// units to the same shard; dropping it without a credit leaves them spent.
+pub struct LeaseDebit {
+    shard: Arc<CachePadded<Shard>>,
+    index: usize,
+    units: CostUnits,
+}
+
+/// The grant and its local usability window, copied into every shard so a
+/// debit can answer for its lease without touching the lease's shared lines.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct LeaseTerms {
+    pub(crate) grant: LeaseGrant,
+    pub(crate) usable_until: Timestamp,
+}
+
+#[derive(Debug)]
+struct Shard {
+    remaining: AtomicU64,
+    /// This shard's part of the lease's low-water mark; the parts add up to
+    /// the whole mark, so when the lease is at or below it some shard is too.
+    low_water: u64,
+    rung: AtomicBool,
+    contended: AtomicU64,
+    terms: LeaseTerms,
+}
+
+impl LocalLease {
+    /// A single-counter lease usable until the grant expires.
+    #[must_use]
+    pub fn new(grant: LeaseGrant, low_water: CostUnits) -> Self {
+        Self::with_safety_margin(grant, low_water, SignedDuration::ZERO)
+    }
+
+    /// A single-counter lease that stops accepting debits and commits
+    /// `margin` before the grant expires.
+    ///
+    /// # Panics
+    ///
+    /// When `margin` is negative: that would extend spending past the point
+    /// where the allocator may reclaim the units.
+    #[must_use]
+    pub fn with_safety_margin(
+        grant: LeaseGrant,
+        low_water: CostUnits,
+        margin: SignedDuration,
+    ) -> Self {
+        Self::with_sharding(grant, low_water, margin, LocalSharding::Single)
+    }
+
+    /// A lease whose units and low-water mark are split evenly across the
+    /// shards of `sharding`.
+    ///
+    /// # Panics
+    ///
+    /// When `margin` is negative (see [`with_safety_margin`](Self::with_safety_margin)).
+    #[must_use]
+    pub fn with_sharding(
+        grant: LeaseGrant,
+        low_water: CostUnits,
+        margin: SignedDuration,
+        sharding: LocalSharding,
+    ) -> Self {
+        assert!(
+            !margin.is_negative(),
+            "a lease's safety margin must not be negative"
+        );
+        // I2: the window closes `margin` early, so a charge committed inside
+        // it is still inside the allocator's view of the lease.
+        let usable_until = grant
+            .expires_at
+            .checked_sub(margin)
+            .unwrap_or(Timestamp::MIN);
+        let terms = LeaseTerms {
+            grant,
+            usable_until,
+        };
+        let count = sharding.count();
+        let shards = (0..count)
+            .map(|index| {
+                Arc::new(CachePadded(Shard {
+                    remaining: AtomicU64::new(split_evenly(grant.units.get(), count, index)),
+                    low_water: split_evenly(low_water.get(), count, index),
+                    rung: AtomicBool::new(false),
+                    contended: AtomicU64::new(0),
+                    terms,
+                }))
+            })
+            .collect();
+        Self {
+            terms,
+            low_water,
+            shards,
+            refused: CachePadded(AtomicU64::new(0)),
+            refill: None,
+        }
+    }
+
+    /// Installs the doorbell rung at low water and on the first refusal.
+    #[must_use]
+    pub fn with_refill(mut self, signal: Arc<dyn RefillSignal>) -> Self {
+        self.refill = Some(signal);
+        self
+    }
+
+    /// The grant this lease spends.
+    #[must_use]
+    pub fn grant(&self) -> &LeaseGrant {
+        &self.terms.grant
+    }
+
+    /// The low-water mark below which the lease asks to be replaced.
+    #[must_use]
+    pub fn low_water(&self) -> CostUnits {
+        self.low_water
+    }
+
+    /// The last instant (exclusive) at which the lease accepts debits and
+    /// commits: `expires_at − margin`.
+    #[must_use]
+    pub fn usable_until(&self) -> Timestamp {
+        self.terms.usable_until
+    }
+
+    /// Debits `units` at the calling thread's locality.
+    ///
+    /// # Errors
+    ///
+    /// [`DenyReason::LeaseExpired`] at or after
+    /// [`usable_until`](Self::usable_until), and
+    /// [`DenyReason::LeaseExhausted`] when the lease cannot fund `units`.
+    #[inline]
+    pub fn try_debit(&self, units: CostUnits, now: Timestamp) -> Result<LeaseDebit, DenyReason> {
+        self.try_reserve_at(units, now, Locality::current())
+    }
+
+    /// Debits `units`, preferring the shard of `locality`.
+    ///
+    /// The home shard is tried first; if it is short, the other shards are
+    /// tried in turn, and then units are gathered from them into the home
+    /// shard, so a quote the whole lease can fund is not refused because its
+    /// units sit in other shards. A refusal is recorded for
+    /// [`largest_refused_quote`](Self::largest_refused_quote).
+    ///
+    /// # Errors
+    ///
+    /// As for [`try_debit`](Self::try_debit).
+    #[allow(
+        clippy::inline_always,
+        reason = "inlining the debit into the caller's admission halves reserve+commit in benches/model.rs"
+    )]
+    #[inline(always)]
+    pub fn try_reserve_at(
+        &self,
+        units: CostUnits,
+        now: Timestamp,
+        locality: Locality,
+    ) -> Result<LeaseDebit, DenyReason> {
+        // I2: no debit at or past the end of the usability window.
+        if now >= self.terms.usable_until {
+            return Err(DenyReason::LeaseExpired);
+        }
+        let home = locality.shard_of(self.shards.len());
+        match self.shards[home].take(units.get()) {
+            Some(left) => Ok(self.debited(home, left, units)),
+            None => self.debit_elsewhere(home, units),
+        }
+    }
+
+    /// Returns a debit's units to the shard they came from.
+    ///
+    /// Call it at most once per debit: [`Reservation`](crate::Reservation)
+    /// guarantees that with its phase word, and anything else that credits
+    /// by hand must too.
+    #[inline]
+    pub fn credit(&self, debit: &LeaseDebit) {
+        debug_assert!(
+            self.shards
+                .get(debit.index)
+                .is_some_and(|shard| Arc::ptr_eq(shard, &debit.shard)),
+            "a debit must be credited to the lease it came from"
+        );
+        debit.refund();
+    }
+
+    /// The units left across all shards.
+    ///
+    /// Exact only when the lease is quiescent (see the type's docs); while
+    /// requests run it is a momentary reading.
+    ///
+    /// # Panics
+    ///
+    /// Never: units only move between shards and debits, so the shards
+    /// together never hold more than the grant, which fits in a `u64`.
+    #[must_use]
+    pub fn remaining(&self) -> CostUnits {
+        let total = self
+            .shards
+            .iter()
+            .map(|shard| shard.remaining.load(Ordering::Acquire))
+            .try_fold(0_u64, u64::checked_add)
+            .expect("the shards never hold more than the grant between them");
+        CostUnits(total)
+    }
+
+    /// Whether no debit holds a view of any shard.
+    ///
+    /// Together with holding the only `Arc` to the lease, this is the
+    /// quiescence predicate: no request can still debit or credit it.
+    #[must_use]
+    pub fn is_only_local_view(&self) -> bool {
+        let only = self
+            .shards
+            .iter()
+            .all(|shard| Arc::strong_count(shard) == 1);
+        // The last debit dropped its view with a release decrement after its
+        // credit; this fence makes that credit visible to `remaining()`.
+        std::sync::atomic::fence(std::sync::atomic::Ordering::Acquire);
+        only
+    }
+
+    /// The largest quote this lease refused for want of units, or zero.
+    #[must_use]
+    pub fn largest_refused_quote(&self) -> CostUnits {
+        CostUnits(self.refused.load(Ordering::Acquire))
+    }
+
+    /// How many debit attempts lost a compare-exchange to another thread.
+    /// A steadily rising count on a single-counter lease says it is worth
+    /// sharding.
+    #[must_use]
+    pub fn contended_debits(&self) -> u64 {
+        self.shards
+            .iter()
+            .map(|shard| shard.contended.load(Ordering::Relaxed))
+            .fold(0_u64, u64::saturating_add)
+    }
+
+    /// How the units sit across the shards right now.
+    #[must_use]
+    pub fn occupancy(&self) -> ShardOccupancy {
+        let mut occupancy = ShardOccupancy {
+            shards: self.shards.len(),
+            remaining_min: CostUnits::MAX,
+            remaining_max: CostUnits::ZERO,
+            below_low_water: 0,
+            views_outstanding: 0,
+        };
+        for shard in &self.shards[..] {
+            let remaining = CostUnits(shard.remaining.load(Ordering::Acquire));
+            occupancy.remaining_min = occupancy.remaining_min.min(remaining);
+            occupancy.remaining_max = occupancy.remaining_max.max(remaining);
+            occupancy.below_low_water += usize::from(remaining.get() <= shard.low_water);
+            occupancy.views_outstanding += Arc::strong_count(shard) - 1;
+        }
+        occupancy
+    }
+
+    /// The refill task's question: should this lease be replaced,
+    /// consolidated, or left alone?
+    ///
+    /// A refusal wins over draining, because replacing a lease that refused
+    /// work with a same-sized one would refuse the same quote again. When
+    /// neither applies, any shard that rang early (its own share ran low while
+    /// the lease as a whole did not) is re-armed so it can ring again (I7).
+    pub fn refill_due_or_rearm(&self) -> RefillVerdict {
+        if self.refused.load(Ordering::Acquire) > 0 {
+            return RefillVerdict::Refused;
+        }
+        if self.remaining() <= self.low_water {
+            return RefillVerdict::Draining;
+        }
+        for shard in &self.shards[..] {
+            shard.rung.store(false, Ordering::Release);
+        }
+        // A debit that reached the mark while the flags were being cleared
+        // may have seen its shard's flag still set and stayed silent. Reading
+        // the counters again with read-modify-writes closes that gap (I7):
+        // each one reads the latest count, so either it sees that debit, or
+        // the debit's compare-exchange read from it, acquired the cleared
+        // flag and rang.
+        let settled = self
+            .shards
+            .iter()
+            .map(|shard| shard.remaining.fetch_add(0, Ordering::AcqRel))
+            .fold(0, u64::saturating_add);
+        if settled <= self.low_water.get() {
+            return RefillVerdict::Draining;
+        }
+        RefillVerdict::Idle
+    }
+
+    #[allow(clippy::inline_always, reason = "part of the inlined debit fast path")]
+    #[inline(always)]
+    fn debited(&self, index: usize, left: u64, units: CostUnits) -> LeaseDebit {
+        let shard = &self.shards[index];
+        // I7: ring once when this debit leaves the shard at or below its
+        // share. The plain load keeps the common below-water case off the
+        // read-modify-write.
+        if left <= shard.low_water
+            && !shard.rung.load(Ordering::Acquire)
+            && !shard.rung.swap(true, Ordering::AcqRel)
+        {
+            self.ring();
+        }
+        LeaseDebit {
+            shard: Arc::clone(shard),
+            index,
+            units,
+        }
+    }
+
+    #[cold]
+    fn debit_elsewhere(&self, home: usize, units: CostUnits) -> Result<LeaseDebit, DenyReason> {
+        let count = self.shards.len();
+        for offset in 1..count {
+            let index = (home + offset) % count;
+            if let Some(left) = self.shards[index].take(units.get()) {
+                return Ok(self.debited(index, left, units));
+            }
+        }
+        if count > 1
+            && self.gather_into(home, units.get())
+            && let Some(left) = self.shards[home].take(units.get())
+        {
+            return Ok(self.debited(home, left, units));
+        }
+        // I7: remember the refusal so the refill task consolidates, and ring
+        // for the first one.
+        if self.refused.fetch_max(units.get(), Ordering::AcqRel) == 0 {
+            self.ring();
+        }
+        Err(DenyReason::LeaseExhausted)
+    }
+
+    /// Moves units from the other shards into `home` until it holds `units`.
+    /// Returns whether it got there. Units moved stay moved either way: they
+    /// are still the lease's, only on another line.
+    fn gather_into(&self, home: usize, units: u64) -> bool {
+        let target = &self.shards[home];
+        for (index, donor) in self.shards.iter().enumerate() {
+            let held = target.remaining.load(Ordering::Acquire);
+            if held >= units {
+                return true;
+            }
+            if index == home {
+                continue;
+            }
+            let moved = donor.take_up_to(units - held);
+            if moved > 0 {
+                target.remaining.fetch_add(moved, Ordering::AcqRel);
+            }
+        }
+        target.remaining.load(Ordering::Acquire) >= units
+    }
+
+    fn ring(&self) {
+        if let Some(signal) = &self.refill {
+            signal.request_refill();
+        }
+    }
+}
+
+impl fmt::Debug for LocalLease {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LocalLease")
+            .field("grant", &self.terms.grant)
+            .field("usable_until", &self.terms.usable_until)
+            .field("low_water", &self.low_water)
+            .field("shards", &self.shards.len())
+            .field("remaining", &self.remaining())
+            .field("largest_refused_quote", &self.largest_refused_quote())
+            .field("refill", &self.refill.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Shard {
+    /// Takes exactly `units` or nothing; returns what is left on success.
+    #[allow(clippy::inline_always, reason = "part of the inlined debit fast path")]
+    #[inline(always)]
+    fn take(&self, units: u64) -> Option<u64> {
+        let mut current = self.remaining.load(Ordering::Acquire);
+        loop {
+            let left = current.checked_sub(units)?;
+            // Acquire pairs with the re-arm's read-modify-write in
+            // `refill_due_or_rearm` (I7); release publishes the debit.
+            match self.remaining.compare_exchange_weak(
+                current,
+                left,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => return Some(left),
+                Err(actual) => {
+                    self.contended.fetch_add(1, Ordering::Relaxed);
+                    current = actual;
+                }
+            }
+        }
+    }
+
+    /// Takes as much as it can, up to `units`; returns how much it took.
+    fn take_up_to(&self, units: u64) -> u64 {
+        let mut current = self.remaining.load(Ordering::Acquire);
+        loop {
+            let taken = current.min(units);
+            if taken == 0 {
+                return 0;
+            }
+            match self.remaining.compare_exchange_weak(
+                current,
+                current - taken,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => return taken,
+                Err(actual) => current = actual,
+            }
+        }
+    }
+}
+
+impl LeaseDebit {
+    /// The units debited.
+    #[must_use]
+    pub fn units(&self) -> CostUnits {
+        self.units
+    }
+
+    /// Which shard gave the units; a credit returns them there.
+    #[must_use]
+    pub fn shard(&self) -> usize {
+        self.index
+    }
+
+    /// The grant of the lease the units came from.
+    #[must_use]
+    pub fn grant(&self) -> &LeaseGrant {
+        &self.shard.terms.grant
+    }
+
+    pub(crate) fn terms(&self) -> &LeaseTerms {
+        &self.shard.terms
+    }
+
+    #[inline]
+    pub(crate) fn refund(&self) {
+        let before = self
+            .shard
+            .remaining
+            .fetch_add(self.units.get(), Ordering::AcqRel);
+        debug_assert!(
+            before.checked_add(self.units.get()).is_some(),
+            "a credit can only return units that were debited"
+        );
+    }
+}
+
+impl fmt::Debug for LeaseDebit {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LeaseDebit")
+            .field("lease_id", &self.shard.terms.grant.lease_id)
+            .field("shard", &self.index)
+            .field("units", &self.units)
+            .finish()
+    }
+}
+
+#[cfg(all(test, not(tollgate_loom)))]
+mod tests {
+    use std::sync::atomic::AtomicUsize;
+
+    use super::*;
+
+    fn at(second: i64) -> Timestamp {
+        Timestamp::from_second(second).expect("test instants are in range")
+    }
+
+    fn grant(units: u64) -> LeaseGrant {
+        LeaseGrant {
+            lease_id: LeaseId(11),
+            account_id: AccountId(1),
+            fencing_token: FencingToken(5),
+            units: CostUnits(units),
+            expires_at: at(1_000),
+        }
+    }
+
+    #[derive(Default)]
+    struct Doorbell(AtomicUsize);
+
+    impl Doorbell {
+        fn rings(&self) -> usize {
+            self.0.load(std::sync::atomic::Ordering::SeqCst)
+        }
+    }
+
+    impl RefillSignal for Doorbell {
+        fn request_refill(&self) {
+            self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+
+    fn lease_with_doorbell(lease: LocalLease) -> (LocalLease, Arc<Doorbell>) {
+        let bell = Arc::new(Doorbell::default());
+        (
+            lease.with_refill(Arc::clone(&bell) as Arc<dyn RefillSignal>),
+            bell,
+        )
+    }
+
+    #[test]
+    fn the_window_closes_a_margin_before_expiry() {
+        let lease = LocalLease::with_safety_margin(
+            grant(100),
+            CostUnits::ZERO,
+            SignedDuration::from_secs(10),
+        );
+        assert_eq!(lease.usable_until(), at(990));
+        // I2: at the boundary the lease refuses, one nanosecond before it debits.
+        assert_eq!(
+            lease.try_debit(CostUnits(1), at(990)).unwrap_err(),
+            DenyReason::LeaseExpired
+        );
+        let just_inside = at(990) - SignedDuration::from_nanos(1);
+        assert_eq!(
+            lease.try_debit(CostUnits(1), just_inside).unwrap().units(),
+            CostUnits(1)
+        );
+        assert_eq!(lease.remaining(), CostUnits(99));
+    }
+
+    #[test]
+    fn an_expired_lease_refuses_without_recording_a_refused_quote() {
+        let (lease, bell) = lease_with_doorbell(LocalLease::new(grant(100), CostUnits::ZERO));
+        assert_eq!(
+            lease.try_debit(CostUnits(1), at(1_000)).unwrap_err(),
+            DenyReason::LeaseExpired
+        );
+        assert_eq!(lease.largest_refused_quote(), CostUnits::ZERO);
+        assert_eq!(
+            bell.rings(),
+            0,
+            "expiry is the refill task's own check, not a refusal"
+        );
+        assert_eq!(lease.remaining(), CostUnits(100));
+    }
+
+    #[test]
+    #[should_panic(expected = "safety margin must not be negative")]
+    fn a_negative_margin_is_refused() {
+        let _ = LocalLease::with_safety_margin(
+            grant(1),
+            CostUnits::ZERO,
+            SignedDuration::from_secs(-1),
+        );
+    }
+
+    #[test]
+    fn the_doorbell_rings_once_per_rotation_and_rearms_only_above_low_water() {
+        let (lease, bell) = lease_with_doorbell(LocalLease::new(grant(100), CostUnits(20)));
+        let mut kept = Vec::new();
+        for _ in 0..7 {
+            kept.push(lease.try_debit(CostUnits(10), at(0)).unwrap());
+        }
+        assert_eq!(lease.remaining(), CostUnits(30));
+        assert_eq!(bell.rings(), 0, "above low water nothing rings");
+        kept.push(lease.try_debit(CostUnits(10), at(0)).unwrap());
+        assert_eq!(bell.rings(), 1, "I7: the debit reaching low water rings");
+        kept.push(lease.try_debit(CostUnits(10), at(0)).unwrap());
+        kept.push(lease.try_debit(CostUnits(5), at(0)).unwrap());
+        assert_eq!(
+            bell.rings(),
+            1,
+            "I7: further debits below the mark stay silent"
+        );
+
+        // Draining: no re-arm, so the bell stays quiet until the rotation.
+        assert_eq!(lease.refill_due_or_rearm(), RefillVerdict::Draining);
+        kept.push(lease.try_debit(CostUnits(1), at(0)).unwrap());
+        assert_eq!(bell.rings(), 1);
+
+        // Releases lift the lease back above the mark: the verdict is Idle and
+        // the shard is re-armed, so the next crossing rings again.
+        for debit in kept.drain(..4) {
+            lease.credit(&debit);
+        }
+        assert_eq!(lease.remaining(), CostUnits(44));
+        assert_eq!(lease.refill_due_or_rearm(), RefillVerdict::Idle);
+        kept.push(lease.try_debit(CostUnits(24), at(0)).unwrap());
+        assert_eq!(bell.rings(), 2);
+    }
+
+    #[test]
+    fn each_shard_rings_at_most_once_until_rearmed() {
+        let (lease, bell) = lease_with_doorbell(LocalLease::with_sharding(
+            grant(100),
+            CostUnits(20),
+            SignedDuration::ZERO,
+            LocalSharding::shards(2).unwrap(),
+        ));
+        let zero = Locality::new(0);
+        let one = Locality::new(1);
+        // Shard 0 holds 50 with a share of 10 of the mark.
+        let _a = lease.try_reserve_at(CostUnits(40), at(0), zero).unwrap();
+        assert_eq!(bell.rings(), 1, "shard 0 reached its share");
+        let _b = lease.try_reserve_at(CostUnits(5), at(0), zero).unwrap();
+        assert_eq!(bell.rings(), 1, "I7: shard 0 rang already");
+        // The lease as a whole holds 55: the early ring was premature.
+        assert_eq!(lease.refill_due_or_rearm(), RefillVerdict::Idle);
+        let _c = lease.try_reserve_at(CostUnits(1), at(0), zero).unwrap();
+        assert_eq!(bell.rings(), 2, "re-armed, shard 0 rings again");
+        let _d = lease.try_reserve_at(CostUnits(40), at(0), one).unwrap();
+        assert_eq!(bell.rings(), 3, "shard 1 has its own flag");
+        assert_eq!(lease.remaining(), CostUnits(14));
+        assert_eq!(lease.refill_due_or_rearm(), RefillVerdict::Draining);
+    }
+
+    #[test]
+    fn a_refusal_records_the_largest_quote_and_rings_once() {
+        let (lease, bell) = lease_with_doorbell(LocalLease::new(grant(100), CostUnits::ZERO));
+        let _held = lease.try_debit(CostUnits(90), at(0)).unwrap();
+        assert_eq!(bell.rings(), 0);
+        assert_eq!(
+            lease.try_debit(CostUnits(30), at(0)).unwrap_err(),
+            DenyReason::LeaseExhausted
+        );
+        assert_eq!(lease.largest_refused_quote(), CostUnits(30));
+        assert_eq!(bell.rings(), 1);
+        assert_eq!(
+            lease.try_debit(CostUnits(50), at(0)).unwrap_err(),
+            DenyReason::LeaseExhausted
+        );
+        assert_eq!(
+            lease.try_debit(CostUnits(20), at(0)).unwrap_err(),
+            DenyReason::LeaseExhausted
+        );
+        assert_eq!(
+            lease.largest_refused_quote(),
+            CostUnits(50),
+            "the largest is kept"
+        );
+        assert_eq!(bell.rings(), 1, "I7: one ring per lease for refusals");
+        assert_eq!(lease.remaining(), CostUnits(10), "a refusal takes nothing");
+        assert_eq!(lease.refill_due_or_rearm(), RefillVerdict::Refused);
+    }
+
+    #[test]
+    fn a_refusal_outranks_draining() {
+        let lease = LocalLease::new(grant(10), CostUnits(5));
+        let _held = lease.try_debit(CostUnits(8), at(0)).unwrap();
+        assert_eq!(lease.refill_due_or_rearm(), RefillVerdict::Draining);
+        assert!(lease.try_debit(CostUnits(3), at(0)).is_err());
+        assert_eq!(lease.refill_due_or_rearm(), RefillVerdict::Refused);
+    }
+
+    #[test]
+    fn a_quote_larger_than_the_grant_is_refused_and_remembered() {
+        let lease = LocalLease::new(grant(10), CostUnits::ZERO);
+        assert_eq!(
+            lease.try_debit(CostUnits(11), at(0)).unwrap_err(),
+            DenyReason::LeaseExhausted
+        );
+        assert_eq!(lease.largest_refused_quote(), CostUnits(11));
+        assert_eq!(lease.remaining(), CostUnits(10));
+    }
+
+    #[test]
+    fn a_sharded_debit_is_credited_back_to_its_own_shard() {
+        let lease = LocalLease::with_sharding(
+            grant(100),
+            CostUnits::ZERO,
+            SignedDuration::ZERO,
+            LocalSharding::shards(4).unwrap(),
+        );
+        let debit = lease
+            .try_reserve_at(CostUnits(7), at(0), Locality::new(6))
+            .unwrap();
+        assert_eq!(debit.shard(), 2, "locality 6 maps to shard 6 mod 4");
+        let occupancy = lease.occupancy();
+        assert_eq!(occupancy.remaining_min, CostUnits(18));
+        assert_eq!(occupancy.remaining_max, CostUnits(25));
+        assert_eq!(occupancy.views_outstanding, 1);
+        lease.credit(&debit);
+        drop(debit);
+        let occupancy = lease.occupancy();
+        assert_eq!(
+            occupancy.remaining_min,
+            CostUnits(25),
+            "shard 2 is whole again"
+        );
+        assert_eq!(occupancy.remaining_max, CostUnits(25));
+        assert_eq!(occupancy.views_outstanding, 0);
+        assert_eq!(lease.remaining(), CostUnits(100));
+    }
+
+    #[test]
+    fn an_empty_home_shard_borrows_from_another() {
+        let lease = LocalLease::with_sharding(
+            grant(20),
+            CostUnits::ZERO,
+            SignedDuration::ZERO,
+            LocalSharding::shards(2).unwrap(),
+        );
+        let zero = Locality::new(0);
+        let first = lease.try_reserve_at(CostUnits(10), at(0), zero).unwrap();
+        assert_eq!(first.shard(), 0);
+        let second = lease.try_reserve_at(CostUnits(10), at(0), zero).unwrap();
+        assert_eq!(second.shard(), 1, "shard 0 is empty, shard 1 funds it");
+        assert_eq!(lease.remaining(), CostUnits::ZERO);
+        lease.credit(&second);
+        assert_eq!(lease.occupancy().remaining_max, CostUnits(10));
+        assert_eq!(lease.remaining(), CostUnits(10));
+    }
+
+    #[test]
+    fn a_quote_spread_over_shards_is_gathered_not_refused() {
+        let lease = LocalLease::with_sharding(
+            grant(30),
+            CostUnits::ZERO,
+            SignedDuration::ZERO,
+            LocalSharding::shards(3).unwrap(),
+        );
+        // Each shard holds 10; the quote needs 25 of the 30.
+        let debit = lease
+            .try_reserve_at(CostUnits(25), at(0), Locality::new(1))
+            .unwrap();
+        assert_eq!(debit.shard(), 1);
+        assert_eq!(lease.remaining(), CostUnits(5));
+        assert_eq!(lease.largest_refused_quote(), CostUnits::ZERO);
+        lease.credit(&debit);
+        assert_eq!(
+            lease.remaining(),
+            CostUnits(30),
+            "I6: gathering moved units, lost none"
+        );
+        // More than the whole lease is still a refusal.
+        assert!(
+            lease
+                .try_reserve_at(CostUnits(31), at(0), Locality::new(0))
+                .is_err()
+        );
+        assert_eq!(lease.remaining(), CostUnits(30));
+        assert_eq!(lease.largest_refused_quote(), CostUnits(31));
+    }
+
+    #[test]
+    fn a_lease_is_quiescent_only_when_no_debit_holds_a_shard() {
+        let lease = Arc::new(LocalLease::with_sharding(
+            grant(100),
+            CostUnits::ZERO,
+            SignedDuration::ZERO,
+            LocalSharding::shards(2).unwrap(),
+        ));
+        assert!(lease.is_only_local_view());
+        let debit = lease
+            .try_reserve_at(CostUnits(30), at(0), Locality::new(1))
+            .unwrap();
+        assert!(
+            !lease.is_only_local_view(),
+            "a committed-but-held debit pins the shard"
+        );
+        let inspector = Arc::clone(&lease);
+        assert_eq!(Arc::strong_count(&lease), 2);
+        drop(inspector);
+        drop(debit);
+        assert!(lease.is_only_local_view());
+        assert_eq!(Arc::strong_count(&lease), 1);
+        // I6: quiescent, so exact: 100 granted, 30 kept by the dropped debit.
+        assert_eq!(lease.remaining(), CostUnits(70));
+    }
+
+    #[test]
+    fn an_uncontended_debit_never_counts_as_contended() {
+        let lease = LocalLease::new(grant(100), CostUnits::ZERO);
+        for _ in 0..50 {
+            let debit = lease.try_debit(CostUnits(1), at(0)).unwrap();
+            lease.credit(&debit);
+        }
+        assert_eq!(lease.contended_debits(), 0);
+    }
+
+    #[test]
+    fn racing_debits_on_one_counter_conserve_units() {
+        let lease = LocalLease::new(grant(1_000_000), CostUnits::ZERO);
+        let kept = std::thread::scope(|scope| {
+            let workers: Vec<_> = (0..4)
+                .map(|_| {
+                    scope.spawn(|| {
+                        let mut kept = 0_u64;
+                        for round in 0..20_000_u64 {
+                            let debit = lease.try_debit(CostUnits(1), at(0)).unwrap();
+                            if round % 3 == 0 {
+                                lease.credit(&debit);
+                            } else {
+                                kept += 1;
+                            }
+                        }
+                        kept
+                    })
+                })
+                .collect();
+            workers.into_iter().map(|w| w.join().unwrap()).sum::<u64>()
+        });
+        // I6: every unit is either back in the lease or kept by a debit.
+        assert_eq!(lease.remaining(), CostUnits(1_000_000 - kept));
+    }
+}

@@ -1,0 +1,597 @@
+//! Loom models of the model's atomics. See `scripts/test` for the command.
+//!
+//! Each model explores every interleaving (within the preemption bound the
+//! test script sets) of a few threads racing on one reservation, lease or
+//! overage counter, and checks the `INVARIANTS.md` rules the racing code
+//! enforces. The rule a check proves is cited next to it (`// I3`).
+//!
+//! Everything an atomic lives in is built inside `loom::model`, so each
+//! execution starts fresh. `Arc` is std's, as in the library: the models
+//! reach quiescence by joining the threads, never by reading reference
+//! counts concurrently. Debits name their locality explicitly, because loom
+//! runs its threads on one OS thread and `Locality::current` would hand them
+//! all the same shard.
+//!
+//! Unit counts are tiny on purpose: they only need to put a counter on either
+//! side of a cap or a low-water mark, and every extra step multiplies the
+//! interleavings to explore.
+
+use std::sync::Arc;
+
+use jiff::{SignedDuration, Timestamp};
+use loom::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use loom::thread;
+
+use crate::model::{
+    AccountId, AccountOverage, CancelOutcome, CommitError, CommitFunding, CostUnits, DenyReason,
+    FencingToken, LeaseGrant, LeaseId, LocalLease, LocalSharding, Locality, PolicyRevision,
+    RefillSignal, RefillVerdict, RequestId, Reservation, UsageSource,
+};
+
+const ACCOUNT: AccountId = AccountId(7);
+const ONE: CostUnits = CostUnits(1);
+const TWO: CostUnits = CostUnits(2);
+
+/// When every lease in these models expires. With no safety margin it is also
+/// the first instant at which the lease is no longer usable (I2).
+fn expires_at() -> Timestamp {
+    Timestamp::from_second(1_900_000_000).expect("a timestamp in range")
+}
+
+/// An instant inside every lease's usability window.
+fn inside_window() -> Timestamp {
+    expires_at()
+        .checked_sub(SignedDuration::from_secs(1))
+        .expect("a timestamp in range")
+}
+
+fn grant(units: u64) -> LeaseGrant {
+    LeaseGrant {
+        lease_id: LeaseId(1),
+        account_id: ACCOUNT,
+        fencing_token: FencingToken(1),
+        units: CostUnits(units),
+        expires_at: expires_at(),
+    }
+}
+
+/// A doorbell that only counts its rings, in a loom atomic so the count is
+/// part of the model.
+#[derive(Debug)]
+struct CountingDoorbell {
+    rings: AtomicUsize,
+}
+
+impl CountingDoorbell {
+    fn new() -> Arc<Self> {
+        Arc::new(Self {
+            rings: AtomicUsize::new(0),
+        })
+    }
+
+    fn rings(&self) -> usize {
+        self.rings.load(Ordering::SeqCst)
+    }
+}
+
+impl RefillSignal for CountingDoorbell {
+    fn request_refill(&self) {
+        self.rings.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+/// Waits for a model thread, whose panic is the model's failure.
+fn join<T: 'static>(handle: thread::JoinHandle<T>) -> T {
+    handle.join().expect("a model thread panicked")
+}
+
+/// Takes back the only handle to a reservation once every thread that shared
+/// it has been joined, and drops it, as a request ends.
+fn end_request(reservation: Arc<Reservation>) {
+    let reservation =
+        Arc::try_unwrap(reservation).expect("every thread sharing the reservation was joined");
+    drop(reservation);
+}
+
+/// I3, I4, I6: a commit at execution start and a cancel race for one leased
+/// reservation. Exactly one wins, and once the lease is quiescent it holds
+/// the grant less what the winner kept.
+#[test]
+fn a_commit_and_a_cancel_racing_on_one_leased_reservation_settle_it_exactly_once() {
+    const GRANTED: u64 = 3;
+    loom::model(|| {
+        let lease = LocalLease::new(grant(GRANTED), CostUnits::ZERO);
+        let reservation = Arc::new(
+            Reservation::reserve_at_locality(&lease, TWO, inside_window(), Locality::new(0))
+                .expect("the lease funds the quote"),
+        );
+
+        let commit_thread = {
+            let reservation = Arc::clone(&reservation);
+            thread::spawn(move || {
+                reservation.commit_at_execution_start(inside_window(), CommitFunding::LeaseOnly)
+            })
+        };
+        let cancel_thread = {
+            let reservation = Arc::clone(&reservation);
+            thread::spawn(move || reservation.cancel())
+        };
+        let commit_outcome = join(commit_thread);
+        let cancel_outcome = join(cancel_thread);
+
+        let event = reservation.usage_event(
+            RequestId::from_parts(1, 1),
+            inside_window(),
+            PolicyRevision::UNSTATED,
+            None,
+        );
+        let kept = match (commit_outcome, cancel_outcome) {
+            (Ok(units), CancelOutcome::AlreadyCommitted { units: charged }) => {
+                // I3: the commit won; the cancel reports the charge standing.
+                assert_eq!(units, TWO);
+                assert_eq!(charged, TWO);
+                assert!(reservation.is_committed() && !reservation.is_released());
+                // I8: a committed reservation yields its one event.
+                let event = event.expect("I8: a committed reservation yields a usage event");
+                assert_eq!(event.source.lease_id(), Some(LeaseId(1)));
+                assert_eq!(event.units, TWO);
+                TWO.get()
+            }
+            (Err(CommitError::AlreadyReleased), CancelOutcome::ZeroCharged) => {
+                // I3, I4: the cancel won and charged nothing.
+                assert!(reservation.is_released() && !reservation.is_committed());
+                assert_eq!(event, None, "I8: a released reservation yields no event");
+                0
+            }
+            other => panic!("I3: exactly one of commit and cancel must win, got {other:?}"),
+        };
+
+        end_request(reservation);
+        assert!(lease.is_only_local_view(), "I6: no debit holds a shard");
+        // I4, I6: the loser returned nothing twice and the winner's units
+        // are exactly where they belong.
+        assert_eq!(lease.remaining(), CostUnits(GRANTED - kept));
+    });
+}
+
+/// I3, I4, I10: a leased reservation whose window lapsed before execution
+/// start commits through the Elastic overage fallback while a cancel races
+/// it. The fallback is one transition, so exactly one funding term survives:
+/// either the overage holds the quote, or it holds nothing; the lease gets
+/// its units back either way, exactly once.
+#[test]
+fn an_elastic_fallback_commit_racing_a_cancel_keeps_exactly_one_funding_term() {
+    const GRANTED: u64 = 3;
+    loom::model(|| {
+        let lease = LocalLease::new(grant(GRANTED), CostUnits::ZERO);
+        let overage = Arc::new(AccountOverage::new(ACCOUNT));
+        let reservation = Arc::new(
+            Reservation::reserve_at_locality(&lease, TWO, inside_window(), Locality::new(0))
+                .expect("the lease funds the quote"),
+        );
+
+        let commit_thread = {
+            let reservation = Arc::clone(&reservation);
+            let overage = Arc::clone(&overage);
+            thread::spawn(move || {
+                // I2: at `expires_at` the window has closed, so only the
+                // fallback can fund the commit.
+                reservation.commit_at_execution_start(
+                    expires_at(),
+                    CommitFunding::OverageFallback {
+                        overage: &overage,
+                        cap: TWO,
+                    },
+                )
+            })
+        };
+        let cancel_thread = {
+            let reservation = Arc::clone(&reservation);
+            thread::spawn(move || reservation.cancel())
+        };
+        let commit_outcome = join(commit_thread);
+        let cancel_outcome = join(cancel_thread);
+
+        let event = reservation.usage_event(
+            RequestId::from_parts(1, 1),
+            expires_at(),
+            PolicyRevision::UNSTATED,
+            None,
+        );
+        match (commit_outcome, cancel_outcome) {
+            (Ok(units), CancelOutcome::AlreadyCommitted { units: charged }) => {
+                assert_eq!(units, TWO);
+                assert_eq!(charged, TWO);
+                assert!(reservation.is_committed());
+                // I3, I10: the won claim names overage the counter holds, as
+                // committed units.
+                assert_eq!(overage.spent(), TWO, "I10: the fallback's overage stands");
+                assert_eq!(overage.committed(), TWO);
+                // I3: the terminal phase, not the admission, names what pays.
+                let event = event.expect("I8: a committed reservation yields a usage event");
+                assert_eq!(event.source, UsageSource::Overage);
+            }
+            (Err(CommitError::AlreadyReleased), CancelOutcome::ZeroCharged) => {
+                assert!(reservation.is_released());
+                // I10: a lost claim strands no overage.
+                assert_eq!(overage.spent(), CostUnits::ZERO, "I10: no overage stranded");
+                assert_eq!(overage.committed(), CostUnits::ZERO);
+                assert_eq!(event, None, "I8: a released reservation yields no event");
+            }
+            other => panic!("I3: exactly one of fallback and cancel must win, got {other:?}"),
+        }
+
+        end_request(reservation);
+        assert!(lease.is_only_local_view(), "I6: no debit holds a shard");
+        // I4, I6: whichever resolution won returned the lease's units, once.
+        assert_eq!(lease.remaining(), CostUnits(GRANTED));
+    });
+}
+
+/// I6, I7: on a single-counter lease, one request debits and releases, a
+/// second debits and commits (its debit goes without a credit), and the
+/// refill task checks the lease meanwhile.
+///
+/// Units are conserved exactly. The doorbell rings at most once, plus once
+/// more if the check re-armed it. And a lease that ends at its low-water mark
+/// is never left silent: a check that answered `Idle` is followed by a ring.
+#[test]
+fn racing_debits_and_a_refill_check_conserve_units_and_ring_at_most_once_per_rearm() {
+    const GRANTED: u64 = 3;
+    const LOW_WATER: CostUnits = CostUnits(2);
+    loom::model(|| {
+        let doorbell = CountingDoorbell::new();
+        let lease = Arc::new(
+            LocalLease::new(grant(GRANTED), LOW_WATER)
+                .with_refill(Arc::clone(&doorbell) as Arc<dyn RefillSignal>),
+        );
+
+        let releaser = {
+            let lease = Arc::clone(&lease);
+            thread::spawn(move || {
+                let debit = lease
+                    .try_reserve_at(ONE, inside_window(), Locality::new(0))
+                    .expect("I6: the lease funds both quotes");
+                lease.credit(&debit);
+            })
+        };
+        let keeper = {
+            let lease = Arc::clone(&lease);
+            thread::spawn(move || {
+                let debit = lease
+                    .try_reserve_at(ONE, inside_window(), Locality::new(1))
+                    .expect("I6: the lease funds both quotes");
+                // A commit keeps the units: the debit is dropped uncredited.
+                drop(debit);
+            })
+        };
+        // The refill task: everything it is woken for from here on reaches it.
+        let rings_before_check = doorbell.rings();
+        let verdict = lease.refill_due_or_rearm();
+        join(releaser);
+        join(keeper);
+
+        assert_ne!(verdict, RefillVerdict::Refused, "no debit was refused");
+        assert_eq!(Arc::strong_count(&lease), 1);
+        assert!(lease.is_only_local_view(), "I6: the lease is quiescent");
+        // I6: granted − committed, exactly.
+        assert_eq!(lease.remaining(), CostUnits(GRANTED - ONE.get()));
+
+        // I7: at most once between re-arms; the check re-armed at most once.
+        // It re-arms whenever its first reading is above the mark, and may
+        // still answer `Draining` if a debit crossed while it re-armed, so
+        // only `Refused` rules a re-arm out.
+        let rings = doorbell.rings();
+        let rearms = usize::from(verdict != RefillVerdict::Refused);
+        assert!(
+            rings <= 1 + rearms,
+            "I7: {rings} rings with {rearms} re-arms ({verdict:?})"
+        );
+
+        // I7: the lease ends at its mark, and the refill task hears of it.
+        assert!(lease.remaining() <= LOW_WATER);
+        assert_eq!(lease.refill_due_or_rearm(), RefillVerdict::Draining);
+        if verdict == RefillVerdict::Idle {
+            // The check re-armed and saw the lease above its mark, so the
+            // debit that took it down must have rung after the check began.
+            assert!(
+                rings > rings_before_check,
+                "I7: an Idle check left a drained lease silent"
+            );
+        }
+    });
+}
+
+/// I6, I7: on a two-shard lease, a debit larger than its home shard gathers
+/// the rest from the other shard while a request on that shard debits and
+/// releases. The lease funds both, conserves units, and each shard rings at
+/// most once with no re-arm in between.
+#[test]
+fn a_debit_gathering_from_the_other_shard_conserves_units_and_rings_each_shard_once() {
+    const GRANTED: u64 = 4;
+    const LOW_WATER: CostUnits = CostUnits(2);
+    const GATHERED: CostUnits = CostUnits(3);
+    loom::model(|| {
+        let doorbell = CountingDoorbell::new();
+        let sharding = LocalSharding::shards(2).expect("two shards are allowed");
+        let lease = Arc::new(
+            LocalLease::with_sharding(grant(GRANTED), LOW_WATER, SignedDuration::ZERO, sharding)
+                .with_refill(Arc::clone(&doorbell) as Arc<dyn RefillSignal>),
+        );
+
+        let gatherer = {
+            let lease = Arc::clone(&lease);
+            thread::spawn(move || {
+                // Shard 0 holds 2 of the 3 units; the third sits on shard 1.
+                let debit = lease
+                    .try_reserve_at(GATHERED, inside_window(), Locality::new(0))
+                    .expect("I6: a quote the whole lease funds is not refused");
+                assert_eq!(debit.shard(), 0, "gathered units are taken at home");
+                // Committed: dropped uncredited.
+            })
+        };
+        let releaser = {
+            let lease = Arc::clone(&lease);
+            thread::spawn(move || {
+                let debit = lease
+                    .try_reserve_at(ONE, inside_window(), Locality::new(1))
+                    .expect("I6: the lease funds both quotes");
+                lease.credit(&debit);
+            })
+        };
+        join(gatherer);
+        join(releaser);
+
+        assert_eq!(Arc::strong_count(&lease), 1);
+        assert!(lease.is_only_local_view(), "I6: the lease is quiescent");
+        // I6: units moved between shards are still the lease's.
+        assert_eq!(lease.remaining(), CostUnits(GRANTED - GATHERED.get()));
+        assert_eq!(lease.largest_refused_quote(), CostUnits::ZERO);
+
+        // I7: both shards went to their share of the mark, and neither rang
+        // twice.
+        assert_eq!(doorbell.rings(), 2, "I7: one ring per shard");
+        assert_eq!(lease.refill_due_or_rearm(), RefillVerdict::Draining);
+    });
+}
+
+/// I7: two quotes the lease cannot fund are refused concurrently. The lease
+/// keeps the larger quote for the refill task to consolidate, and its
+/// doorbell rings once for the pair, not once per refusal.
+#[test]
+fn concurrent_refusals_keep_the_largest_quote_and_ring_once_per_lease() {
+    const GRANTED: u64 = 2;
+    loom::model(|| {
+        let doorbell = CountingDoorbell::new();
+        let lease = Arc::new(
+            LocalLease::new(grant(GRANTED), CostUnits::ZERO)
+                .with_refill(Arc::clone(&doorbell) as Arc<dyn RefillSignal>),
+        );
+        let ask = |quote: u64| {
+            let lease = Arc::clone(&lease);
+            thread::spawn(move || {
+                lease
+                    .try_reserve_at(CostUnits(quote), inside_window(), Locality::new(0))
+                    .map(|debit| debit.units())
+            })
+        };
+        let smaller = ask(GRANTED + 1);
+        let larger = ask(GRANTED + 2);
+        assert_eq!(join(smaller), Err(DenyReason::LeaseExhausted));
+        assert_eq!(join(larger), Err(DenyReason::LeaseExhausted));
+
+        // I7: the largest refused quote is kept, whatever order the two
+        // recorded theirs in.
+        assert_eq!(lease.largest_refused_quote(), CostUnits(GRANTED + 2));
+        assert_eq!(doorbell.rings(), 1, "I7: a refusal rings once per lease");
+        assert_eq!(lease.refill_due_or_rearm(), RefillVerdict::Refused);
+        // I6: a refusal moves no units.
+        assert_eq!(lease.remaining(), CostUnits(GRANTED));
+    });
+}
+
+/// I10, I11: an overage reservation holding the whole cap commits while
+/// another request asks the same counter for more. The cap holds, and once
+/// the observer has seen the commit's claim won (through the reservation's
+/// phase or a flag the committing thread raises after the commit returned), its
+/// refusal never calls the cap's units refundable.
+#[test]
+fn a_debit_after_an_observed_overage_commit_is_never_refused_as_temporary() {
+    const CAP: CostUnits = TWO;
+    loom::model(|| {
+        let overage = Arc::new(AccountOverage::new(ACCOUNT));
+        let reservation =
+            Arc::new(Reservation::reserve_overage(&overage, CAP, CAP).expect("the cap is free"));
+        let published = Arc::new(AtomicBool::new(false));
+
+        let commit_thread = {
+            let reservation = Arc::clone(&reservation);
+            let published = Arc::clone(&published);
+            thread::spawn(move || {
+                let outcome = reservation
+                    .commit_at_execution_start(inside_window(), CommitFunding::LeaseOnly);
+                if outcome.is_ok() {
+                    published.store(true, Ordering::Release);
+                }
+                outcome
+            })
+        };
+        let observer = {
+            let reservation = Arc::clone(&reservation);
+            let overage = Arc::clone(&overage);
+            let published = Arc::clone(&published);
+            thread::spawn(move || {
+                let saw_published = published.load(Ordering::Acquire);
+                let saw_claim = reservation.is_committed();
+                let debit = overage.try_debit(ONE, CAP);
+                (saw_published, saw_claim, debit)
+            })
+        };
+        let commit_outcome = join(commit_thread);
+        let (saw_published, saw_claim, debit) = join(observer);
+
+        assert_eq!(
+            commit_outcome,
+            Ok(CAP),
+            "nothing else resolves the reservation"
+        );
+        // I10: the cap was full of the reservation's units throughout.
+        let refusal = debit.expect_err("I10: a debit past the cap is refused");
+        assert_eq!(overage.spent(), CAP, "I10: spent never exceeds the cap");
+        assert_eq!(overage.committed(), CAP);
+        if saw_published || saw_claim {
+            // I11: the claim had won before the debit began.
+            assert!(
+                matches!(
+                    refusal,
+                    DenyReason::OverageCapExhausted { .. }
+                        | DenyReason::OverageCommitInProgress { .. }
+                ),
+                "I11: refused as {refusal:?} after the commit was observed \
+                 (flag {saw_published}, phase {saw_claim})"
+            );
+        }
+
+        end_request(reservation);
+        assert_eq!(overage.spent(), CAP, "I4: a committed charge stands");
+    });
+}
+
+/// I3, I10, I11: a lapsed leased reservation commits through the Elastic
+/// fallback while another request debits the same overage counter, and the
+/// cap fits only one of them. Exactly one is funded, `spent` is what the
+/// winners hold, each refusal names its retry class truthfully, and the lease
+/// gets its units back whichever way the commit went.
+#[test]
+fn an_elastic_fallback_and_a_racing_overage_debit_share_the_cap_truthfully() {
+    const GRANTED: u64 = 2;
+    const CAP: CostUnits = TWO;
+    loom::model(|| {
+        let lease = LocalLease::new(grant(GRANTED), CostUnits::ZERO);
+        let overage = Arc::new(AccountOverage::new(ACCOUNT));
+        let reservation = Arc::new(
+            Reservation::reserve_at_locality(&lease, TWO, inside_window(), Locality::new(0))
+                .expect("the lease funds the quote"),
+        );
+
+        let commit_thread = {
+            let reservation = Arc::clone(&reservation);
+            let overage = Arc::clone(&overage);
+            thread::spawn(move || {
+                reservation.commit_at_execution_start(
+                    expires_at(),
+                    CommitFunding::OverageFallback {
+                        overage: &overage,
+                        cap: CAP,
+                    },
+                )
+            })
+        };
+        let observer = {
+            let reservation = Arc::clone(&reservation);
+            let overage = Arc::clone(&overage);
+            thread::spawn(move || {
+                let saw_claim = reservation.is_committed();
+                (saw_claim, overage.try_debit(ONE, CAP))
+            })
+        };
+        let commit_outcome = join(commit_thread);
+        let (saw_claim, debit) = join(observer);
+
+        // I10: never past the cap, and spent is exactly what was funded.
+        let fallback_held = match commit_outcome {
+            Ok(units) => units,
+            Err(CommitError::Denied(refusal)) => {
+                // I11: the cap was full of the observer's pending units.
+                assert!(
+                    matches!(refusal, DenyReason::OverageCapTemporarilyExhausted { .. }),
+                    "I11: the fallback was refused as {refusal:?} by pending units"
+                );
+                CostUnits::ZERO
+            }
+            Err(other) => panic!("nothing else resolves the reservation, got {other:?}"),
+        };
+        let observer_held = match debit {
+            Ok(()) => ONE,
+            Err(refusal) => {
+                if saw_claim {
+                    // I11: the claim had won before the debit began.
+                    assert!(
+                        matches!(
+                            refusal,
+                            DenyReason::OverageCapExhausted { .. }
+                                | DenyReason::OverageCommitInProgress { .. }
+                        ),
+                        "I11: refused as {refusal:?} after the claim was observed"
+                    );
+                }
+                CostUnits::ZERO
+            }
+        };
+        assert!(
+            fallback_held.is_zero() != observer_held.is_zero(),
+            "I10: exactly one of {fallback_held:?} and {observer_held:?} fits the cap"
+        );
+        let held = fallback_held
+            .checked_add(observer_held)
+            .expect("small amounts");
+        assert_eq!(overage.spent(), held, "I10: spent is what the winners hold");
+        assert!(overage.spent() <= CAP);
+        assert_eq!(
+            overage.committed(),
+            fallback_held,
+            "I3: only a won claim commits"
+        );
+
+        end_request(reservation);
+        assert!(lease.is_only_local_view(), "I6: no debit holds a shard");
+        // I4, I6: the lease's units came back exactly once either way.
+        assert_eq!(lease.remaining(), CostUnits(GRANTED));
+        if !observer_held.is_zero() {
+            overage.credit(observer_held);
+        }
+        assert_eq!(overage.spent(), overage.committed());
+    });
+}
+
+/// I10, I11: two overage reservations race for a cap that fits only one.
+/// Exactly one succeeds, `spent` is what the successes hold, and the loser is
+/// told the cap is only temporarily full, since nothing is committed.
+#[test]
+fn racing_overage_reservations_never_exceed_the_cap() {
+    const CAP: CostUnits = CostUnits(3);
+    loom::model(|| {
+        let overage = Arc::new(AccountOverage::new(ACCOUNT));
+        let reserve = || {
+            let overage = Arc::clone(&overage);
+            thread::spawn(move || Reservation::reserve_overage(&overage, TWO, CAP))
+        };
+        let first = reserve();
+        let second = reserve();
+        let outcomes = [join(first), join(second)];
+
+        // I10: never past the cap, and spent is exactly what succeeded.
+        assert!(overage.spent() <= CAP, "I10: spent {:?}", overage.spent());
+        let held = outcomes
+            .iter()
+            .filter_map(|outcome| outcome.as_ref().ok())
+            .map(Reservation::units)
+            .try_fold(CostUnits::ZERO, CostUnits::checked_add)
+            .expect("two small quotes never overflow");
+        assert_eq!(overage.spent(), held);
+        assert_eq!(held, TWO, "I10: exactly one of the two fits");
+        for outcome in &outcomes {
+            if let Err(refusal) = outcome {
+                // I11: only pending, refundable units fill the cap.
+                assert!(
+                    matches!(refusal, DenyReason::OverageCapTemporarilyExhausted { .. }),
+                    "I11: refused as {refusal:?} with nothing committed"
+                );
+            }
+        }
+
+        drop(outcomes);
+        // I4: the pending reservation ends for zero.
+        assert_eq!(overage.spent(), CostUnits::ZERO);
+    });
+}

@@ -1,0 +1,158 @@
+//! I5: the request path allocates nothing. A counting global allocator
+//! watches the calling thread while it reserves, commits, builds the usage
+//! event and drops, and while it reserves and drops.
+#![allow(unsafe_code)]
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
+use std::sync::Arc;
+
+use jiff::{SignedDuration, Timestamp};
+use tollgate::{
+    AccountId, AccountOverage, CommitFunding, CostUnits, EnforcementMode, FencingToken, KeyId,
+    LeaseGrant, LeaseId, LocalLease, LocalSharding, PolicyRevision, RequestId, Reservation,
+};
+
+/// Counts allocations made by the current thread only, so tests running in
+/// parallel on other threads cannot disturb a measurement.
+struct CountingAllocator;
+
+thread_local! {
+    static ALLOCATIONS: Cell<u64> = const { Cell::new(0) };
+}
+
+// SAFETY: every call is forwarded unchanged to the system allocator; the
+// counter is a const-initialised thread-local `Cell` with no destructor, so
+// touching it never allocates or re-enters the allocator.
+unsafe impl GlobalAlloc for CountingAllocator {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        let _ = ALLOCATIONS.try_with(|count| count.set(count.get() + 1));
+        // SAFETY: forwarded with the caller's layout.
+        unsafe { System.alloc(layout) }
+    }
+
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        let _ = ALLOCATIONS.try_with(|count| count.set(count.get() + 1));
+        // SAFETY: forwarded with the caller's layout.
+        unsafe { System.alloc_zeroed(layout) }
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        let _ = ALLOCATIONS.try_with(|count| count.set(count.get() + 1));
+        // SAFETY: forwarded unchanged; the caller upholds realloc's contract.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: forwarded unchanged; the caller upholds dealloc's contract.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: CountingAllocator = CountingAllocator;
+
+fn allocations_during(work: impl FnOnce()) -> u64 {
+    let before = ALLOCATIONS.with(Cell::get);
+    work();
+    ALLOCATIONS.with(Cell::get) - before
+}
+
+fn at(second: i64) -> Timestamp {
+    Timestamp::from_second(second).expect("test instants are in range")
+}
+
+fn lease(sharding: LocalSharding) -> LocalLease {
+    LocalLease::with_sharding(
+        LeaseGrant {
+            lease_id: LeaseId(1),
+            account_id: AccountId(1),
+            fencing_token: FencingToken(1),
+            units: CostUnits(1_000_000),
+            expires_at: at(1_000),
+        },
+        CostUnits(10),
+        SignedDuration::from_secs(5),
+        sharding,
+    )
+}
+
+#[test]
+fn the_allocator_sees_allocations_on_this_thread() {
+    // The instrument itself works: without this, a broken counter would make
+    // every zero below meaningless.
+    let counted = allocations_during(|| drop(std::hint::black_box(Box::new(7_u64))));
+    assert_eq!(counted, 1);
+}
+
+#[test]
+fn reserve_commit_and_usage_event_allocate_nothing() {
+    for sharding in [LocalSharding::Single, LocalSharding::shards(4).unwrap()] {
+        let lease = lease(sharding);
+        let overage = AccountOverage::new(AccountId(1));
+        let mode = EnforcementMode::Elastic {
+            overage_cap: CostUnits(50),
+        };
+        // Warm the thread-local locality so the measurement sees steady state.
+        drop(Reservation::reserve(&lease, CostUnits(1), at(0)).unwrap());
+        let counted = allocations_during(|| {
+            for request in 0..1_000_u64 {
+                let r = Reservation::reserve(&lease, CostUnits(3), at(1)).unwrap();
+                let units = r
+                    .commit_at_execution_start(at(2), CommitFunding::from_mode(mode, &overage))
+                    .unwrap();
+                assert_eq!(units, CostUnits(3));
+                let event = r
+                    .usage_event(
+                        RequestId(u128::from(request)),
+                        at(2),
+                        PolicyRevision(1),
+                        Some(KeyId(1)),
+                    )
+                    .expect("committed");
+                std::hint::black_box(event);
+            }
+        });
+        assert_eq!(counted, 0, "I5: the hot path allocated ({sharding:?})");
+        assert_eq!(lease.remaining(), CostUnits(1_000_000 - 3_000));
+    }
+}
+
+#[test]
+fn reserve_and_drop_allocate_nothing() {
+    for sharding in [LocalSharding::Single, LocalSharding::shards(4).unwrap()] {
+        let lease = lease(sharding);
+        drop(Reservation::reserve(&lease, CostUnits(1), at(0)).unwrap());
+        let counted = allocations_during(|| {
+            for _ in 0..1_000 {
+                drop(Reservation::reserve(&lease, CostUnits(3), at(1)).unwrap());
+            }
+        });
+        assert_eq!(counted, 0, "I5: reserve + drop allocated ({sharding:?})");
+        assert_eq!(lease.remaining(), CostUnits(1_000_000));
+    }
+}
+
+#[test]
+fn denials_allocate_nothing() {
+    let lease = lease(LocalSharding::shards(2).unwrap());
+    let overage = Arc::new(AccountOverage::new(AccountId(1)));
+    drop(Reservation::reserve(&lease, CostUnits(1), at(0)).unwrap());
+    let counted = allocations_during(|| {
+        for _ in 0..100 {
+            // Exhausted, expired, and an overage past its cap.
+            assert!(Reservation::reserve(&lease, CostUnits(2_000_000), at(1)).is_err());
+            assert!(Reservation::reserve(&lease, CostUnits(1), at(995)).is_err());
+            assert!(Reservation::reserve_overage(&overage, CostUnits(9), CostUnits(8)).is_err());
+        }
+    });
+    assert_eq!(counted, 0, "I5: a denial allocated");
+}
+
+#[test]
+fn split_is_the_one_allocation() {
+    let lease = lease(LocalSharding::Single);
+    let r = Reservation::reserve(&lease, CostUnits(1), at(0)).unwrap();
+    let counted = allocations_during(|| drop(std::hint::black_box(r.split())));
+    assert_eq!(counted, 1);
+}

@@ -1,0 +1,194 @@
+//! Real races on one lease: several threads reserving, committing,
+//! cancelling and dropping at once, checked for exact unit conservation after
+//! every round.
+
+use std::sync::{Arc, Barrier};
+
+use jiff::{SignedDuration, Timestamp};
+use tollgate::{
+    AccountId, AccountOverage, CancelOutcome, CommitFunding, CostUnits, DenyReason, FencingToken,
+    LeaseGrant, LeaseId, LocalLease, LocalSharding, Locality, Reservation,
+};
+
+const THREADS: usize = 4;
+const ROUNDS: usize = 200;
+const OPS_PER_THREAD: u64 = 150;
+/// Less than the threads would spend if every reservation committed, so
+/// every round also runs the lease into refusals.
+const GRANTED: u64 = 600;
+
+fn at(second: i64) -> Timestamp {
+    Timestamp::from_second(second).expect("test instants are in range")
+}
+
+fn lease(sharding: LocalSharding) -> LocalLease {
+    LocalLease::with_sharding(
+        LeaseGrant {
+            lease_id: LeaseId(1),
+            account_id: AccountId(1),
+            fencing_token: FencingToken(1),
+            units: CostUnits(GRANTED),
+            expires_at: at(1_000),
+        },
+        CostUnits(100),
+        SignedDuration::ZERO,
+        sharding,
+    )
+}
+
+/// What one thread did, in units.
+#[derive(Default)]
+struct Tally {
+    committed_lease: u64,
+    committed_overage: u64,
+    refused: u64,
+}
+
+/// One thread's share of a round: reserve a small quote, then resolve it one
+/// of five ways, chosen by the operation number so every thread mixes them.
+fn worker(
+    lease: &LocalLease,
+    overage: Option<&Arc<AccountOverage>>,
+    cap: CostUnits,
+    seed: u64,
+) -> Tally {
+    let mut tally = Tally::default();
+    for op in 0..OPS_PER_THREAD {
+        let quote = CostUnits(1 + (op * 7 + seed) % 5);
+        let funded = match Reservation::reserve(lease, quote, at(0)) {
+            Err(DenyReason::LeaseExhausted) => {
+                overage.and_then(|overage| Reservation::reserve_overage(overage, quote, cap).ok())
+            }
+            Err(other) => panic!("unexpected denial {other:?}"),
+            Ok(reservation) => Some(reservation),
+        };
+        let Some(reservation) = funded else {
+            tally.refused += 1;
+            continue;
+        };
+        let source_is_overage = reservation.admitted_as_overage();
+        let committed = match (op + seed) % 5 {
+            0 | 1 => reservation
+                .commit_at_execution_start(at(0), CommitFunding::LeaseOnly)
+                .is_ok(),
+            2 => {
+                assert_eq!(reservation.cancel(), CancelOutcome::ZeroCharged);
+                false
+            }
+            3 => {
+                drop(reservation);
+                continue;
+            }
+            _ => {
+                // A split charge whose waiter cancels while this thread
+                // commits: exactly one of them wins.
+                let (shared, handle) = reservation.split();
+                let waiter = std::thread::spawn(move || handle.cancel());
+                let won = shared
+                    .reservation()
+                    .commit_at_execution_start(at(0), CommitFunding::LeaseOnly)
+                    .is_ok();
+                let cancelled = waiter.join().expect("the waiter does not panic");
+                assert_eq!(
+                    won,
+                    matches!(cancelled, CancelOutcome::AlreadyCommitted { .. })
+                );
+                won
+            }
+        };
+        if committed {
+            if source_is_overage {
+                tally.committed_overage += quote.get();
+            } else {
+                tally.committed_lease += quote.get();
+            }
+        }
+    }
+    tally
+}
+
+fn run_rounds(sharding: LocalSharding, overage_cap: Option<CostUnits>) {
+    for round in 0..ROUNDS {
+        let lease = lease(sharding);
+        let overage = overage_cap.map(|_| Arc::new(AccountOverage::new(AccountId(1))));
+        let cap = overage_cap.unwrap_or(CostUnits::ZERO);
+        let start = Barrier::new(THREADS);
+        let tallies: Vec<Tally> = std::thread::scope(|scope| {
+            let workers: Vec<_> = (0..THREADS)
+                .map(|thread| {
+                    let (lease, overage, start) = (&lease, overage.as_ref(), &start);
+                    scope.spawn(move || {
+                        start.wait();
+                        worker(lease, overage, cap, thread as u64)
+                    })
+                })
+                .collect();
+            workers.into_iter().map(|w| w.join().unwrap()).collect()
+        });
+        let committed_lease: u64 = tallies.iter().map(|t| t.committed_lease).sum();
+        let committed_overage: u64 = tallies.iter().map(|t| t.committed_overage).sum();
+        // I6: quiescent now, so the count is exact.
+        assert!(lease.is_only_local_view());
+        assert_eq!(
+            lease.remaining(),
+            CostUnits(GRANTED - committed_lease),
+            "round {round}: remaining must be granted minus committed"
+        );
+        if let Some(overage) = &overage {
+            // I10: the cap holds, and pending overage all came back.
+            assert!(
+                overage.spent() <= cap,
+                "round {round}: overage past its cap"
+            );
+            assert_eq!(overage.spent(), CostUnits(committed_overage));
+            assert_eq!(overage.committed(), CostUnits(committed_overage));
+        }
+        // The lease was oversubscribed, so demand really did meet refusal.
+        assert!(
+            overage_cap.is_some()
+                || tallies.iter().any(|t| t.refused > 0)
+                || committed_lease == GRANTED,
+            "round {round}: the lease never ran dry"
+        );
+    }
+}
+
+#[test]
+fn four_threads_on_one_unsharded_lease_conserve_every_unit() {
+    run_rounds(LocalSharding::Single, None);
+}
+
+#[test]
+fn four_threads_on_one_sharded_lease_conserve_every_unit() {
+    run_rounds(LocalSharding::shards(4).unwrap(), None);
+}
+
+#[test]
+fn four_threads_spilling_into_overage_never_pass_the_cap() {
+    run_rounds(LocalSharding::shards(2).unwrap(), Some(CostUnits(40)));
+}
+
+#[test]
+fn threads_pinned_to_shards_keep_their_debits_on_their_own_shard() {
+    let lease = lease(LocalSharding::shards(4).unwrap());
+    std::thread::scope(|scope| {
+        for shard in 0..4 {
+            let lease = &lease;
+            scope.spawn(move || {
+                for _ in 0..100 {
+                    let r = Reservation::reserve_at_locality(
+                        lease,
+                        CostUnits(1),
+                        at(0),
+                        Locality::new(shard),
+                    )
+                    .unwrap();
+                    drop(r);
+                }
+            });
+        }
+    });
+    assert_eq!(lease.remaining(), CostUnits(GRANTED));
+    assert_eq!(lease.occupancy().remaining_min, CostUnits(GRANTED / 4));
+    assert_eq!(lease.contended_debits(), 0, "no two threads shared a shard");
+}
