@@ -17,6 +17,7 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod model;
+pub mod store;
 mod sync;
 
 pub use model::{

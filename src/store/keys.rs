@@ -1,0 +1,148 @@
+//! API keys: generated once, shown once, stored only as a hash.
+
+use std::fmt::{self, Write as _};
+
+use sha2::{Digest, Sha256};
+
+/// A freshly generated API key, in plaintext.
+///
+/// The only place a key's plaintext exists. Stores keep its [`KeyHash`] and
+/// its [`KeyPrefix`], never the key (I16). `Debug` shows the prefix only, so
+/// a key cannot leak through a log line.
+#[derive(Clone, PartialEq, Eq)]
+pub struct ApiKey(String);
+
+/// The SHA-256 digest of a key's exact bytes: how stores find a principal.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct KeyHash(pub [u8; 32]);
+
+/// The short, visible start of a key (`tg_` and eight characters), kept so
+/// an operator can tell keys apart without the store holding the secret.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct KeyPrefix(String);
+
+impl ApiKey {
+    /// What every tollgate key starts with, so a leaked key is recognisable
+    /// to secret scanners and to people.
+    pub const PREFIX: &'static str = "tg_";
+    /// Random bytes per key: 192 bits, well past guessing.
+    const RANDOM_BYTES: usize = 24;
+    const VISIBLE_RANDOM_CHARS: usize = 8;
+
+    /// Generates a key from the operating system's random source.
+    ///
+    /// # Errors
+    ///
+    /// When the operating system cannot supply randomness.
+    pub fn generate() -> Result<Self, getrandom::Error> {
+        let mut bytes = [0_u8; Self::RANDOM_BYTES];
+        getrandom::fill(&mut bytes)?;
+        let mut key = String::with_capacity(Self::PREFIX.len() + 2 * Self::RANDOM_BYTES);
+        key.push_str(Self::PREFIX);
+        push_hex(&mut key, &bytes);
+        Ok(Self(key))
+    }
+
+    /// The plaintext, for showing to the key's owner once.
+    #[must_use]
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+
+    /// The hash stores keep.
+    #[must_use]
+    pub fn hash(&self) -> KeyHash {
+        KeyHash::of(self.0.as_bytes())
+    }
+
+    /// The visible prefix stores keep.
+    #[must_use]
+    pub fn prefix(&self) -> KeyPrefix {
+        let end = Self::PREFIX.len() + Self::VISIBLE_RANDOM_CHARS;
+        KeyPrefix(self.0[..end].to_owned())
+    }
+}
+
+impl fmt::Debug for ApiKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "ApiKey({}…)", self.prefix().as_str())
+    }
+}
+
+impl KeyHash {
+    /// The hash of a presented credential's exact bytes. The HTTP layer and
+    /// every store hash the same way, so a key resolves wherever it is
+    /// checked.
+    #[must_use]
+    pub fn of(credential: &[u8]) -> Self {
+        Self(Sha256::digest(credential).into())
+    }
+
+    /// The digest as lowercase hex.
+    #[must_use]
+    pub fn to_hex(&self) -> String {
+        let mut hex = String::with_capacity(64);
+        push_hex(&mut hex, &self.0);
+        hex
+    }
+}
+
+impl fmt::Debug for KeyHash {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "KeyHash({})", &self.to_hex()[..12])
+    }
+}
+
+impl KeyPrefix {
+    /// The prefix text.
+    #[must_use]
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for KeyPrefix {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+fn push_hex(out: &mut String, bytes: &[u8]) {
+    for byte in bytes {
+        write!(out, "{byte:02x}").expect("writing to a String cannot fail");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_key_is_prefixed_long_random_and_hashed_by_its_bytes() {
+        let key = ApiKey::generate().unwrap();
+        let text = key.expose();
+        assert!(text.starts_with("tg_"));
+        assert_eq!(text.len(), 3 + 48, "192 random bits as hex");
+        assert!(text[3..].bytes().all(|b| b.is_ascii_hexdigit()));
+        assert_eq!(key.hash(), KeyHash::of(text.as_bytes()));
+        assert_eq!(key.prefix().as_str(), &text[..11]);
+        assert_ne!(ApiKey::generate().unwrap(), key, "two keys never repeat");
+    }
+
+    #[test]
+    fn debug_output_never_shows_the_secret() {
+        let key = ApiKey::generate().unwrap();
+        let shown = format!("{key:?}");
+        assert!(!shown.contains(&key.expose()[11..]), "{shown}");
+        assert!(shown.contains(key.prefix().as_str()));
+    }
+
+    #[test]
+    fn the_hash_is_sha256() {
+        // The SHA-256 of "abc", from FIPS 180-2.
+        assert_eq!(
+            KeyHash::of(b"abc").to_hex(),
+            "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+        );
+    }
+}

@@ -1,0 +1,1025 @@
+//! The memory store, call by call: every refusal, every settlement path,
+//! reclaim, refills, usage ingest and keys, with exact balances and the
+//! ledger audited after every scenario.
+
+use std::sync::Arc;
+
+use jiff::{SignedDuration, Timestamp};
+use tollgate::store::{
+    AccountSpec, AdminError, AllocateError, Allocation, GrantPolicy, IngestOutcome, KeyHash,
+    LeaseAllocator, MemoryStore, RefillSchedule, RejectReason, SnapshotCursor, SnapshotSource,
+    TailSharing, UsageSink,
+};
+use tollgate::{
+    AccountId, AccountStatus, BalanceExhaustion, BalanceShortfall, CostUnits, EnforcementMode,
+    FencingToken, KeyStatus, LeaseId, PermissionBits, PolicyRevision, RequestId, UsageEvent,
+    UsageSource,
+};
+
+fn at(second: i64) -> Timestamp {
+    Timestamp::from_second(second).expect("test instants are in range")
+}
+
+fn secs(n: i64) -> SignedDuration {
+    SignedDuration::from_secs(n)
+}
+
+const TTL: SignedDuration = SignedDuration::from_secs(30);
+
+fn policy(instances: u64) -> GrantPolicy {
+    GrantPolicy {
+        max_ttl: secs(60),
+        reclaim_grace: secs(10),
+        tail: TailSharing {
+            instances,
+            min_grant: CostUnits(10),
+        },
+    }
+}
+
+fn store() -> MemoryStore {
+    MemoryStore::new(policy(1)).unwrap()
+}
+
+fn account(store: &MemoryStore, balance: u64) -> AccountId {
+    store
+        .create_account(
+            AccountSpec {
+                balance: CostUnits(balance),
+                mode: EnforcementMode::Strict,
+                status: AccountStatus::Active,
+                refill: None,
+            },
+            at(0),
+        )
+        .unwrap()
+}
+
+#[track_caller]
+fn balance(store: &MemoryStore, account: AccountId, now: Timestamp) -> u64 {
+    store.account(account, now).unwrap().balance.get()
+}
+
+#[track_caller]
+fn audited(store: &MemoryStore) {
+    let violations = store.audit().unwrap();
+    assert!(violations.is_empty(), "I14/I15 violated: {violations:#?}");
+}
+
+fn leased(request: u128, account: AccountId, allocation: &Allocation, units: u64) -> UsageEvent {
+    UsageEvent {
+        request_id: RequestId(request),
+        account_id: account,
+        source: UsageSource::Leased {
+            lease_id: allocation.grant.lease_id,
+            fencing_token: allocation.grant.fencing_token,
+        },
+        units: CostUnits(units),
+        at: at(1),
+        policy_revision: PolicyRevision(1),
+        key_id: None,
+    }
+}
+
+// ---- acquire ------------------------------------------------------------
+
+#[tokio::test]
+async fn acquire_moves_units_from_the_balance_to_a_lease() {
+    let store = store();
+    let acct = account(&store, 1_000);
+    let allocation = store
+        .acquire(acct, CostUnits(100), TTL, at(5))
+        .await
+        .unwrap();
+    assert_eq!(allocation.grant.units, CostUnits(100));
+    assert_eq!(allocation.grant.account_id, acct);
+    assert_eq!(allocation.grant.expires_at, at(35));
+    assert_eq!(allocation.funding, None, "900 left funds another 100");
+    assert_eq!(balance(&store, acct, at(5)), 900);
+    assert_eq!(store.account(acct, at(5)).unwrap().leased, CostUnits(100));
+    let second = store
+        .acquire(acct, CostUnits(100), TTL, at(5))
+        .await
+        .unwrap();
+    assert_ne!(second.grant.lease_id, allocation.grant.lease_id);
+    assert_ne!(second.grant.fencing_token, allocation.grant.fencing_token);
+    audited(&store);
+}
+
+#[tokio::test]
+async fn a_long_ttl_is_clamped_to_the_policy_maximum() {
+    let store = store();
+    let acct = account(&store, 1_000);
+    let allocation = store
+        .acquire(acct, CostUnits(1), secs(3_600), at(0))
+        .await
+        .unwrap();
+    assert_eq!(allocation.grant.expires_at, at(60));
+}
+
+#[tokio::test]
+async fn acquire_refuses_each_invalid_request_without_touching_the_balance() {
+    let store = store();
+    let acct = account(&store, 100);
+    let suspended = account(&store, 100);
+    store
+        .set_status(suspended, AccountStatus::Suspended)
+        .unwrap();
+    let empty = account(&store, 0);
+    let cases = [
+        (
+            AccountId(999),
+            CostUnits(10),
+            TTL,
+            AllocateError::UnknownAccount,
+        ),
+        (
+            suspended,
+            CostUnits(10),
+            TTL,
+            AllocateError::AccountInactive,
+        ),
+        (
+            empty,
+            CostUnits(10),
+            TTL,
+            AllocateError::BalanceExhausted(BalanceExhaustion { period_end: None }),
+        ),
+        (
+            acct,
+            CostUnits(10),
+            SignedDuration::ZERO,
+            AllocateError::InvalidTtl,
+        ),
+        (acct, CostUnits(10), secs(-5), AllocateError::InvalidTtl),
+        (acct, CostUnits::ZERO, TTL, AllocateError::InvalidRequest),
+    ];
+    for (account, requested, ttl, expected) in cases {
+        assert_eq!(
+            store.acquire(account, requested, ttl, at(0)).await,
+            Err(expected.clone()),
+            "{expected}"
+        );
+    }
+    // A lease that would expire past the end of time.
+    assert_eq!(
+        store
+            .acquire(acct, CostUnits(10), TTL, Timestamp::MAX)
+            .await,
+        Err(AllocateError::InvalidTtl)
+    );
+    assert_eq!(balance(&store, acct, at(0)), 100);
+    assert_eq!(balance(&store, suspended, at(0)), 100);
+    audited(&store);
+}
+
+#[tokio::test]
+async fn grants_shrink_in_the_tail_and_say_what_is_left() {
+    let store = MemoryStore::new(policy(4)).unwrap();
+    let acct = account(&store, 300);
+    // 300 cannot fund four 100-unit grants: a quarter each, rounded up.
+    let first = store
+        .acquire(acct, CostUnits(100), TTL, at(0))
+        .await
+        .unwrap();
+    assert_eq!(first.grant.units, CostUnits(75));
+    assert_eq!(first.funding, None, "225 left still funds a request of 100");
+    let second = store
+        .acquire(acct, CostUnits(100), TTL, at(0))
+        .await
+        .unwrap();
+    assert_eq!(second.grant.units, CostUnits(57));
+    let mut left = 300 - 75 - 57;
+    while left > 0 {
+        let next = store
+            .acquire(acct, CostUnits(100), TTL, at(0))
+            .await
+            .unwrap();
+        left -= next.grant.units.get();
+        if left < 100 {
+            assert_eq!(
+                next.funding,
+                Some(BalanceShortfall {
+                    remaining: CostUnits(left),
+                    period_end: None
+                })
+            );
+        }
+    }
+    assert_eq!(
+        store.acquire(acct, CostUnits(100), TTL, at(0)).await,
+        Err(AllocateError::BalanceExhausted(BalanceExhaustion {
+            period_end: None
+        }))
+    );
+    audited(&store);
+}
+
+// ---- release --------------------------------------------------------------
+
+#[tokio::test]
+async fn release_credits_the_unspent_units_and_settles_once() {
+    let store = store();
+    let acct = account(&store, 1_000);
+    let a = store
+        .acquire(acct, CostUnits(100), TTL, at(0))
+        .await
+        .unwrap();
+    let g = a.grant;
+    let released = store
+        .release(g.lease_id, g.fencing_token, CostUnits(60), at(1))
+        .await
+        .unwrap();
+    assert_eq!(released.credited, CostUnits(60));
+    assert_eq!(balance(&store, acct, at(1)), 960);
+    assert_eq!(
+        store
+            .release(g.lease_id, g.fencing_token, CostUnits(0), at(1))
+            .await,
+        Err(AllocateError::LeaseNotActive)
+    );
+    assert_eq!(
+        balance(&store, acct, at(1)),
+        960,
+        "a second release credits nothing"
+    );
+    // The forty units neither credited nor billed are the crash exposure.
+    assert_eq!(
+        store.account(acct, at(1)).unwrap().settled_unbilled,
+        CostUnits(40)
+    );
+    audited(&store);
+}
+
+#[tokio::test]
+async fn a_fenced_release_changes_nothing_and_the_holder_can_still_release() {
+    let store = store();
+    let acct = account(&store, 1_000);
+    let g = store
+        .acquire(acct, CostUnits(100), TTL, at(0))
+        .await
+        .unwrap()
+        .grant;
+    assert_eq!(
+        store
+            .release(
+                g.lease_id,
+                FencingToken(g.fencing_token.get() + 100),
+                CostUnits(100),
+                at(1)
+            )
+            .await,
+        Err(AllocateError::Fenced)
+    );
+    assert_eq!(balance(&store, acct, at(1)), 900);
+    store
+        .release(g.lease_id, g.fencing_token, CostUnits(100), at(1))
+        .await
+        .unwrap();
+    assert_eq!(balance(&store, acct, at(1)), 1_000);
+    assert_eq!(
+        store
+            .release(LeaseId(12_345), g.fencing_token, CostUnits(1), at(1))
+            .await,
+        Err(AllocateError::UnknownLease)
+    );
+    audited(&store);
+}
+
+#[tokio::test]
+async fn a_release_claiming_more_than_the_lease_can_hold_is_refused() {
+    let store = store();
+    let acct = account(&store, 1_000);
+    let a = store
+        .acquire(acct, CostUnits(100), TTL, at(0))
+        .await
+        .unwrap();
+    let outcome = store.ingest(&[leased(1, acct, &a, 30)]).await.unwrap();
+    assert_eq!(outcome, vec![IngestOutcome::Accepted]);
+    let g = a.grant;
+    // Thirty were billed, so at most seventy can come back.
+    assert_eq!(
+        store
+            .release(g.lease_id, g.fencing_token, CostUnits(71), at(1))
+            .await,
+        Err(AllocateError::InvalidRelease)
+    );
+    assert_eq!(balance(&store, acct, at(1)), 900);
+    store
+        .release(g.lease_id, g.fencing_token, CostUnits(70), at(1))
+        .await
+        .unwrap();
+    assert_eq!(balance(&store, acct, at(1)), 970);
+    assert_eq!(
+        store.account(acct, at(1)).unwrap().settled_unbilled,
+        CostUnits::ZERO
+    );
+    audited(&store);
+}
+
+#[tokio::test]
+async fn a_release_to_a_suspended_account_still_returns_its_units() {
+    let store = store();
+    let acct = account(&store, 100);
+    let g = store
+        .acquire(acct, CostUnits(100), TTL, at(0))
+        .await
+        .unwrap()
+        .grant;
+    store.set_status(acct, AccountStatus::Suspended).unwrap();
+    store
+        .release(g.lease_id, g.fencing_token, CostUnits(100), at(1))
+        .await
+        .unwrap();
+    assert_eq!(balance(&store, acct, at(1)), 100);
+    audited(&store);
+}
+
+// ---- consolidate ------------------------------------------------------------
+
+#[tokio::test]
+async fn a_consolidation_settles_the_old_lease_and_grants_what_is_needed_in_one_step() {
+    let store = MemoryStore::new(policy(4)).unwrap();
+    let acct = account(&store, 200);
+    let old = store
+        .acquire(acct, CostUnits(50), TTL, at(0))
+        .await
+        .unwrap()
+        .grant;
+    assert_eq!(old.units, CostUnits(50));
+    // 20 of the old lease's units were spent; 30 come back, and a quote of
+    // 120 was refused. 150 + 30 = 180 available.
+    let fresh = store
+        .consolidate(
+            old.lease_id,
+            old.fencing_token,
+            CostUnits(30),
+            CostUnits(50),
+            CostUnits(120),
+            TTL,
+            at(1),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        fresh.grant.units,
+        CostUnits(120),
+        "the floor beats tail sharing"
+    );
+    assert_eq!(fresh.grant.expires_at, at(31));
+    assert_eq!(balance(&store, acct, at(1)), 60);
+    assert_eq!(
+        fresh.funding,
+        Some(BalanceShortfall {
+            remaining: CostUnits(60),
+            period_end: None
+        })
+    );
+    // I15, I18: the old lease settled in the same step; it can never be
+    // released again.
+    assert_eq!(
+        store
+            .release(old.lease_id, old.fencing_token, CostUnits(30), at(2))
+            .await,
+        Err(AllocateError::LeaseNotActive)
+    );
+    assert_eq!(balance(&store, acct, at(2)), 60);
+    audited(&store);
+}
+
+#[tokio::test]
+async fn a_refused_consolidation_leaves_the_old_lease_active_and_releasable() {
+    let store = store();
+    let acct = account(&store, 100);
+    let old = store
+        .acquire(acct, CostUnits(60), TTL, at(0))
+        .await
+        .unwrap()
+        .grant;
+    // 40 in the balance + 50 unspent = 90 < 95 needed.
+    let refused = store
+        .consolidate(
+            old.lease_id,
+            old.fencing_token,
+            CostUnits(50),
+            CostUnits(60),
+            CostUnits(95),
+            TTL,
+            at(1),
+        )
+        .await;
+    assert_eq!(
+        refused,
+        Err(AllocateError::BalanceInsufficient(BalanceShortfall {
+            remaining: CostUnits(90),
+            period_end: None
+        }))
+    );
+    assert_eq!(balance(&store, acct, at(1)), 40, "I18: rolled back");
+    for (token, unspent, requested, needed, ttl, expected) in [
+        (FencingToken(999), 50, 60, 10, TTL, AllocateError::Fenced),
+        (
+            old.fencing_token,
+            61,
+            60,
+            10,
+            TTL,
+            AllocateError::InvalidRelease,
+        ),
+        (
+            old.fencing_token,
+            50,
+            60,
+            10,
+            SignedDuration::ZERO,
+            AllocateError::InvalidTtl,
+        ),
+        (
+            old.fencing_token,
+            50,
+            0,
+            0,
+            TTL,
+            AllocateError::InvalidRequest,
+        ),
+    ] {
+        let outcome = store
+            .consolidate(
+                old.lease_id,
+                token,
+                CostUnits(unspent),
+                CostUnits(requested),
+                CostUnits(needed),
+                ttl,
+                at(1),
+            )
+            .await;
+        assert_eq!(outcome, Err(expected.clone()), "{expected}");
+    }
+    store.set_status(acct, AccountStatus::Suspended).unwrap();
+    assert_eq!(
+        store
+            .consolidate(
+                old.lease_id,
+                old.fencing_token,
+                CostUnits(50),
+                CostUnits(60),
+                CostUnits(10),
+                TTL,
+                at(1)
+            )
+            .await,
+        Err(AllocateError::AccountInactive)
+    );
+    assert_eq!(balance(&store, acct, at(1)), 40);
+    // Still active: its holder releases it normally.
+    store
+        .release(old.lease_id, old.fencing_token, CostUnits(50), at(2))
+        .await
+        .unwrap();
+    assert_eq!(balance(&store, acct, at(2)), 90);
+    audited(&store);
+}
+
+#[tokio::test]
+async fn consolidating_an_empty_account_with_nothing_unspent_is_exhaustion() {
+    let store = store();
+    let acct = account(&store, 10);
+    let old = store
+        .acquire(acct, CostUnits(10), TTL, at(0))
+        .await
+        .unwrap()
+        .grant;
+    assert_eq!(
+        store
+            .consolidate(
+                old.lease_id,
+                old.fencing_token,
+                CostUnits(0),
+                CostUnits(10),
+                CostUnits(5),
+                TTL,
+                at(1)
+            )
+            .await,
+        Err(AllocateError::BalanceExhausted(BalanceExhaustion {
+            period_end: None
+        }))
+    );
+}
+
+// ---- reclaim --------------------------------------------------------------
+
+#[tokio::test]
+async fn reclaim_waits_for_the_grace_and_credits_the_remainder_net_of_usage() {
+    let store = store();
+    let acct = account(&store, 1_000);
+    let a = store
+        .acquire(acct, CostUnits(100), TTL, at(0))
+        .await
+        .unwrap();
+    store.ingest(&[leased(1, acct, &a, 25)]).await.unwrap();
+    // I19: expires at 30, grace 10: due at 40, not a nanosecond before.
+    let just_before = at(40) - SignedDuration::from_nanos(1);
+    let early = store.reclaim_expired_batch(just_before, 10).await.unwrap();
+    assert!(early.reclaimed.is_empty());
+    assert!(!early.more);
+    let batch = store.reclaim_expired_batch(at(40), 10).await.unwrap();
+    assert_eq!(batch.reclaimed.len(), 1);
+    assert_eq!(batch.reclaimed[0].lease_id, a.grant.lease_id);
+    assert_eq!(batch.reclaimed[0].credited, CostUnits(75));
+    assert_eq!(balance(&store, acct, at(40)), 975);
+    // A late event for the reclaimed lease would count its units twice.
+    assert_eq!(
+        store.ingest(&[leased(2, acct, &a, 5)]).await.unwrap(),
+        vec![IngestOutcome::Rejected(RejectReason::LeaseSettled)]
+    );
+    let g = a.grant;
+    assert_eq!(
+        store
+            .release(g.lease_id, g.fencing_token, CostUnits(75), at(41))
+            .await,
+        Err(AllocateError::LeaseNotActive)
+    );
+    assert!(
+        store
+            .reclaim_expired_batch(at(100), 10)
+            .await
+            .unwrap()
+            .reclaimed
+            .is_empty()
+    );
+    audited(&store);
+}
+
+#[tokio::test]
+async fn reclaim_pages_through_due_leases() {
+    let store = store();
+    let acct = account(&store, 1_000);
+    for _ in 0..5 {
+        store
+            .acquire(acct, CostUnits(10), TTL, at(0))
+            .await
+            .unwrap();
+    }
+    let first = store.reclaim_expired_batch(at(40), 2).await.unwrap();
+    assert_eq!((first.reclaimed.len(), first.more), (2, true));
+    let second = store.reclaim_expired_batch(at(40), 2).await.unwrap();
+    assert_eq!((second.reclaimed.len(), second.more), (2, true));
+    let third = store.reclaim_expired_batch(at(40), 2).await.unwrap();
+    assert_eq!((third.reclaimed.len(), third.more), (1, false));
+    assert_eq!(balance(&store, acct, at(40)), 1_000);
+    audited(&store);
+}
+
+#[tokio::test]
+async fn concurrent_reclaimers_settle_each_lease_once() {
+    let store = Arc::new(store());
+    let acct = account(&store, 100_000);
+    let mut granted = 0;
+    for _ in 0..200 {
+        granted += store
+            .acquire(acct, CostUnits(7), TTL, at(0))
+            .await
+            .unwrap()
+            .grant
+            .units
+            .get();
+    }
+    let reclaimers: Vec<_> = (0..4)
+        .map(|_| {
+            let store = Arc::clone(&store);
+            tokio::spawn(async move {
+                let mut mine = Vec::new();
+                loop {
+                    let batch = store.reclaim_expired_batch(at(100), 3).await.unwrap();
+                    if batch.reclaimed.is_empty() {
+                        return mine;
+                    }
+                    mine.extend(batch.reclaimed);
+                    tokio::task::yield_now().await;
+                }
+            })
+        })
+        .collect();
+    let mut all = Vec::new();
+    for reclaimer in reclaimers {
+        all.extend(reclaimer.await.unwrap());
+    }
+    let credited: u64 = all.iter().map(|lease| lease.credited.get()).sum();
+    all.sort_by_key(|lease| lease.lease_id);
+    all.dedup_by_key(|lease| lease.lease_id);
+    assert_eq!(all.len(), 200, "I19: every lease reclaimed exactly once");
+    assert_eq!(credited, granted);
+    assert_eq!(balance(&store, acct, at(100)), 100_000);
+    audited(&store);
+}
+
+// ---- refills and top-ups ------------------------------------------------------
+
+#[tokio::test]
+async fn a_refill_resets_the_balance_at_each_period_end() {
+    let store = store();
+    let acct = store
+        .create_account(
+            AccountSpec {
+                balance: CostUnits(50),
+                mode: EnforcementMode::Strict,
+                status: AccountStatus::Active,
+                refill: Some(RefillSchedule {
+                    amount: CostUnits(200),
+                    interval: secs(100),
+                }),
+            },
+            at(0),
+        )
+        .unwrap();
+    let first = store
+        .acquire(acct, CostUnits(50), TTL, at(1))
+        .await
+        .unwrap();
+    assert_eq!(
+        store.acquire(acct, CostUnits(10), TTL, at(2)).await,
+        Err(AllocateError::BalanceExhausted(BalanceExhaustion {
+            period_end: Some(at(100))
+        })),
+        "exhaustion says when the balance comes back"
+    );
+    assert_eq!(first.funding.unwrap().period_end, Some(at(100)));
+    // At the period end the balance is the refill amount.
+    let refilled = store
+        .acquire(acct, CostUnits(10), TTL, at(100))
+        .await
+        .unwrap();
+    assert_eq!(refilled.grant.units, CostUnits(10));
+    assert_eq!(balance(&store, acct, at(100)), 190);
+    assert_eq!(
+        store.account(acct, at(100)).unwrap().period_end,
+        Some(at(200))
+    );
+    // Three periods later: one reset, not three, and the next end follows.
+    assert_eq!(balance(&store, acct, at(450)), 200);
+    assert_eq!(
+        store.account(acct, at(450)).unwrap().period_end,
+        Some(at(500))
+    );
+    audited(&store);
+}
+
+#[tokio::test]
+async fn a_top_up_funds_the_next_acquire() {
+    let store = store();
+    let acct = account(&store, 0);
+    assert!(matches!(
+        store.acquire(acct, CostUnits(10), TTL, at(0)).await,
+        Err(AllocateError::BalanceExhausted(_))
+    ));
+    assert_eq!(
+        store.top_up(acct, CostUnits(25), at(1)).unwrap(),
+        CostUnits(25)
+    );
+    assert_eq!(
+        store
+            .acquire(acct, CostUnits(10), TTL, at(1))
+            .await
+            .unwrap()
+            .grant
+            .units,
+        CostUnits(10)
+    );
+    assert_eq!(
+        store.top_up(AccountId(77), CostUnits(1), at(1)),
+        Err(AdminError::UnknownAccount)
+    );
+    assert_eq!(
+        store.top_up(acct, CostUnits(u64::MAX), at(1)),
+        Err(AdminError::BalanceOverflow)
+    );
+    assert_eq!(balance(&store, acct, at(1)), 15);
+    audited(&store);
+}
+
+#[tokio::test]
+async fn a_refill_interval_must_be_positive() {
+    let store = store();
+    let acct = account(&store, 0);
+    let bad = RefillSchedule {
+        amount: CostUnits(1),
+        interval: SignedDuration::ZERO,
+    };
+    assert_eq!(
+        store.configure_refill(acct, Some(bad), at(0)),
+        Err(AdminError::InvalidRefill)
+    );
+}
+
+// ---- usage ingest ------------------------------------------------------------
+
+#[tokio::test]
+#[allow(
+    clippy::too_many_lines,
+    reason = "one batch exercising every outcome, read top to bottom"
+)]
+async fn ingest_reports_every_outcome_per_event_in_order() {
+    let store = store();
+    let acct = account(&store, 1_000);
+    let other = account(&store, 1_000);
+    let a = store
+        .acquire(acct, CostUnits(100), TTL, at(0))
+        .await
+        .unwrap();
+    let settled = store
+        .acquire(acct, CostUnits(10), TTL, at(0))
+        .await
+        .unwrap();
+    store
+        .release(
+            settled.grant.lease_id,
+            settled.grant.fencing_token,
+            CostUnits(10),
+            at(0),
+        )
+        .await
+        .unwrap();
+    let ok = leased(1, acct, &a, 40);
+    let mut changed = ok;
+    changed.units = CostUnits(41);
+    let mut stale = leased(3, acct, &a, 1);
+    stale.source = UsageSource::Leased {
+        lease_id: a.grant.lease_id,
+        fencing_token: FencingToken(999),
+    };
+    let mut missing_lease = leased(4, acct, &a, 1);
+    missing_lease.source = UsageSource::Leased {
+        lease_id: LeaseId(999),
+        fencing_token: a.grant.fencing_token,
+    };
+    let mut wrong_account = leased(5, other, &a, 1);
+    wrong_account.account_id = other;
+    let mut unknown_account = leased(6, AccountId(999), &a, 1);
+    unknown_account.account_id = AccountId(999);
+    let overage = UsageEvent {
+        source: UsageSource::Overage,
+        ..leased(7, acct, &a, 15)
+    };
+    let huge = leased(8, acct, &a, u64::MAX);
+    let batch = [
+        ok,
+        ok,
+        changed,
+        stale,
+        missing_lease,
+        wrong_account,
+        unknown_account,
+        leased(9, acct, &settled, 1),
+        leased(10, acct, &a, 61),
+        overage,
+        huge,
+        leased(11, acct, &a, 60),
+    ];
+    let outcomes = store.ingest(&batch).await.unwrap();
+    assert_eq!(
+        outcomes,
+        vec![
+            IngestOutcome::Accepted,
+            IngestOutcome::Duplicate,
+            IngestOutcome::Rejected(RejectReason::ConflictingDuplicate),
+            IngestOutcome::Rejected(RejectReason::FencingMismatch),
+            IngestOutcome::Rejected(RejectReason::UnknownLease),
+            IngestOutcome::Rejected(RejectReason::AccountMismatch),
+            IngestOutcome::Rejected(RejectReason::UnknownAccount),
+            IngestOutcome::Rejected(RejectReason::LeaseSettled),
+            IngestOutcome::Rejected(RejectReason::ExceedsLease),
+            IngestOutcome::Accepted,
+            IngestOutcome::Rejected(RejectReason::Malformed),
+            IngestOutcome::Accepted,
+        ]
+    );
+    let recorded = store.usage(acct).unwrap();
+    assert_eq!(
+        recorded
+            .iter()
+            .map(|event| event.request_id.get())
+            .collect::<Vec<_>>(),
+        vec![1, 7, 11]
+    );
+    assert_eq!(
+        store.account(acct, at(1)).unwrap().overage_debt,
+        CostUnits(15)
+    );
+    // The lease is now fully billed: nothing can come back.
+    let g = a.grant;
+    assert_eq!(
+        store
+            .release(g.lease_id, g.fencing_token, CostUnits(1), at(2))
+            .await,
+        Err(AllocateError::InvalidRelease)
+    );
+    store
+        .release(g.lease_id, g.fencing_token, CostUnits(0), at(2))
+        .await
+        .unwrap();
+    // A re-delivery after settlement is still recognised as a duplicate.
+    assert_eq!(
+        store.ingest(&[ok]).await.unwrap(),
+        vec![IngestOutcome::Duplicate]
+    );
+    audited(&store);
+}
+
+// ---- keys and snapshots ---------------------------------------------------------
+
+#[tokio::test]
+async fn a_key_resolves_by_its_hash_until_revoked() {
+    let store = store();
+    let acct = account(&store, 10);
+    let read = PermissionBits::bit(0);
+    let issued = store.issue_key(acct, read, at(3)).unwrap();
+    let hash = KeyHash::of(issued.key.expose().as_bytes());
+    let snapshot = store
+        .lookup_key(&hash, at(4))
+        .await
+        .unwrap()
+        .expect("resolves");
+    assert_eq!(snapshot.principal, issued.principal);
+    assert_eq!(snapshot.account_id, acct);
+    assert_eq!(snapshot.key_id, Some(issued.key_id));
+    assert_eq!(snapshot.permissions, read);
+    assert_eq!(snapshot.key_status, KeyStatus::Active);
+    assert_eq!(snapshot.fetched_at, at(4));
+    assert_eq!(
+        store
+            .lookup_key(&KeyHash::of(b"tg_not_a_key"), at(4))
+            .await
+            .unwrap(),
+        None
+    );
+
+    let listed = store.list_keys(acct).unwrap();
+    assert_eq!(listed.len(), 1);
+    assert_eq!(listed[0].prefix, issued.key.prefix());
+    assert_eq!(listed[0].status, KeyStatus::Active);
+
+    store.revoke_key(issued.key_id, at(5)).unwrap();
+    assert_eq!(
+        store.lookup_key(&hash, at(6)).await.unwrap(),
+        None,
+        "a revoked key no longer resolves"
+    );
+    let fetched = store.fetch(&[issued.principal], at(6)).await.unwrap();
+    assert_eq!(
+        fetched[0].key_status,
+        KeyStatus::Revoked,
+        "caches learn of the revocation"
+    );
+    assert_eq!(store.list_keys(acct).unwrap()[0].revoked_at, Some(at(5)));
+    assert_eq!(
+        store.revoke_key(tollgate::KeyId(99), at(5)),
+        Err(AdminError::UnknownKey)
+    );
+    assert!(matches!(
+        store.issue_key(AccountId(99), read, at(5)),
+        Err(AdminError::UnknownAccount)
+    ));
+}
+
+#[tokio::test]
+async fn changes_are_enumerated_incrementally_by_revision() {
+    let store = store();
+    let acct = account(&store, 10);
+    let other = account(&store, 10);
+    let keys: Vec<_> = (0..3)
+        .map(|_| store.issue_key(acct, PermissionBits::ALL, at(0)).unwrap())
+        .collect();
+    let lone = store.issue_key(other, PermissionBits::ALL, at(0)).unwrap();
+
+    let first = store
+        .changed_since(SnapshotCursor::START, 3, at(1))
+        .await
+        .unwrap();
+    assert_eq!(first.snapshots.len(), 3);
+    assert!(!first.complete);
+    let second = store.changed_since(first.next, 3, at(1)).await.unwrap();
+    assert_eq!(second.snapshots.len(), 1);
+    assert_eq!(second.snapshots[0].principal, lone.principal);
+    assert!(second.complete);
+    let idle = store.changed_since(second.next, 3, at(1)).await.unwrap();
+    assert!(idle.snapshots.is_empty() && idle.complete);
+    assert_eq!(idle.next, second.next);
+
+    // A change to the account reaches every one of its keys, and only them.
+    store
+        .set_mode(
+            acct,
+            EnforcementMode::Elastic {
+                overage_cap: CostUnits(5),
+            },
+        )
+        .unwrap();
+    let changed = store.changed_since(second.next, 10, at(2)).await.unwrap();
+    let mut principals: Vec<_> = changed.snapshots.iter().map(|s| s.principal).collect();
+    principals.sort();
+    assert_eq!(
+        principals,
+        keys.iter().map(|k| k.principal).collect::<Vec<_>>()
+    );
+    assert!(changed.snapshots.iter().all(|s| s.mode
+        == EnforcementMode::Elastic {
+            overage_cap: CostUnits(5)
+        }));
+    store.set_status(acct, AccountStatus::Suspended).unwrap();
+    let fetched = store
+        .fetch(&[keys[0].principal, tollgate::Principal(999)], at(3))
+        .await
+        .unwrap();
+    assert_eq!(fetched.len(), 1, "unknown principals are left out");
+    assert_eq!(fetched[0].account_status, AccountStatus::Suspended);
+    assert!(fetched[0].policy_revision > changed.snapshots[0].policy_revision);
+}
+
+// ---- concurrency ---------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn eight_tasks_on_one_account_never_over_grant() {
+    let store = Arc::new(MemoryStore::new(policy(4)).unwrap());
+    let acct = account(&store, 5_000);
+    let tasks: Vec<_> = (0..8_u128)
+        .map(|task| {
+            let store = Arc::clone(&store);
+            tokio::spawn(async move {
+                let mut held = 0_u64;
+                for round in 0..200_u128 {
+                    let Ok(allocation) = store.acquire(acct, CostUnits(40), TTL, at(0)).await
+                    else {
+                        continue;
+                    };
+                    let g = allocation.grant;
+                    held += g.units.get();
+                    let spend = g.units.get() / 2;
+                    let event = leased(task * 1_000 + round, acct, &allocation, spend);
+                    assert_eq!(
+                        store.ingest(&[event]).await.unwrap(),
+                        vec![IngestOutcome::Accepted]
+                    );
+                    if round % 2 == 0 {
+                        store
+                            .release(
+                                g.lease_id,
+                                g.fencing_token,
+                                CostUnits(g.units.get() - spend),
+                                at(1),
+                            )
+                            .await
+                            .unwrap();
+                    } else {
+                        let unspent = CostUnits(g.units.get() - spend);
+                        let consolidated = store
+                            .consolidate(
+                                g.lease_id,
+                                g.fencing_token,
+                                unspent,
+                                CostUnits(40),
+                                CostUnits(30),
+                                TTL,
+                                at(1),
+                            )
+                            .await;
+                        match consolidated {
+                            Ok(next) => {
+                                let n = next.grant;
+                                held += n.units.get();
+                                store
+                                    .release(n.lease_id, n.fencing_token, n.units, at(1))
+                                    .await
+                                    .unwrap();
+                            }
+                            // Rolled back: the old lease is still ours to release.
+                            Err(_) => {
+                                store
+                                    .release(g.lease_id, g.fencing_token, unspent, at(1))
+                                    .await
+                                    .unwrap();
+                            }
+                        }
+                    }
+                    tokio::task::yield_now().await;
+                }
+                held
+            })
+        })
+        .collect();
+    for task in tasks {
+        task.await.unwrap();
+    }
+    let view = store.account(acct, at(2)).unwrap();
+    let billed: u64 = store
+        .usage(acct)
+        .unwrap()
+        .iter()
+        .map(|e| e.units.get())
+        .sum();
+    // I14: every unit is either in the balance or billed; none over-granted.
+    assert_eq!(view.leased, CostUnits::ZERO);
+    assert_eq!(view.balance.get() + billed, 5_000);
+    audited(&store);
+}
