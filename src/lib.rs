@@ -16,7 +16,9 @@
 #![forbid(unsafe_code)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+pub mod admission;
 pub mod model;
+pub mod runtime;
 pub mod store;
 mod sync;
 

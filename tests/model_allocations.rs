@@ -1,62 +1,20 @@
 //! I5: the request path allocates nothing. A counting global allocator
 //! watches the calling thread while it reserves, commits, builds the usage
 //! event and drops, and while it reserves and drops.
-#![allow(unsafe_code)]
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::cell::Cell;
+mod support;
+
 use std::sync::Arc;
 
 use jiff::{SignedDuration, Timestamp};
+use support::counting_allocator::{CountingAllocator, allocations_during, assert_counter_works};
 use tollgate::{
     AccountId, AccountOverage, CommitFunding, CostUnits, EnforcementMode, FencingToken, KeyId,
     LeaseGrant, LeaseId, LocalLease, LocalSharding, PolicyRevision, RequestId, Reservation,
 };
 
-/// Counts allocations made by the current thread only, so tests running in
-/// parallel on other threads cannot disturb a measurement.
-struct CountingAllocator;
-
-thread_local! {
-    static ALLOCATIONS: Cell<u64> = const { Cell::new(0) };
-}
-
-// SAFETY: every call is forwarded unchanged to the system allocator; the
-// counter is a const-initialised thread-local `Cell` with no destructor, so
-// touching it never allocates or re-enters the allocator.
-unsafe impl GlobalAlloc for CountingAllocator {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        let _ = ALLOCATIONS.try_with(|count| count.set(count.get() + 1));
-        // SAFETY: forwarded with the caller's layout.
-        unsafe { System.alloc(layout) }
-    }
-
-    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        let _ = ALLOCATIONS.try_with(|count| count.set(count.get() + 1));
-        // SAFETY: forwarded with the caller's layout.
-        unsafe { System.alloc_zeroed(layout) }
-    }
-
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        let _ = ALLOCATIONS.try_with(|count| count.set(count.get() + 1));
-        // SAFETY: forwarded unchanged; the caller upholds realloc's contract.
-        unsafe { System.realloc(ptr, layout, new_size) }
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: forwarded unchanged; the caller upholds dealloc's contract.
-        unsafe { System.dealloc(ptr, layout) }
-    }
-}
-
 #[global_allocator]
 static GLOBAL: CountingAllocator = CountingAllocator;
-
-fn allocations_during(work: impl FnOnce()) -> u64 {
-    let before = ALLOCATIONS.with(Cell::get);
-    work();
-    ALLOCATIONS.with(Cell::get) - before
-}
 
 fn at(second: i64) -> Timestamp {
     Timestamp::from_second(second).expect("test instants are in range")
@@ -79,10 +37,7 @@ fn lease(sharding: LocalSharding) -> LocalLease {
 
 #[test]
 fn the_allocator_sees_allocations_on_this_thread() {
-    // The instrument itself works: without this, a broken counter would make
-    // every zero below meaningless.
-    let counted = allocations_during(|| drop(std::hint::black_box(Box::new(7_u64))));
-    assert_eq!(counted, 1);
+    assert_counter_works();
 }
 
 #[test]
@@ -97,10 +52,16 @@ fn reserve_commit_and_usage_event_allocate_nothing() {
         drop(Reservation::reserve(&lease, CostUnits(1), at(0)).unwrap());
         let counted = allocations_during(|| {
             for request in 0..1_000_u64 {
-                let r = Reservation::reserve(&lease, CostUnits(3), at(1)).unwrap();
-                let units = r
-                    .commit_at_execution_start(at(2), CommitFunding::from_mode(mode, &overage))
-                    .unwrap();
+                let mut r = Reservation::reserve(&lease, CostUnits(3), at(1)).unwrap();
+                let funding = CommitFunding::from_mode(mode, &overage);
+                // Both commits: the owned one the request path uses, and the
+                // shared one a split charge's worker uses.
+                let units = if request % 2 == 0 {
+                    r.commit_owned(at(2), funding)
+                } else {
+                    r.commit_at_execution_start(at(2), funding)
+                }
+                .unwrap();
                 assert_eq!(units, CostUnits(3));
                 let event = r
                     .usage_event(

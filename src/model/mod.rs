@@ -29,7 +29,7 @@ mod ids;
 mod lease;
 mod overage;
 mod reservation;
-mod sharding;
+pub(crate) mod sharding;
 mod snapshot;
 mod units;
 mod usage;
@@ -42,6 +42,7 @@ pub use overage::{AccountOverage, TentativeOverage};
 pub use reservation::{
     CancelHandle, CancelOutcome, CommitError, CommitFunding, Reservation, SharedCharge,
 };
+pub(crate) use sharding::CachePadded;
 pub use sharding::{LocalSharding, Locality, ShardOccupancy};
 pub use snapshot::{AccountStatus, EnforcementMode, KeyStatus, PrincipalSnapshot};
 pub use units::{CostUnits, PermissionBits};

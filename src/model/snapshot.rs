@@ -51,7 +51,7 @@ pub enum KeyStatus {
 /// Admission pins one snapshot for a request's whole life, so every decision
 /// about the request (permissions, mode, the revision stamped on its usage
 /// event) comes from the same generation.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PrincipalSnapshot {
     /// Who calls.
     pub principal: Principal,

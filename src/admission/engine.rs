@@ -1,0 +1,786 @@
+//! The staged admission engine and the context an admitted request carries.
+
+use std::fmt;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use jiff::Timestamp;
+
+use crate::admission::snapshot_map::Entry;
+use crate::admission::{ArcSwapSnapshotMap, LeaseSlot, RequestIds, UsagePermit, UsageRecorder};
+use crate::model::{
+    AccountId, AccountOverage, AccountStatus, BalanceShortfall, CachePadded, CommitError,
+    CommitFunding, CostUnits, DenyReason, KeyId, KeyStatus, LocalSharding, Locality,
+    PermissionBits, PolicyRevision, Principal, PrincipalSnapshot, RequestId, Reservation,
+};
+
+/// Admits requests: policy, permissions, funding and a usage place, with no
+/// I/O, no lock and no allocation (I5).
+pub struct AdmissionEngine {
+    snapshots: Arc<ArcSwapSnapshotMap>,
+    recorder: UsageRecorder,
+    ids: RequestIds,
+    counters: AdmissionCounters,
+}
+
+/// One admitted request: its pinned policy, its pending charge, its place in
+/// the usage queue and its id.
+///
+/// [`commit`](Self::commit) when the handler starts. Dropping the context
+/// before that releases the charge for zero and gives the queue place back
+/// (I4, I20).
+pub struct RequestContext {
+    reservation: Reservation,
+    permit: Option<UsagePermit>,
+    request_id: RequestId,
+    /// The account's overage counter and cap, held only for Elastic
+    /// accounts, whose commit may fall back to overage.
+    elastic: Option<(Arc<AccountOverage>, CostUnits)>,
+    // What the request needs of its pinned snapshot, copied at admission so
+    // every later decision uses the generation admission read.
+    principal: Principal,
+    key_id: Option<KeyId>,
+    policy_revision: PolicyRevision,
+}
+
+impl AdmissionEngine {
+    /// An engine reading policy from `snapshots`, queueing usage through
+    /// `recorder`, and minting ids from `ids`.
+    #[must_use]
+    pub fn new(
+        snapshots: Arc<ArcSwapSnapshotMap>,
+        recorder: UsageRecorder,
+        ids: RequestIds,
+    ) -> Self {
+        Self {
+            snapshots,
+            recorder,
+            ids,
+            counters: AdmissionCounters::new(),
+        }
+    }
+
+    /// Decides whether `principal` may spend `quote` on a route requiring
+    /// `required`, and if so reserves it.
+    ///
+    /// The checks run in a fixed order (I23): snapshot, staleness, key and
+    /// account status, permissions, funding, usage place. `now` is the
+    /// caller's: reading the system clock here would cost as much as the
+    /// rest of admission.
+    ///
+    /// # Errors
+    ///
+    /// The first check that fails, as a [`DenyReason`].
+    #[inline]
+    pub fn begin(
+        &self,
+        principal: Principal,
+        required: PermissionBits,
+        quote: CostUnits,
+        now: Timestamp,
+    ) -> Result<RequestContext, DenyReason> {
+        let admitted = self
+            .snapshots
+            .with_entry(principal, |entry| self.admit(entry, required, quote, now));
+        match &admitted {
+            Ok(context) => self.counters.admitted(context.admitted_as_overage()),
+            Err(reason) => self.counters.denied(*reason),
+        }
+        admitted
+    }
+
+    /// The admission counters.
+    #[must_use]
+    pub fn counters(&self) -> &AdmissionCounters {
+        &self.counters
+    }
+
+    /// The snapshot map admission reads.
+    #[must_use]
+    pub fn snapshots(&self) -> &Arc<ArcSwapSnapshotMap> {
+        &self.snapshots
+    }
+
+    /// The usage recorder admission takes places from.
+    #[must_use]
+    pub fn recorder(&self) -> &UsageRecorder {
+        &self.recorder
+    }
+
+    #[allow(
+        clippy::inline_always,
+        reason = "inlined so the admitted context is built in place, not copied out of a call"
+    )]
+    #[inline(always)]
+    fn admit(
+        &self,
+        entry: &Entry,
+        required: PermissionBits,
+        quote: CostUnits,
+        now: Timestamp,
+    ) -> Result<RequestContext, DenyReason> {
+        // Read in place; what the request keeps is copied into its context,
+        // so no reference count is touched.
+        let snapshot = &*entry.snapshot;
+        self.snapshots.check_fresh(snapshot, now)?;
+        if snapshot.key_status == KeyStatus::Revoked {
+            return Err(DenyReason::KeyRevoked);
+        }
+        if snapshot.account_status == AccountStatus::Suspended {
+            return Err(DenyReason::AccountInactive);
+        }
+        if !snapshot.permissions.contains(required) {
+            return Err(DenyReason::PermissionDenied {
+                missing: snapshot.permissions.missing(required),
+            });
+        }
+        let reservation = fund(&entry.slot, snapshot, quote, now)?;
+        // A refused place drops the reservation, which releases it (I4).
+        let permit = self.recorder.try_permit()?;
+        let elastic = snapshot
+            .mode
+            .overage_cap()
+            .map(|cap| (Arc::clone(entry.slot.overage()), cap));
+        Ok(RequestContext {
+            reservation,
+            permit: Some(permit),
+            request_id: self.ids.next(),
+            elastic,
+            principal: snapshot.principal,
+            key_id: snapshot.key_id,
+            policy_revision: snapshot.policy_revision,
+        })
+    }
+}
+
+/// Reserves `quote` for the account of `snapshot`: from the lease if it can,
+/// else from overage if the account is Elastic, else a denial that tells the
+/// truth about the account's funds (I23).
+#[inline]
+fn fund(
+    slot: &LeaseSlot,
+    snapshot: &PrincipalSnapshot,
+    quote: CostUnits,
+    now: Timestamp,
+) -> Result<Reservation, DenyReason> {
+    let leased = slot.with_lease(|lease| match lease {
+        Some(lease) => Reservation::reserve_at_locality(lease, quote, now, Locality::current())
+            .map_err(|refusal| (refusal, lease.remaining())),
+        None => Err((DenyReason::LeaseUnavailable, CostUnits::ZERO)),
+    });
+    let (refusal, held) = match leased {
+        Ok(reservation) => return Ok(reservation),
+        Err(refused) => refused,
+    };
+    if let Some(cap) = snapshot.mode.overage_cap() {
+        return Reservation::reserve_overage(slot.overage(), quote, cap);
+    }
+    Err(shortfall_denial(slot, quote, held, now).unwrap_or(refusal))
+}
+
+/// The exhaustion denial for a quote the allocator's evidence rules out:
+/// more than the lease still holds plus what the account has left to grant.
+#[cold]
+fn shortfall_denial(
+    slot: &LeaseSlot,
+    quote: CostUnits,
+    held: CostUnits,
+    now: Timestamp,
+) -> Option<DenyReason> {
+    let evidence = slot.funding_evidence(now)?;
+    let fundable = BalanceShortfall {
+        remaining: evidence
+            .remaining
+            .checked_add(held)
+            .unwrap_or(CostUnits::MAX),
+        period_end: evidence.period_end,
+    };
+    fundable.rules_out(quote).then(|| fundable.deny())
+}
+
+impl RequestContext {
+    /// Commits the charge because the handler is starting, and hands the
+    /// usage event to the queue place reserved at admission (I20).
+    ///
+    /// # Errors
+    ///
+    /// See [`CommitError`]; on any error the handler must not run, and the
+    /// charge is zero.
+    #[inline]
+    pub fn commit(&mut self, now: Timestamp) -> Result<CostUnits, CommitError> {
+        let funding = match &self.elastic {
+            Some((overage, cap)) => CommitFunding::OverageFallback { overage, cap: *cap },
+            None => CommitFunding::LeaseOnly,
+        };
+        let units = self.reservation.commit_owned(now, funding)?;
+        let event =
+            self.reservation
+                .usage_event(self.request_id, now, self.policy_revision, self.key_id);
+        match (self.permit.take(), event) {
+            (Some(permit), Some(event)) => permit.record(event),
+            _ => debug_assert!(
+                false,
+                "I8: a first successful commit has a place and an event"
+            ),
+        }
+        Ok(units)
+    }
+
+    /// Stamps usage events with the pricing policy's revision instead of the
+    /// snapshot's.
+    pub fn set_policy_revision(&mut self, revision: PolicyRevision) {
+        self.policy_revision = revision;
+    }
+
+    /// The units this request is charged if it commits.
+    #[must_use]
+    pub fn units(&self) -> CostUnits {
+        self.reservation.units()
+    }
+
+    /// The account charged.
+    #[must_use]
+    pub fn account_id(&self) -> AccountId {
+        self.reservation.account_id()
+    }
+
+    /// The principal that made the request.
+    #[must_use]
+    pub fn principal(&self) -> Principal {
+        self.principal
+    }
+
+    /// The key that made the request, if the principal has one.
+    #[must_use]
+    pub fn key_id(&self) -> Option<KeyId> {
+        self.key_id
+    }
+
+    /// The revision stamped on this request's usage event.
+    #[must_use]
+    pub fn policy_revision(&self) -> PolicyRevision {
+        self.policy_revision
+    }
+
+    /// The request's id: its usage event's idempotency key.
+    #[must_use]
+    pub fn request_id(&self) -> RequestId {
+        self.request_id
+    }
+
+    /// Whether admission funded the request from overage.
+    #[must_use]
+    pub fn admitted_as_overage(&self) -> bool {
+        self.reservation.admitted_as_overage()
+    }
+
+    /// Whether the charge has been committed.
+    #[must_use]
+    pub fn is_committed(&self) -> bool {
+        self.reservation.is_committed()
+    }
+}
+
+impl fmt::Debug for RequestContext {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RequestContext")
+            .field("request_id", &self.request_id)
+            .field("principal", &self.principal)
+            .field("account", &self.account_id())
+            .field("units", &self.reservation.units())
+            .field("committed", &self.reservation.is_committed())
+            .finish_non_exhaustive()
+    }
+}
+
+impl fmt::Debug for AdmissionEngine {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("AdmissionEngine")
+            .field("snapshots", &self.snapshots)
+            .field("recorder", &self.recorder)
+            .field("counters", &self.counters.read())
+            .finish_non_exhaustive()
+    }
+}
+
+const REASONS: usize = DenyReason::ALL.len();
+
+/// Admissions and denials, counted per thread stripe so that counting never
+/// contends, and summed when read.
+pub struct AdmissionCounters {
+    stripes: Box<[CachePadded<Stripe>]>,
+}
+
+struct Stripe {
+    admitted: AtomicU64,
+    admitted_overage: AtomicU64,
+    denied: [AtomicU64; REASONS],
+}
+
+/// A reading of [`AdmissionCounters`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AdmissionStats {
+    /// Requests admitted, however funded.
+    pub admitted: u64,
+    /// Of those, requests funded from overage at admission.
+    pub admitted_overage: u64,
+    /// Denials, indexed by [`DenyReason::index`].
+    pub denied: [u64; REASONS],
+}
+
+impl AdmissionStats {
+    /// Denials for `reason` (its payload is ignored).
+    #[must_use]
+    pub fn denied_for(&self, reason: DenyReason) -> u64 {
+        self.denied[reason.index()]
+    }
+
+    /// All denials.
+    #[must_use]
+    pub fn denied_total(&self) -> u64 {
+        self.denied.iter().copied().fold(0, u64::saturating_add)
+    }
+}
+
+impl AdmissionCounters {
+    fn new() -> Self {
+        let stripes = LocalSharding::per_core().count();
+        Self {
+            stripes: (0..stripes)
+                .map(|_| {
+                    CachePadded(Stripe {
+                        admitted: AtomicU64::new(0),
+                        admitted_overage: AtomicU64::new(0),
+                        denied: std::array::from_fn(|_| AtomicU64::new(0)),
+                    })
+                })
+                .collect(),
+        }
+    }
+
+    #[inline]
+    fn stripe(&self) -> &Stripe {
+        &self.stripes[Locality::current().shard_of(self.stripes.len())]
+    }
+
+    #[inline]
+    fn admitted(&self, overage: bool) {
+        let stripe = self.stripe();
+        stripe.admitted.fetch_add(1, Ordering::Relaxed);
+        if overage {
+            stripe.admitted_overage.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    #[cold]
+    fn denied(&self, reason: DenyReason) {
+        self.stripe().denied[reason.index()].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Sums the stripes. Each count is exact; counts read while requests run
+    /// may come from slightly different instants.
+    #[must_use]
+    pub fn read(&self) -> AdmissionStats {
+        let mut stats = AdmissionStats {
+            admitted: 0,
+            admitted_overage: 0,
+            denied: [0; REASONS],
+        };
+        for stripe in &self.stripes[..] {
+            stats.admitted += stripe.admitted.load(Ordering::Relaxed);
+            stats.admitted_overage += stripe.admitted_overage.load(Ordering::Relaxed);
+            for (total, count) in stats.denied.iter_mut().zip(&stripe.denied) {
+                *total += count.load(Ordering::Relaxed);
+            }
+        }
+        stats
+    }
+}
+
+impl fmt::Debug for AdmissionCounters {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.read().fmt(f)
+    }
+}
+
+#[cfg(all(test, not(tollgate_loom)))]
+mod tests {
+    use jiff::SignedDuration;
+
+    use super::*;
+    use crate::admission::{SlotRegistry, SnapshotMapConfig};
+    use crate::model::{
+        EnforcementMode, FencingToken, LeaseGrant, LeaseId, LocalLease, UsageEvent, UsageSource,
+    };
+
+    const ACCOUNT: AccountId = AccountId(3);
+    const ALICE: Principal = Principal(1);
+    const READ: PermissionBits = PermissionBits::bit(0);
+    const WRITE: PermissionBits = PermissionBits::bit(1);
+
+    fn at(second: i64) -> Timestamp {
+        Timestamp::from_second(second).expect("test instants are in range")
+    }
+
+    struct Fixture {
+        engine: AdmissionEngine,
+        map: Arc<ArcSwapSnapshotMap>,
+        recorder: UsageRecorder,
+    }
+
+    fn fixture(queue_capacity: usize) -> Fixture {
+        let registry = Arc::new(SlotRegistry::new(LocalSharding::Single));
+        let map = Arc::new(
+            ArcSwapSnapshotMap::new(
+                SnapshotMapConfig {
+                    max_staleness: SignedDuration::from_secs(600),
+                    negative_capacity: 2,
+                    history_depth: 3,
+                    lookup_queue_capacity: 8,
+                },
+                registry,
+            )
+            .unwrap(),
+        );
+        let recorder = UsageRecorder::with_capacity(queue_capacity, queue_capacity);
+        Fixture {
+            engine: AdmissionEngine::new(
+                Arc::clone(&map),
+                recorder.clone(),
+                RequestIds::with_prefix(9),
+            ),
+            map,
+            recorder,
+        }
+    }
+
+    fn snapshot(mode: EnforcementMode, permissions: PermissionBits) -> PrincipalSnapshot {
+        PrincipalSnapshot {
+            principal: ALICE,
+            account_id: ACCOUNT,
+            key_id: Some(KeyId(77)),
+            permissions,
+            key_status: KeyStatus::Active,
+            account_status: AccountStatus::Active,
+            mode,
+            policy_revision: PolicyRevision(4),
+            fetched_at: at(0),
+        }
+    }
+
+    impl Fixture {
+        fn slot(&self) -> Arc<LeaseSlot> {
+            self.map
+                .registry()
+                .get(ACCOUNT)
+                .expect("published principals have slots")
+        }
+
+        /// Installs a lease of `units` usable until t=100.
+        fn lease(&self, units: u64) -> Arc<LocalLease> {
+            let lease = Arc::new(LocalLease::new(
+                LeaseGrant {
+                    lease_id: LeaseId(5),
+                    account_id: ACCOUNT,
+                    fencing_token: FencingToken(6),
+                    units: CostUnits(units),
+                    expires_at: at(100),
+                },
+                CostUnits::ZERO,
+            ));
+            self.slot().replace(Arc::clone(&lease));
+            lease
+        }
+
+        fn begin(&self, quote: u64, now: i64) -> Result<RequestContext, DenyReason> {
+            self.engine.begin(ALICE, READ, CostUnits(quote), at(now))
+        }
+
+        fn queued(&self) -> Vec<UsageEvent> {
+            let mut events = Vec::new();
+            self.recorder.queue().take_into(&mut events, usize::MAX);
+            events
+        }
+    }
+
+    #[track_caller]
+    fn denied(outcome: Result<RequestContext, DenyReason>, expected: DenyReason) {
+        match outcome {
+            Err(reason) => assert_eq!(reason, expected),
+            Ok(context) => panic!("expected {expected:?}, admitted {context:?}"),
+        }
+    }
+
+    #[test]
+    fn a_principal_not_loaded_is_unavailable_and_queued_for_lookup() {
+        let f = fixture(4);
+        denied(f.begin(1, 0), DenyReason::SnapshotUnavailable);
+        let mut asked = Vec::new();
+        f.map.drain_lookups(&mut asked);
+        assert_eq!(asked, vec![ALICE]);
+    }
+
+    #[test]
+    fn an_unknown_principal_is_cached_negatively_within_its_capacity() {
+        let f = fixture(4);
+        f.map.mark_unknown([ALICE]);
+        denied(f.begin(1, 0), DenyReason::UnknownPrincipal);
+        let mut asked = Vec::new();
+        f.map.drain_lookups(&mut asked);
+        assert!(
+            asked.is_empty(),
+            "a known-unknown principal is not looked up again"
+        );
+        // I24: two more unknowns push the oldest out of a capacity of two.
+        f.map.mark_unknown([Principal(2), Principal(3)]);
+        assert!(!f.map.is_known_unknown(ALICE));
+        denied(f.begin(1, 0), DenyReason::SnapshotUnavailable);
+        // Publishing a principal makes it known again.
+        f.map.mark_unknown([ALICE]);
+        f.map.publish([snapshot(EnforcementMode::Strict, READ)]);
+        assert!(!f.map.is_known_unknown(ALICE));
+        denied(f.begin(1, 0), DenyReason::LeaseUnavailable);
+    }
+
+    #[test]
+    fn a_stale_snapshot_is_refused_until_the_source_confirms_it() {
+        let f = fixture(4);
+        f.map.publish([snapshot(EnforcementMode::Strict, READ)]);
+        // No lease is installed: a fresh snapshot gets as far as funding, a
+        // stale one is refused before it (I23).
+        denied(f.begin(1, 600), DenyReason::LeaseUnavailable);
+        denied(f.begin(1, 601), DenyReason::SnapshotStale);
+        f.map.mark_verified(at(50));
+        denied(f.begin(1, 601), DenyReason::LeaseUnavailable);
+        denied(f.begin(1, 651), DenyReason::SnapshotStale);
+    }
+
+    #[test]
+    fn status_and_permissions_are_checked_in_order() {
+        let f = fixture(4);
+        let mut revoked = snapshot(EnforcementMode::Strict, PermissionBits::NONE);
+        revoked.key_status = KeyStatus::Revoked;
+        revoked.account_status = AccountStatus::Suspended;
+        f.map.publish([revoked]);
+        f.lease(100);
+        denied(f.begin(1, 0), DenyReason::KeyRevoked);
+        revoked.key_status = KeyStatus::Active;
+        f.map.publish([revoked]);
+        denied(f.begin(1, 0), DenyReason::AccountInactive);
+        revoked.account_status = AccountStatus::Active;
+        f.map.publish([revoked]);
+        denied(
+            f.begin(1, 0),
+            DenyReason::PermissionDenied { missing: READ },
+        );
+        f.map.publish([snapshot(EnforcementMode::Strict, READ)]);
+        denied(
+            f.engine
+                .begin(ALICE, READ.union(WRITE), CostUnits(1), at(0)),
+            DenyReason::PermissionDenied { missing: WRITE },
+        );
+        f.map.publish([snapshot(
+            EnforcementMode::Strict,
+            READ.union(WRITE).union(PermissionBits::bit(5)),
+        )]);
+        assert!(
+            f.engine
+                .begin(ALICE, READ.union(WRITE), CostUnits(1), at(0))
+                .is_ok()
+        );
+        assert_eq!(f.map.history(ALICE).len(), 3, "I24: history is bounded");
+        assert_eq!(
+            f.map.history(ALICE)[0].permissions.0,
+            0b10_0011,
+            "newest first"
+        );
+    }
+
+    #[test]
+    fn strict_funding_denies_each_shortage_for_what_it_is() {
+        let f = fixture(8);
+        f.map.publish([snapshot(EnforcementMode::Strict, READ)]);
+        denied(f.begin(1, 0), DenyReason::LeaseUnavailable);
+        let lease = f.lease(3);
+        denied(f.begin(5, 0), DenyReason::LeaseExhausted);
+        assert_eq!(
+            lease.largest_refused_quote(),
+            CostUnits(5),
+            "the refusal is remembered"
+        );
+        denied(f.begin(1, 100), DenyReason::LeaseExpired);
+
+        // The allocator says five more units exist: eight in all can be funded.
+        f.slot().publish_funding(Some(BalanceShortfall {
+            remaining: CostUnits(5),
+            period_end: Some(at(500)),
+        }));
+        denied(f.begin(8, 0), DenyReason::LeaseExhausted);
+        denied(
+            f.begin(9, 0),
+            DenyReason::BalanceInsufficient {
+                remaining: CostUnits(8),
+                period_end: Some(at(500)),
+            },
+        );
+        // With the lease gone and nothing left, it is exhaustion until the period ends.
+        f.slot().take();
+        f.slot().publish_funding(Some(BalanceShortfall {
+            remaining: CostUnits::ZERO,
+            period_end: Some(at(500)),
+        }));
+        denied(
+            f.begin(1, 0),
+            DenyReason::BalanceExhausted {
+                period_end: Some(at(500)),
+            },
+        );
+        assert_eq!(
+            DenyReason::BalanceExhausted {
+                period_end: Some(at(500))
+            }
+            .retry(),
+            crate::model::Retry::At(at(500))
+        );
+        // Once the period has ended the evidence says nothing.
+        denied(f.begin(1, 500), DenyReason::LeaseUnavailable);
+        // A later grant that shows funds clears it.
+        f.slot().publish_funding(None);
+        denied(f.begin(1, 0), DenyReason::LeaseUnavailable);
+        assert_eq!(lease.remaining(), CostUnits(3), "no denial took a unit");
+    }
+
+    #[test]
+    fn elastic_funding_falls_back_to_overage_up_to_the_cap() {
+        let f = fixture(8);
+        let mode = EnforcementMode::Elastic {
+            overage_cap: CostUnits(10),
+        };
+        f.map.publish([snapshot(mode, READ)]);
+        let mut first = f.begin(6, 0).expect("no lease: overage funds it");
+        assert!(first.admitted_as_overage());
+        denied(
+            f.begin(6, 0),
+            DenyReason::OverageCapTemporarilyExhausted {
+                spent: CostUnits(6),
+                overage_cap: CostUnits(10),
+            },
+        );
+        first.commit(at(1)).unwrap();
+        denied(
+            f.begin(6, 0),
+            DenyReason::OverageCapExhausted {
+                spent: CostUnits(6),
+                overage_cap: CostUnits(10),
+            },
+        );
+        let lease = f.lease(10);
+        let leased = f.begin(6, 0).expect("the lease funds it");
+        assert!(!leased.admitted_as_overage());
+        assert_eq!(lease.remaining(), CostUnits(4));
+        let stats = f.engine.counters().read();
+        assert_eq!((stats.admitted, stats.admitted_overage), (2, 1));
+        assert_eq!(stats.denied_total(), 2);
+        assert_eq!(f.queued()[0].source, UsageSource::Overage);
+    }
+
+    #[test]
+    fn a_full_usage_queue_denies_and_releases_the_reservation() {
+        let f = fixture(1);
+        f.map.publish([snapshot(EnforcementMode::Strict, READ)]);
+        let lease = f.lease(10);
+        let held = f.begin(2, 0).unwrap();
+        denied(f.begin(3, 0), DenyReason::AccountingBackpressure);
+        assert_eq!(
+            lease.remaining(),
+            CostUnits(8),
+            "I4: the denied request holds nothing"
+        );
+        drop(held);
+        assert_eq!(lease.remaining(), CostUnits(10));
+        assert_eq!(f.recorder.available(), 1, "I20: the place came back");
+        let stats = f.engine.counters().read();
+        assert_eq!(stats.denied_for(DenyReason::AccountingBackpressure), 1);
+    }
+
+    #[test]
+    fn a_commit_queues_exactly_one_event_and_a_drop_queues_none() {
+        let f = fixture(4);
+        f.map.publish([snapshot(EnforcementMode::Strict, READ)]);
+        let lease = f.lease(10);
+        let mut context = f.begin(4, 0).unwrap();
+        assert_eq!(context.units(), CostUnits(4));
+        assert_eq!(context.account_id(), ACCOUNT);
+        assert_eq!(context.key_id(), Some(KeyId(77)));
+        assert_eq!(context.principal(), ALICE);
+        assert_eq!(context.commit(at(2)), Ok(CostUnits(4)));
+        assert!(context.is_committed());
+        assert_eq!(context.commit(at(2)), Err(CommitError::AlreadyCommitted));
+        let request_id = context.request_id();
+        drop(context);
+        drop(f.begin(3, 0).unwrap());
+        assert_eq!(
+            lease.remaining(),
+            CostUnits(6),
+            "the dropped request paid nothing"
+        );
+        let events = f.queued();
+        assert_eq!(
+            events,
+            vec![UsageEvent {
+                request_id,
+                account_id: ACCOUNT,
+                source: UsageSource::Leased {
+                    lease_id: LeaseId(5),
+                    fencing_token: FencingToken(6),
+                },
+                units: CostUnits(4),
+                at: at(2),
+                policy_revision: PolicyRevision(4),
+                key_id: Some(KeyId(77)),
+            }]
+        );
+        assert_eq!(
+            request_id.get() >> 64,
+            9,
+            "minted under the engine's prefix"
+        );
+        // The delivered event still holds its place until the writer frees it.
+        assert_eq!(f.recorder.available(), 3);
+    }
+
+    #[test]
+    fn a_lapse_before_the_handler_starts_depends_on_the_mode() {
+        let f = fixture(4);
+        f.map.publish([snapshot(EnforcementMode::Strict, READ)]);
+        let lease = f.lease(10);
+        let mut strict = f.begin(4, 99).unwrap();
+        assert_eq!(
+            strict.commit(at(100)),
+            Err(CommitError::Denied(DenyReason::FundingExpiredAtStart))
+        );
+        drop(strict);
+        assert!(f.queued().is_empty(), "I9: nothing billed");
+        assert_eq!(f.recorder.available(), 4);
+
+        let mode = EnforcementMode::Elastic {
+            overage_cap: CostUnits(10),
+        };
+        f.map.publish([snapshot(mode, READ)]);
+        let mut elastic = f.begin(4, 99).unwrap();
+        let policy = PolicyRevision(12);
+        elastic.set_policy_revision(policy);
+        assert_eq!(elastic.commit(at(100)), Ok(CostUnits(4)));
+        let events = f.queued();
+        assert_eq!(events.len(), 1);
+        assert_eq!(events[0].source, UsageSource::Overage);
+        assert_eq!(events[0].policy_revision, policy);
+        drop(elastic);
+        assert_eq!(
+            lease.remaining(),
+            CostUnits(10),
+            "the lease got its units back"
+        );
+        assert_eq!(f.slot().overage().committed(), CostUnits(4));
+    }
+}

@@ -1,0 +1,242 @@
+//! One account's lease slot, and the registry of slots.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use arc_swap::{ArcSwap, ArcSwapOption};
+use jiff::Timestamp;
+use rustc_hash::FxBuildHasher;
+use tokio::sync::watch;
+
+use crate::model::{AccountId, AccountOverage, BalanceShortfall, LocalLease, LocalSharding};
+
+/// The one place per account that holds the lease currently serving
+/// requests, with the account's overage counter and the allocator's latest
+/// word on its funds.
+///
+/// Requests read it without locking; the lease manager is its only writer.
+pub struct LeaseSlot {
+    account: AccountId,
+    lease: ArcSwapOption<LocalLease>,
+    overage: Arc<AccountOverage>,
+    evidence: ArcSwapOption<BalanceShortfall>,
+    sharding: LocalSharding,
+    /// Lost debit races of leases no longer in the slot.
+    retired_contention: AtomicU64,
+}
+
+impl LeaseSlot {
+    /// An empty slot for `account` whose leases use `sharding`.
+    #[must_use]
+    pub fn new(account: AccountId, sharding: LocalSharding) -> Self {
+        Self {
+            account,
+            lease: ArcSwapOption::empty(),
+            overage: Arc::new(AccountOverage::new(account)),
+            evidence: ArcSwapOption::empty(),
+            sharding,
+            retired_contention: AtomicU64::new(0),
+        }
+    }
+
+    /// The account this slot serves.
+    #[must_use]
+    pub fn account(&self) -> AccountId {
+        self.account
+    }
+
+    /// The layout the lease manager installs leases in.
+    #[must_use]
+    pub fn sharding(&self) -> LocalSharding {
+        self.sharding
+    }
+
+    /// Runs `f` on the serving lease, if any, without taking a reference
+    /// count: the request path's read.
+    #[inline]
+    pub fn with_lease<R>(&self, f: impl FnOnce(Option<&LocalLease>) -> R) -> R {
+        let guard = self.lease.load();
+        f(guard.as_deref())
+    }
+
+    /// The serving lease, as an owned reference: the lease manager's read.
+    /// Holding it makes the lease look busy, so drop it before testing
+    /// quiescence.
+    #[must_use]
+    pub fn load_observed(&self) -> Option<Arc<LocalLease>> {
+        self.lease.load_full()
+    }
+
+    /// Empties the slot and returns what it held. Requests deny until a
+    /// lease is installed again.
+    pub fn take(&self) -> Option<Arc<LocalLease>> {
+        let previous = self.lease.swap(None);
+        self.retire(previous.as_deref());
+        previous
+    }
+
+    /// Installs `lease` and returns the one it replaces, which may still be
+    /// referenced by requests in flight.
+    pub fn replace(&self, lease: Arc<LocalLease>) -> Option<Arc<LocalLease>> {
+        debug_assert_eq!(
+            lease.grant().account_id,
+            self.account,
+            "a slot serves one account"
+        );
+        let previous = self.lease.swap(Some(lease));
+        self.retire(previous.as_deref());
+        previous
+    }
+
+    /// The account's overage counter on this instance.
+    #[must_use]
+    pub fn overage(&self) -> &Arc<AccountOverage> {
+        &self.overage
+    }
+
+    /// Records the allocator's latest evidence about the account's funds:
+    /// `Some` when a grant or refusal showed the account short, `None` when a
+    /// later grant showed funds.
+    pub fn publish_funding(&self, evidence: Option<BalanceShortfall>) {
+        self.evidence.store(evidence.map(Arc::new));
+    }
+
+    /// The evidence in force at `now`. Evidence whose period has ended says
+    /// nothing any more: the refill has happened.
+    #[must_use]
+    pub fn funding_evidence(&self, now: Timestamp) -> Option<BalanceShortfall> {
+        let evidence = self.evidence.load();
+        let evidence = **evidence.as_ref()?;
+        match evidence.period_end {
+            Some(end) if end <= now => None,
+            _ => Some(evidence),
+        }
+    }
+
+    /// Debit attempts that lost a compare-exchange to another thread, over
+    /// every lease this slot has served.
+    #[must_use]
+    pub fn contended_exchanges(&self) -> u64 {
+        let serving = self.with_lease(|lease| lease.map_or(0, LocalLease::contended_debits));
+        self.retired_contention
+            .load(Ordering::Relaxed)
+            .saturating_add(serving)
+    }
+
+    fn retire(&self, lease: Option<&LocalLease>) {
+        if let Some(lease) = lease {
+            self.retired_contention
+                .fetch_add(lease.contended_debits(), Ordering::Relaxed);
+        }
+    }
+}
+
+impl fmt::Debug for LeaseSlot {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LeaseSlot")
+            .field("account", &self.account)
+            .field(
+                "lease",
+                &self.load_observed().map(|lease| lease.grant().lease_id),
+            )
+            .field("overage_spent", &self.overage.spent())
+            .field("sharding", &self.sharding)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Every account's slot on this instance, with a change signal so the
+/// runtime can start and retire lease managers as accounts come and go.
+pub struct SlotRegistry {
+    slots: ArcSwap<HashMap<AccountId, Arc<LeaseSlot>, FxBuildHasher>>,
+    sharding: LocalSharding,
+    changes: watch::Sender<u64>,
+}
+
+impl SlotRegistry {
+    /// An empty registry whose slots use `sharding`.
+    #[must_use]
+    pub fn new(sharding: LocalSharding) -> Self {
+        Self {
+            slots: ArcSwap::from_pointee(HashMap::default()),
+            sharding,
+            changes: watch::Sender::new(0),
+        }
+    }
+
+    /// The slot of `account`, if it has one.
+    #[must_use]
+    pub fn get(&self, account: AccountId) -> Option<Arc<LeaseSlot>> {
+        self.slots.load().get(&account).cloned()
+    }
+
+    /// The slot of `account`, created empty if it has none.
+    ///
+    /// # Panics
+    ///
+    /// Never: the update closure runs at least once and always leaves the
+    /// account's slot in the map.
+    pub fn ensure(&self, account: AccountId) -> Arc<LeaseSlot> {
+        if let Some(slot) = self.get(account) {
+            return slot;
+        }
+        let mut created = None;
+        self.slots.rcu(|slots| {
+            let mut slots = HashMap::clone(slots);
+            let slot = slots
+                .entry(account)
+                .or_insert_with(|| Arc::new(LeaseSlot::new(account, self.sharding)));
+            created = Some(Arc::clone(slot));
+            slots
+        });
+        self.changes.send_modify(|version| *version += 1);
+        created.expect("rcu runs its update at least once")
+    }
+
+    /// Drops the slots of accounts `keep` rejects, returning them so the
+    /// caller can release their leases.
+    pub fn retain(&self, mut keep: impl FnMut(AccountId) -> bool) -> Vec<Arc<LeaseSlot>> {
+        let mut removed = Vec::new();
+        self.slots.rcu(|slots| {
+            removed.clear();
+            let mut kept = HashMap::with_capacity_and_hasher(slots.len(), FxBuildHasher);
+            for (account, slot) in slots.iter() {
+                if keep(*account) {
+                    kept.insert(*account, Arc::clone(slot));
+                } else {
+                    removed.push(Arc::clone(slot));
+                }
+            }
+            kept
+        });
+        if !removed.is_empty() {
+            self.changes.send_modify(|version| *version += 1);
+        }
+        removed
+    }
+
+    /// The accounts that have slots.
+    #[must_use]
+    pub fn accounts(&self) -> Vec<AccountId> {
+        let mut accounts: Vec<_> = self.slots.load().keys().copied().collect();
+        accounts.sort_unstable();
+        accounts
+    }
+
+    /// A receiver that changes whenever a slot is added or removed.
+    #[must_use]
+    pub fn subscribe(&self) -> watch::Receiver<u64> {
+        self.changes.subscribe()
+    }
+}
+
+impl fmt::Debug for SlotRegistry {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SlotRegistry")
+            .field("accounts", &self.accounts())
+            .field("sharding", &self.sharding)
+            .finish_non_exhaustive()
+    }
+}

@@ -1,0 +1,361 @@
+//! Principals' policy snapshots, published for lock-free reads.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::fmt;
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use arc_swap::ArcSwap;
+use crossbeam_queue::ArrayQueue;
+use jiff::{SignedDuration, Timestamp};
+use rustc_hash::FxBuildHasher;
+
+use crate::admission::{LeaseSlot, SlotRegistry};
+use crate::model::{DenyReason, Principal, PrincipalSnapshot};
+
+/// How the snapshot map bounds what it holds and trusts. No defaults (I17).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SnapshotMapConfig {
+    /// A snapshot is refused once this long has passed since it (or the whole
+    /// map) was last confirmed current by the source (I24). Longer tolerates
+    /// longer source outages; shorter bounds how long a revoked key works.
+    pub max_staleness: SignedDuration,
+    /// Principals remembered as unknown (I24).
+    pub negative_capacity: usize,
+    /// Snapshots kept per principal for inspection, newest first (I24).
+    pub history_depth: usize,
+    /// Unknown principals queued for the snapshot manager to look up.
+    pub lookup_queue_capacity: usize,
+}
+
+/// The first rule a [`SnapshotMapConfig`] breaks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum SnapshotMapConfigError {
+    /// `max_staleness` must be positive.
+    MaxStalenessNotPositive,
+    /// `negative_capacity` must be at least one.
+    NegativeCapacityZero,
+    /// `history_depth` must be at least one.
+    HistoryDepthZero,
+    /// `lookup_queue_capacity` must be at least one.
+    LookupQueueCapacityZero,
+}
+
+impl fmt::Display for SnapshotMapConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::MaxStalenessNotPositive => "snapshot map: max_staleness must be positive",
+            Self::NegativeCapacityZero => "snapshot map: negative_capacity must be at least 1",
+            Self::HistoryDepthZero => "snapshot map: history_depth must be at least 1",
+            Self::LookupQueueCapacityZero => {
+                "snapshot map: lookup_queue_capacity must be at least 1"
+            }
+        })
+    }
+}
+
+impl std::error::Error for SnapshotMapConfigError {}
+
+impl SnapshotMapConfig {
+    /// Checks every rule in field order and names the first one broken.
+    ///
+    /// # Errors
+    ///
+    /// The first broken rule.
+    pub fn validate(&self) -> Result<(), SnapshotMapConfigError> {
+        if !self.max_staleness.is_positive() {
+            return Err(SnapshotMapConfigError::MaxStalenessNotPositive);
+        }
+        if self.negative_capacity == 0 {
+            return Err(SnapshotMapConfigError::NegativeCapacityZero);
+        }
+        if self.history_depth == 0 {
+            return Err(SnapshotMapConfigError::HistoryDepthZero);
+        }
+        if self.lookup_queue_capacity == 0 {
+            return Err(SnapshotMapConfigError::LookupQueueCapacityZero);
+        }
+        Ok(())
+    }
+}
+
+/// Principal → snapshot, published with arc-swap so requests read it without
+/// a lock, plus a bounded negative cache of principals known not to exist.
+///
+/// Every published entry is bound to its account's [`LeaseSlot`], so one
+/// lookup gives a request both its policy and its funding.
+pub struct ArcSwapSnapshotMap {
+    published: ArcSwap<Published>,
+    config: SnapshotMapConfig,
+    registry: Arc<SlotRegistry>,
+    /// When the source last confirmed every published snapshot current, in
+    /// nanoseconds since the epoch; `i64::MIN` before the first time.
+    verified_at: AtomicI64,
+    lookups: ArrayQueue<Principal>,
+    writer: Mutex<Writer>,
+}
+
+/// What requests read: one immutable generation.
+#[derive(Default)]
+struct Published {
+    entries: HashMap<Principal, Entry, FxBuildHasher>,
+    unknown: HashSet<Principal, FxBuildHasher>,
+}
+
+#[derive(Clone)]
+pub(crate) struct Entry {
+    pub(crate) snapshot: Arc<PrincipalSnapshot>,
+    pub(crate) slot: Arc<LeaseSlot>,
+}
+
+/// Bookkeeping only the publisher touches.
+#[derive(Default)]
+struct Writer {
+    unknown_order: VecDeque<Principal>,
+    history: HashMap<Principal, VecDeque<Arc<PrincipalSnapshot>>, FxBuildHasher>,
+}
+
+impl ArcSwapSnapshotMap {
+    /// An empty map whose entries bind to slots from `registry`.
+    ///
+    /// # Errors
+    ///
+    /// The first rule `config` breaks.
+    pub fn new(
+        config: SnapshotMapConfig,
+        registry: Arc<SlotRegistry>,
+    ) -> Result<Self, SnapshotMapConfigError> {
+        config.validate()?;
+        Ok(Self {
+            published: ArcSwap::from_pointee(Published::default()),
+            config,
+            registry,
+            verified_at: AtomicI64::new(i64::MIN),
+            lookups: ArrayQueue::new(config.lookup_queue_capacity),
+            writer: Mutex::new(Writer::default()),
+        })
+    }
+
+    /// The configuration in force.
+    #[must_use]
+    pub fn config(&self) -> &SnapshotMapConfig {
+        &self.config
+    }
+
+    /// The registry entries bind to.
+    #[must_use]
+    pub fn registry(&self) -> &Arc<SlotRegistry> {
+        &self.registry
+    }
+
+    /// Runs `f` on `principal`'s entry: the request path's read (I23).
+    ///
+    /// # Errors
+    ///
+    /// [`DenyReason::UnknownPrincipal`] for a principal the source said does
+    /// not exist, and [`DenyReason::SnapshotUnavailable`] for one not loaded
+    /// yet (which is queued for the snapshot manager to look up).
+    #[allow(
+        clippy::inline_always,
+        reason = "inlined so the admitted context is built in place, not copied out of a call"
+    )]
+    #[inline(always)]
+    pub(crate) fn with_entry<R>(
+        &self,
+        principal: Principal,
+        f: impl FnOnce(&Entry) -> Result<R, DenyReason>,
+    ) -> Result<R, DenyReason> {
+        self.with_published(|published| match published.entries.get(&principal) {
+            Some(entry) => f(entry),
+            None if published.unknown.contains(&principal) => Err(DenyReason::UnknownPrincipal),
+            None => {
+                // A hint for the snapshot manager; a full queue just means it
+                // already has plenty to look up.
+                let _ = self.lookups.push(principal);
+                Err(DenyReason::SnapshotUnavailable)
+            }
+        })
+    }
+
+    /// Runs `f` on the current generation. An arc-swap load takes no lock
+    /// and no reference count in the common case.
+    #[allow(
+        clippy::inline_always,
+        reason = "inlined so the admitted context is built in place, not copied out of a call"
+    )]
+    #[inline(always)]
+    fn with_published<R>(&self, f: impl FnOnce(&Published) -> R) -> R {
+        f(&self.published.load())
+    }
+
+    /// Refuses a snapshot that has not been confirmed current within the
+    /// maximum staleness (I24).
+    ///
+    /// # Errors
+    ///
+    /// [`DenyReason::SnapshotStale`].
+    #[inline]
+    pub(crate) fn check_fresh(
+        &self,
+        snapshot: &PrincipalSnapshot,
+        now: Timestamp,
+    ) -> Result<(), DenyReason> {
+        let verified = i128::from(self.verified_at.load(Ordering::Acquire));
+        let confirmed = snapshot.fetched_at.as_nanosecond().max(verified);
+        if now.as_nanosecond() - confirmed > self.config.max_staleness.as_nanos() {
+            return Err(DenyReason::SnapshotStale);
+        }
+        Ok(())
+    }
+
+    /// The current snapshot of `principal`, if one is published.
+    #[must_use]
+    pub fn get(&self, principal: Principal) -> Option<Arc<PrincipalSnapshot>> {
+        self.published
+            .load()
+            .entries
+            .get(&principal)
+            .map(|entry| Arc::clone(&entry.snapshot))
+    }
+
+    /// Whether `principal` is remembered as unknown.
+    #[must_use]
+    pub fn is_known_unknown(&self, principal: Principal) -> bool {
+        self.published.load().unknown.contains(&principal)
+    }
+
+    /// How many principals have snapshots.
+    #[must_use]
+    pub fn len(&self) -> usize {
+        self.published.load().entries.len()
+    }
+
+    /// Whether no principal has a snapshot.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The snapshots kept for `principal`, newest first.
+    #[must_use]
+    pub fn history(&self, principal: Principal) -> Vec<Arc<PrincipalSnapshot>> {
+        self.lock_writer()
+            .history
+            .get(&principal)
+            .map(|kept| kept.iter().cloned().collect())
+            .unwrap_or_default()
+    }
+
+    /// Publishes fresh snapshots, binding each to its account's slot (made if
+    /// missing). A principal published here stops being unknown.
+    pub fn publish(&self, snapshots: impl IntoIterator<Item = PrincipalSnapshot>) {
+        let fresh: Vec<Entry> = snapshots
+            .into_iter()
+            .map(|snapshot| Entry {
+                slot: self.registry.ensure(snapshot.account_id),
+                snapshot: Arc::new(snapshot),
+            })
+            .collect();
+        if fresh.is_empty() {
+            return;
+        }
+        let mut writer = self.lock_writer();
+        let depth = self.config.history_depth;
+        for entry in &fresh {
+            let kept = writer.history.entry(entry.snapshot.principal).or_default();
+            kept.push_front(Arc::clone(&entry.snapshot));
+            kept.truncate(depth);
+        }
+        let principals: HashSet<Principal> = fresh.iter().map(|e| e.snapshot.principal).collect();
+        writer
+            .unknown_order
+            .retain(|principal| !principals.contains(principal));
+        self.published.rcu(|current| {
+            let mut next = Published {
+                entries: current.entries.clone(),
+                unknown: current.unknown.clone(),
+            };
+            for entry in &fresh {
+                next.unknown.remove(&entry.snapshot.principal);
+                next.entries.insert(entry.snapshot.principal, entry.clone());
+            }
+            next
+        });
+    }
+
+    /// Records that the source does not know these principals: their
+    /// snapshots are withdrawn and requests naming them are denied as
+    /// unknown. The oldest such records are forgotten past the negative
+    /// capacity (I24).
+    pub fn mark_unknown(&self, principals: impl IntoIterator<Item = Principal>) {
+        let mut writer = self.lock_writer();
+        let capacity = self.config.negative_capacity;
+        let mut added = Vec::new();
+        for principal in principals {
+            writer.history.remove(&principal);
+            writer.unknown_order.push_back(principal);
+            added.push(principal);
+        }
+        let mut evicted = Vec::new();
+        while writer.unknown_order.len() > capacity {
+            evicted.extend(writer.unknown_order.pop_front());
+        }
+        self.published.rcu(|current| {
+            let mut next = Published {
+                entries: current.entries.clone(),
+                unknown: current.unknown.clone(),
+            };
+            for principal in &added {
+                next.entries.remove(principal);
+                next.unknown.insert(*principal);
+            }
+            for principal in &evicted {
+                next.unknown.remove(principal);
+            }
+            next
+        });
+    }
+
+    /// Records that the source confirmed every published snapshot current as
+    /// of `now` (a complete refresh), which resets their staleness.
+    pub fn mark_verified(&self, now: Timestamp) {
+        let nanos = i64::try_from(now.as_nanosecond()).unwrap_or(i64::MAX);
+        self.verified_at.fetch_max(nanos, Ordering::AcqRel);
+    }
+
+    /// Moves the principals requests asked about into `out`.
+    pub fn drain_lookups(&self, out: &mut Vec<Principal>) {
+        while let Some(principal) = self.lookups.pop() {
+            out.push(principal);
+        }
+    }
+
+    /// The accounts bound to at least one published principal.
+    #[must_use]
+    pub fn bound_accounts(&self) -> HashSet<crate::model::AccountId> {
+        self.published
+            .load()
+            .entries
+            .values()
+            .map(|entry| entry.snapshot.account_id)
+            .collect()
+    }
+
+    fn lock_writer(&self) -> MutexGuard<'_, Writer> {
+        // The writer's bookkeeping is rebuilt on every publish; a panic
+        // mid-update leaves nothing requests read inconsistent.
+        self.writer.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+impl fmt::Debug for ArcSwapSnapshotMap {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let published = self.published.load();
+        f.debug_struct("ArcSwapSnapshotMap")
+            .field("principals", &published.entries.len())
+            .field("unknown", &published.unknown.len())
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}

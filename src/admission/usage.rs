@@ -1,0 +1,474 @@
+//! The request path's half of the usage pipeline: a bounded queue whose
+//! places are reserved at admission, so a committed charge can always be
+//! recorded without waiting or failing.
+//!
+//! The queue is striped: each stripe has its own places, its own counter and
+//! its own event ring, on its own cache lines, and a thread takes places from
+//! the stripe of its locality. Threads serving requests in parallel therefore
+//! do not contend on one counter, one reference count or one ring tail. A
+//! thread whose stripe is full borrows a place from another stripe, so the
+//! queue's capacity is shared by all.
+
+use std::collections::VecDeque;
+use std::fmt;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::task::Waker;
+
+use atomic_waker::AtomicWaker;
+use crossbeam_queue::ArrayQueue;
+
+use crate::model::sharding::split_evenly;
+use crate::model::{CachePadded, DenyReason, LocalSharding, Locality, UsageEvent};
+
+/// Hands usage events to the writer. Cheap to clone; every clone feeds the
+/// same queue.
+#[derive(Clone)]
+pub struct UsageRecorder {
+    queue: Arc<UsageQueue>,
+}
+
+/// A reserved place in the usage queue, taken at admission.
+///
+/// Turning it into an event with [`record`](Self::record) never fails and
+/// never waits: the place was set aside when the permit was taken (I20).
+/// Dropping it unused gives the place back.
+#[must_use = "a permit holds a place in the usage queue until it is recorded or dropped"]
+pub struct UsagePermit {
+    /// The stripe whose place this is; `None` once the place holds an event.
+    stripe: Option<Arc<CachePadded<Stripe>>>,
+}
+
+/// The queue itself, shared by the recorder's clones and the writer.
+///
+/// # Invariants
+///
+/// For every stripe, `available + outstanding permits + events not yet
+/// delivered = the stripe's capacity`, and the stripes' capacities add up to
+/// the queue's (I20). An event keeps its place until the writer reports it
+/// delivered (accepted, duplicate or rejected) or lost, so the capacity
+/// bounds everything this process has committed but not yet written.
+pub(crate) struct UsageQueue {
+    stripes: Box<[Arc<CachePadded<Stripe>>]>,
+    hub: Arc<Hub>,
+    /// Which stripes the writer's taken-but-unreleased events came from, in
+    /// the order taken, as runs of (stripe, count). Only the writer touches
+    /// it, never the request path.
+    taken: Mutex<VecDeque<(usize, usize)>>,
+}
+
+struct Stripe {
+    available: AtomicUsize,
+    events: ArrayQueue<UsageEvent>,
+    capacity: usize,
+    /// Events in this stripe at which a recording wakes the writer.
+    wake_at: usize,
+    hub: Arc<Hub>,
+}
+
+/// What every stripe shares: read on the request path, written rarely.
+struct Hub {
+    capacity: usize,
+    waker: AtomicWaker,
+    closed: AtomicBool,
+    /// Events whose push failed; impossible while I20 holds, counted so a
+    /// broken invariant is loud rather than silent.
+    overflowed: AtomicU64,
+}
+
+impl UsageRecorder {
+    /// A recorder over a new queue of `capacity` places that wakes its
+    /// reader once `wake_at` events wait in one stripe (or a stripe is full).
+    ///
+    /// [`UsageWriter::spawn`](crate::runtime::UsageWriter::spawn) makes the
+    /// recorder a deployment uses, with the writer draining it. A recorder
+    /// made here has no writer: once its places are taken it denies every
+    /// admission, which is what tests of the request path want.
+    ///
+    /// # Panics
+    ///
+    /// When `capacity` is zero.
+    #[must_use]
+    pub fn with_capacity(capacity: usize, wake_at: usize) -> Self {
+        assert!(capacity > 0, "a usage queue needs at least one place");
+        let count = LocalSharding::per_core().count().min(capacity);
+        let hub = Arc::new(Hub {
+            capacity,
+            waker: AtomicWaker::new(),
+            closed: AtomicBool::new(false),
+            overflowed: AtomicU64::new(0),
+        });
+        // Each stripe wakes the writer at a whole batch (or when full, if it
+        // is smaller), so a partial batch waits for the flush interval
+        // however the threads that recorded it were spread.
+        let wake_at = wake_at.max(1);
+        let stripes = (0..count)
+            .map(|index| {
+                let places = usize::try_from(split_evenly(capacity as u64, count, index))
+                    .expect("a part of a usize fits a usize");
+                Arc::new(CachePadded(Stripe {
+                    available: AtomicUsize::new(places),
+                    events: ArrayQueue::new(places),
+                    capacity: places,
+                    wake_at: wake_at.min(places),
+                    hub: Arc::clone(&hub),
+                }))
+            })
+            .collect();
+        Self {
+            queue: Arc::new(UsageQueue {
+                stripes,
+                hub,
+                taken: Mutex::new(VecDeque::new()),
+            }),
+        }
+    }
+
+    /// Reserves a place for one future usage event, preferring the calling
+    /// thread's stripe.
+    ///
+    /// # Errors
+    ///
+    /// [`DenyReason::AccountingBackpressure`] when every place is taken, and
+    /// [`DenyReason::ShuttingDown`] once the writer has been told to stop.
+    #[inline]
+    pub fn try_permit(&self) -> Result<UsagePermit, DenyReason> {
+        let queue = &*self.queue;
+        if queue.hub.closed.load(Ordering::Acquire) {
+            return Err(DenyReason::ShuttingDown);
+        }
+        let count = queue.stripes.len();
+        let home = Locality::current().shard_of(count);
+        for offset in 0..count {
+            let stripe = &queue.stripes[(home + offset) % count];
+            // I20: a place is taken only if one is free.
+            if stripe
+                .available
+                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |free| {
+                    free.checked_sub(1)
+                })
+                .is_ok()
+            {
+                return Ok(UsagePermit {
+                    stripe: Some(Arc::clone(stripe)),
+                });
+            }
+        }
+        Err(DenyReason::AccountingBackpressure)
+    }
+
+    /// Places not reserved and not holding an undelivered event.
+    #[must_use]
+    pub fn available(&self) -> usize {
+        self.queue
+            .stripes
+            .iter()
+            .map(|stripe| stripe.available.load(Ordering::Acquire))
+            .sum()
+    }
+
+    /// The queue's size.
+    #[must_use]
+    pub fn capacity(&self) -> usize {
+        self.queue.hub.capacity
+    }
+
+    /// Events recorded and not yet taken by the writer.
+    #[must_use]
+    pub fn queued(&self) -> usize {
+        self.queue.len()
+    }
+
+    /// Takes up to `max` recorded events out of the queue into `out`, and
+    /// frees their places: delivering them is now the caller's job. Returns
+    /// how many were taken. Events from one thread come out in the order it
+    /// recorded them while its stripe had room.
+    ///
+    /// [`UsageWriter`](crate::runtime::UsageWriter) does this itself; use it
+    /// only on a recorder made with [`with_capacity`](Self::with_capacity)
+    /// that no writer drains, such as in tests or an embedding that delivers
+    /// usage its own way.
+    pub fn take_recorded(&self, out: &mut Vec<UsageEvent>, max: usize) -> usize {
+        let taken = self.queue.take_into(out, max);
+        self.queue.release(taken);
+        taken
+    }
+
+    pub(crate) fn queue(&self) -> &Arc<UsageQueue> {
+        &self.queue
+    }
+}
+
+impl fmt::Debug for UsageRecorder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("UsageRecorder")
+            .field("capacity", &self.capacity())
+            .field("stripes", &self.queue.stripes.len())
+            .field("available", &self.available())
+            .field("queued", &self.queued())
+            .field("closed", &self.queue.hub.closed.load(Ordering::Acquire))
+            .finish()
+    }
+}
+
+impl UsagePermit {
+    /// Queues `event` in the place this permit reserved. Never blocks and
+    /// never fails (I20).
+    #[inline]
+    pub fn record(mut self, event: UsageEvent) {
+        // The place now belongs to the queued event; it comes back when the
+        // writer delivers it, so dropping the permit must not return it.
+        let Some(stripe) = self.stripe.take() else {
+            return;
+        };
+        if stripe.events.push(event).is_err() {
+            // Unreachable while I20 holds: the permit's place is free.
+            stripe.hub.overflowed.fetch_add(1, Ordering::Relaxed);
+            debug_assert!(false, "I20: a permit's place was taken");
+        }
+        if stripe.events.len() >= stripe.wake_at {
+            stripe.hub.waker.wake();
+        }
+    }
+}
+
+impl Drop for UsagePermit {
+    fn drop(&mut self) {
+        if let Some(stripe) = &self.stripe {
+            stripe.available.fetch_add(1, Ordering::AcqRel);
+        }
+    }
+}
+
+impl fmt::Debug for UsagePermit {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("UsagePermit")
+    }
+}
+
+impl UsageQueue {
+    /// Moves up to `max` queued events into `batch`, stripe by stripe, each
+    /// stripe's oldest first; returns how many. Their places stay taken until
+    /// [`release`](Self::release).
+    pub(crate) fn take_into(&self, batch: &mut Vec<UsageEvent>, max: usize) -> usize {
+        let mut taken = self.lock_taken();
+        let mut total = 0;
+        for (index, stripe) in self.stripes.iter().enumerate() {
+            let mut run = 0;
+            while total < max {
+                match stripe.events.pop() {
+                    Some(event) => {
+                        batch.push(event);
+                        run += 1;
+                        total += 1;
+                    }
+                    None => break,
+                }
+            }
+            if run > 0 {
+                taken.push_back((index, run));
+            }
+        }
+        total
+    }
+
+    /// Frees the places of the `delivered` events taken longest ago: they
+    /// left this process (written, rejected, or given up as lost).
+    pub(crate) fn release(&self, mut delivered: usize) {
+        let mut taken = self.lock_taken();
+        while delivered > 0 {
+            let Some((index, run)) = taken.front_mut() else {
+                debug_assert!(false, "I20: more places freed than were taken");
+                return;
+            };
+            let freed = (*run).min(delivered);
+            let stripe = &self.stripes[*index];
+            let before = stripe.available.fetch_add(freed, Ordering::AcqRel);
+            debug_assert!(
+                before + freed <= stripe.capacity,
+                "I20: more places freed than the stripe has"
+            );
+            *run -= freed;
+            delivered -= freed;
+            if *run == 0 {
+                taken.pop_front();
+            }
+        }
+    }
+
+    /// Registers the writer to be woken when a batch's worth is waiting.
+    pub(crate) fn register(&self, waker: &Waker) {
+        self.hub.waker.register(waker);
+    }
+
+    /// Whether some stripe holds a batch's worth, or is full.
+    pub(crate) fn batch_ready(&self) -> bool {
+        self.stripes
+            .iter()
+            .any(|stripe| stripe.events.len() >= stripe.wake_at)
+    }
+
+    /// Events waiting to be taken.
+    pub(crate) fn len(&self) -> usize {
+        self.stripes.iter().map(|stripe| stripe.events.len()).sum()
+    }
+
+    /// Refuses new permits from now on. Permits already taken still record.
+    pub(crate) fn close(&self) {
+        self.hub.closed.store(true, Ordering::Release);
+        self.hub.waker.wake();
+    }
+
+    /// Events lost because a permit found its place taken (always zero
+    /// while I20 holds).
+    pub(crate) fn overflowed(&self) -> u64 {
+        self.hub.overflowed.load(Ordering::Relaxed)
+    }
+
+    /// Places held by outstanding permits and undelivered events.
+    pub(crate) fn in_use(&self) -> usize {
+        self.stripes
+            .iter()
+            .map(|stripe| stripe.capacity - stripe.available.load(Ordering::Acquire))
+            .sum()
+    }
+
+    fn lock_taken(&self) -> std::sync::MutexGuard<'_, VecDeque<(usize, usize)>> {
+        // A list of counts cannot be left half-written by a panic.
+        self.taken.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use jiff::Timestamp;
+
+    use super::*;
+    use crate::model::{AccountId, CostUnits, PolicyRevision, RequestId, UsageSource};
+
+    fn event(id: u128) -> UsageEvent {
+        UsageEvent {
+            request_id: RequestId(id),
+            account_id: AccountId(1),
+            source: UsageSource::Overage,
+            units: CostUnits(1),
+            at: Timestamp::UNIX_EPOCH,
+            policy_revision: PolicyRevision::UNSTATED,
+            key_id: None,
+        }
+    }
+
+    #[test]
+    fn a_full_queue_denies_with_backpressure_and_a_dropped_permit_frees_its_place() {
+        let recorder = UsageRecorder::with_capacity(2, 2);
+        let first = recorder.try_permit().unwrap();
+        let second = recorder.try_permit().unwrap();
+        assert_eq!(
+            recorder.try_permit().unwrap_err(),
+            DenyReason::AccountingBackpressure
+        );
+        drop(first);
+        assert_eq!(recorder.available(), 1);
+        second.record(event(1));
+        let third = recorder.try_permit().unwrap();
+        // I20: one queued event and one permit hold the two places.
+        assert_eq!(recorder.available(), 0);
+        assert_eq!(recorder.queued(), 1);
+        drop(third);
+    }
+
+    #[test]
+    fn a_recorded_event_keeps_its_place_until_delivered() {
+        let recorder = UsageRecorder::with_capacity(3, 3);
+        for id in 0..3 {
+            recorder.try_permit().unwrap().record(event(id));
+        }
+        let queue = recorder.queue();
+        let mut batch = Vec::new();
+        assert_eq!(queue.take_into(&mut batch, 2), 2);
+        assert_eq!(recorder.available(), 0, "taken is not yet delivered");
+        queue.release(2);
+        // I20: the two delivered places are free, the queued event holds one.
+        assert_eq!(recorder.available(), 2);
+        assert_eq!(queue.in_use(), 1);
+        assert_eq!(queue.take_into(&mut batch, 2), 1);
+        let mut ids: Vec<u128> = batch.iter().map(|e| e.request_id.get()).collect();
+        ids.sort_unstable();
+        assert_eq!(ids, vec![0, 1, 2], "every event comes out once");
+        queue.release(1);
+        assert_eq!(recorder.available(), 3);
+    }
+
+    #[test]
+    fn one_threads_events_come_out_in_the_order_it_recorded_them() {
+        let recorder = UsageRecorder::with_capacity(64, 64);
+        for id in 0..5 {
+            recorder.try_permit().unwrap().record(event(id));
+        }
+        let mut out = Vec::new();
+        assert_eq!(recorder.take_recorded(&mut out, usize::MAX), 5);
+        let ids: Vec<u128> = out.iter().map(|e| e.request_id.get()).collect();
+        assert_eq!(ids, vec![0, 1, 2, 3, 4]);
+        assert_eq!(recorder.available(), 64);
+    }
+
+    #[test]
+    fn a_thread_whose_stripe_is_full_borrows_a_place_from_another() {
+        let recorder = UsageRecorder::with_capacity(4, 4);
+        let stripes = recorder.queue().stripes.len();
+        // One thread can take every place in the queue, whatever the stripes.
+        let held: Vec<_> = (0..4).map(|_| recorder.try_permit().unwrap()).collect();
+        assert_eq!(recorder.available(), 0);
+        assert_eq!(
+            recorder.try_permit().unwrap_err(),
+            DenyReason::AccountingBackpressure
+        );
+        for permit in held {
+            drop(permit);
+        }
+        assert_eq!(
+            recorder.available(),
+            4,
+            "{stripes} stripes, all places back"
+        );
+    }
+
+    #[test]
+    fn a_closed_queue_refuses_new_permits_but_records_outstanding_ones() {
+        let recorder = UsageRecorder::with_capacity(4, 4);
+        let outstanding = recorder.try_permit().unwrap();
+        recorder.queue().close();
+        assert_eq!(recorder.try_permit().unwrap_err(), DenyReason::ShuttingDown);
+        outstanding.record(event(9));
+        assert_eq!(recorder.queued(), 1);
+        assert_eq!(recorder.queue().overflowed(), 0);
+    }
+
+    #[test]
+    fn racing_permits_never_exceed_the_capacity() {
+        let recorder = UsageRecorder::with_capacity(64, 64);
+        let granted: usize = std::thread::scope(|scope| {
+            let racers: Vec<_> = (0..4)
+                .map(|_| {
+                    let recorder = recorder.clone();
+                    scope.spawn(move || {
+                        let mut held = Vec::new();
+                        while let Ok(permit) = recorder.try_permit() {
+                            held.push(permit);
+                        }
+                        let count = held.len();
+                        for (i, permit) in held.into_iter().enumerate() {
+                            permit.record(event(i as u128));
+                        }
+                        count
+                    })
+                })
+                .collect();
+            racers.into_iter().map(|r| r.join().unwrap()).sum()
+        });
+        // I20: exactly the capacity was handed out, and every event is queued.
+        assert_eq!(granted, 64);
+        assert_eq!(recorder.queued(), 64);
+        assert_eq!(recorder.queue().overflowed(), 0);
+    }
+}

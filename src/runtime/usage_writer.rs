@@ -1,0 +1,734 @@
+//! The usage writer: the background task that drains the usage queue into a
+//! [`UsageSink`].
+//!
+//! Admission reserves a place in the bounded queue before it admits, and
+//! recording a committed charge fills that place (I20). The writer takes the
+//! events out oldest first, in batches of at most `max_batch`, and hands each
+//! batch to the sink. A place is freed only when the sink has said what became
+//! of its event, or when the writer gives the event up at its shutdown
+//! deadline and reports it lost (I21).
+//!
+//! # Delivery
+//!
+//! The writer wakes when a batch's worth is queued, when the flush interval
+//! passes with at least one event queued, or when it is told to stop. Every
+//! ingest call is bounded by `ingest_timeout` (I22). A storage error, a
+//! timeout or an answer with the wrong number of outcomes is a failed attempt:
+//! the writer waits `retry_backoff` and delivers the *same* batch again, in
+//! the same order, with nothing added. Re-delivery is harmless because events
+//! are idempotent by request id (I8). An event the sink rejects is counted,
+//! logged and never retried, because retrying cannot help.
+//!
+//! # Shutdown
+//!
+//! [`UsageWriter::stop_at`] closes the queue, so admission denies with
+//! `ShuttingDown`, and sets a deadline. The writer keeps delivering until the
+//! queue is empty and no permit is outstanding, or until the deadline. Every
+//! wait it makes after that (an ingest, a backoff, waiting for a permit to
+//! record) is raced against the deadline, so [`UsageWriter::shutdown`]
+//! returns by then. What the writer could not deliver is counted as lost,
+//! logged and reported in the [`WriterReport`].
+//!
+//! Dropping the [`UsageWriter`] without calling `shutdown` aborts the task,
+//! closes the queue and logs how many events were left undelivered.
+
+use std::fmt;
+use std::future::{Future, poll_fn};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::task::Poll;
+use std::time::Duration;
+
+use jiff::Timestamp;
+use tokio::sync::watch;
+use tokio::task::{JoinError, JoinHandle};
+use tokio::time::error::Elapsed;
+use tokio::time::{Instant, sleep, sleep_until, timeout};
+
+use crate::admission::{UsageQueue, UsageRecorder};
+use crate::model::UsageEvent;
+use crate::store::{Clock, IngestOutcome, StoreError, UsageSink};
+
+/// How the usage writer batches, retries and stops.
+///
+/// There is no `Default` (I17): these limits decide how many charges may wait
+/// unbilled and for how long, so the caller states every one, and
+/// [`validate`](Self::validate) checks them before the writer starts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct UsageWriterConfig {
+    /// Places in the usage queue: the most charges this process may hold
+    /// committed but not yet written. Must be positive.
+    pub queue_capacity: usize,
+    /// The most events in one ingest call, and the queue length that wakes
+    /// the writer before the flush interval. Must be positive and at most
+    /// `queue_capacity`.
+    pub max_batch: usize,
+    /// The longest an idle writer lets a partial batch wait. Must be
+    /// positive.
+    pub flush_interval: Duration,
+    /// The pause after a failed ingest before the same batch is delivered
+    /// again. Must be positive.
+    pub retry_backoff: Duration,
+    /// The bound on every ingest call (I22). Must be positive.
+    pub ingest_timeout: Duration,
+    /// How long a shutdown may spend draining the queue. Must be positive.
+    pub shutdown_drain_deadline: Duration,
+}
+
+/// The first rule a [`UsageWriterConfig`] breaks, in field order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum UsageWriterConfigError {
+    /// `queue_capacity` is zero.
+    QueueCapacityZero,
+    /// `max_batch` is zero.
+    MaxBatchZero,
+    /// `max_batch` is larger than `queue_capacity`.
+    MaxBatchAboveQueueCapacity,
+    /// `flush_interval` is zero.
+    FlushIntervalZero,
+    /// `retry_backoff` is zero.
+    RetryBackoffZero,
+    /// `ingest_timeout` is zero.
+    IngestTimeoutZero,
+    /// `shutdown_drain_deadline` is zero.
+    ShutdownDrainDeadlineZero,
+}
+
+/// The owner's handle on the usage writer task.
+///
+/// Keep it for the life of the service and call [`shutdown`](Self::shutdown)
+/// to drain; dropping it instead aborts the task and logs what was left
+/// undelivered.
+pub struct UsageWriter {
+    shared: Arc<Shared>,
+    queue: Arc<UsageQueue>,
+    shutdown_drain_deadline: Duration,
+    /// `None` only once `shutdown` or `drop` has taken it.
+    task: Option<JoinHandle<u64>>,
+}
+
+/// What the writer has done so far.
+///
+/// Every event ever recorded is exactly one of `accepted`, `duplicate`,
+/// `rejected`, `lost`, `queued` or `in_flight` whenever the writer is between
+/// steps (I21: nothing is lost silently). The fields are read one at a time,
+/// so a reading taken while the writer moves a batch may be off by that batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct WriterStats {
+    /// Events the sink recorded.
+    pub accepted: u64,
+    /// Events the sink had already recorded.
+    pub duplicate: u64,
+    /// Events the sink refused; never retried.
+    pub rejected: u64,
+    /// Events given up at the shutdown deadline.
+    pub lost: u64,
+    /// Events waiting in the queue.
+    pub queued: u64,
+    /// Events in the batch being delivered.
+    pub in_flight: u64,
+    /// Batches the sink answered for.
+    pub batches: u64,
+    /// Re-deliveries of a batch after a failed attempt.
+    pub retries: u64,
+    /// Ingest calls cut off by `ingest_timeout`.
+    pub ingest_timeouts: u64,
+    /// Ingest calls that failed, or answered with the wrong number of
+    /// outcomes.
+    pub storage_errors: u64,
+}
+
+/// Whether the writer is delivering.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WriterHealth {
+    /// The last delivery succeeded, or none has failed yet.
+    Healthy,
+    /// The current batch has failed and is being retried.
+    Retrying {
+        /// When the first failure of this streak happened, by the writer's
+        /// clock.
+        since: Timestamp,
+        /// Failed attempts in this streak.
+        attempts: u64,
+    },
+    /// The task has ended.
+    Stopped,
+}
+
+/// What a shutdown found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WriterReport {
+    /// The final statistics.
+    pub stats: WriterStats,
+    /// Events given up: `stats.lost` (the in-flight batch and everything
+    /// still queued at the deadline) plus the places still held by
+    /// outstanding permits, whose events nobody will write. A permit dropped
+    /// unused after the writer ended makes this an overcount by one.
+    pub lost: u64,
+    /// The task panicked or was aborted instead of finishing; `lost` then
+    /// counts every place still held in the queue.
+    pub task_died: bool,
+}
+
+impl UsageWriterConfig {
+    /// Checks every rule, in field order.
+    ///
+    /// # Errors
+    ///
+    /// The first rule broken.
+    pub fn validate(&self) -> Result<(), UsageWriterConfigError> {
+        use UsageWriterConfigError as Broken;
+        let rules = [
+            (self.queue_capacity > 0, Broken::QueueCapacityZero),
+            (self.max_batch > 0, Broken::MaxBatchZero),
+            (
+                self.max_batch <= self.queue_capacity,
+                Broken::MaxBatchAboveQueueCapacity,
+            ),
+            (!self.flush_interval.is_zero(), Broken::FlushIntervalZero),
+            (!self.retry_backoff.is_zero(), Broken::RetryBackoffZero),
+            (!self.ingest_timeout.is_zero(), Broken::IngestTimeoutZero),
+            (
+                !self.shutdown_drain_deadline.is_zero(),
+                Broken::ShutdownDrainDeadlineZero,
+            ),
+        ];
+        rules
+            .into_iter()
+            .find_map(|(holds, broken)| (!holds).then_some(broken))
+            .map_or(Ok(()), Err)
+    }
+}
+
+impl fmt::Display for UsageWriterConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::QueueCapacityZero => "usage writer: queue_capacity must be positive",
+            Self::MaxBatchZero => "usage writer: max_batch must be positive",
+            Self::MaxBatchAboveQueueCapacity => {
+                "usage writer: max_batch must not exceed queue_capacity"
+            }
+            Self::FlushIntervalZero => "usage writer: flush_interval must be positive",
+            Self::RetryBackoffZero => "usage writer: retry_backoff must be positive",
+            Self::IngestTimeoutZero => "usage writer: ingest_timeout must be positive",
+            Self::ShutdownDrainDeadlineZero => {
+                "usage writer: shutdown_drain_deadline must be positive"
+            }
+        })
+    }
+}
+
+impl std::error::Error for UsageWriterConfigError {}
+
+impl UsageWriter {
+    /// Validates `config`, builds the usage queue and starts the writer on
+    /// the current tokio runtime. The recorder feeds admission; the writer is
+    /// the owner's handle.
+    ///
+    /// # Errors
+    ///
+    /// The first rule `config` breaks; nothing is started then.
+    ///
+    /// # Panics
+    ///
+    /// When called outside a tokio runtime.
+    pub fn spawn(
+        sink: Arc<dyn UsageSink>,
+        clock: Arc<dyn Clock>,
+        config: UsageWriterConfig,
+    ) -> Result<(UsageRecorder, Self), UsageWriterConfigError> {
+        config.validate()?;
+        let recorder = UsageRecorder::with_capacity(config.queue_capacity, config.max_batch);
+        let queue = Arc::clone(recorder.queue());
+        let (stop, stop_rx) = watch::channel(None);
+        let shared = Arc::new(Shared {
+            counters: Counters::default(),
+            health: Mutex::new(WriterHealth::Healthy),
+            stop,
+        });
+        let task = Task {
+            queue: Arc::clone(&queue),
+            sink,
+            clock,
+            shared: Arc::clone(&shared),
+            stop: stop_rx,
+            config,
+            batch: Vec::with_capacity(config.max_batch),
+        };
+        let writer = Self {
+            shared,
+            queue,
+            shutdown_drain_deadline: config.shutdown_drain_deadline,
+            task: Some(tokio::spawn(task.run())),
+        };
+        Ok((recorder, writer))
+    }
+
+    /// The counters as they stand now.
+    pub fn stats(&self) -> WriterStats {
+        let counters = &self.shared.counters;
+        let read = |counter: &AtomicU64| counter.load(Ordering::Relaxed);
+        WriterStats {
+            accepted: read(&counters.accepted),
+            duplicate: read(&counters.duplicate),
+            rejected: read(&counters.rejected),
+            lost: read(&counters.lost),
+            queued: self.queue.len() as u64,
+            in_flight: read(&counters.in_flight),
+            batches: read(&counters.batches),
+            retries: read(&counters.retries),
+            ingest_timeouts: read(&counters.ingest_timeouts),
+            storage_errors: read(&counters.storage_errors),
+        }
+    }
+
+    /// Whether the writer is delivering, retrying, or has ended.
+    pub fn health(&self) -> WriterHealth {
+        // A task that panicked never wrote `Stopped` itself.
+        if self.task.as_ref().is_none_or(JoinHandle::is_finished) {
+            return WriterHealth::Stopped;
+        }
+        *self.shared.health()
+    }
+
+    /// Closes the queue to new permits and tells the writer to drain until
+    /// `deadline`, or until `shutdown_drain_deadline` from now if that is
+    /// earlier. Calling it again can bring the deadline forward, never push
+    /// it back.
+    pub fn stop_at(&self, deadline: Instant) {
+        let deadline = deadline.min(after(Instant::now(), self.shutdown_drain_deadline));
+        // The deadline is published before the close wakes the task, so the
+        // task sees it on that wake.
+        self.shared.stop.send_modify(|current| {
+            *current = Some(current.map_or(deadline, |earlier| earlier.min(deadline)));
+        });
+        // I20: a closed queue denies new permits with `ShuttingDown`; permits
+        // already taken still record, and the writer waits for them.
+        self.queue.close();
+    }
+
+    /// Stops the writer (with `shutdown_drain_deadline` unless
+    /// [`stop_at`](Self::stop_at) already set a deadline), waits for it to
+    /// drain, and reports what it delivered and what it gave up.
+    ///
+    /// Returns by the deadline, give or take scheduling: the task races
+    /// every wait against it (I21).
+    ///
+    /// # Panics
+    ///
+    /// Never in practice: the task handle is present until this method or
+    /// `drop` consumes the writer.
+    pub async fn shutdown(mut self) -> WriterReport {
+        if self.shared.stop.borrow().is_none() {
+            self.stop_at(after(Instant::now(), self.shutdown_drain_deadline));
+        }
+        let task = self
+            .task
+            .take()
+            .expect("the task handle is taken only by shutdown or drop, which consume the writer");
+        let ending = task.await;
+        self.report(ending)
+    }
+
+    fn report(&self, ending: Result<u64, JoinError>) -> WriterReport {
+        let stats = self.stats();
+        match ending {
+            Ok(held_by_permits) => WriterReport {
+                stats,
+                lost: stats.lost + held_by_permits,
+                task_died: false,
+            },
+            Err(error) => {
+                // Nobody will deliver what the dead task held, what is
+                // queued, or what outstanding permits record.
+                let lost = self.queue.in_use() as u64;
+                tracing::error!(
+                    %error,
+                    lost,
+                    "usage writer: the task died before draining; its undelivered events are lost"
+                );
+                WriterReport {
+                    stats,
+                    lost,
+                    task_died: true,
+                }
+            }
+        }
+    }
+}
+
+impl Drop for UsageWriter {
+    fn drop(&mut self) {
+        let Some(task) = self.task.take() else {
+            return;
+        };
+        // Nothing will write what admission records from now on, so admission
+        // must stop (I20: a closed queue denies with `ShuttingDown`).
+        self.queue.close();
+        if !task.is_finished() {
+            task.abort();
+            tracing::warn!(
+                undelivered = self.queue.in_use(),
+                "usage writer: handle dropped without shutdown; the task is aborted and \
+                 its undelivered events will not be written"
+            );
+        }
+    }
+}
+
+impl fmt::Debug for UsageWriter {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("UsageWriter")
+            .field("health", &self.health())
+            .field("stats", &self.stats())
+            .field("stop_deadline", &*self.shared.stop.borrow())
+            .finish_non_exhaustive()
+    }
+}
+
+/// What the handle and the task share.
+struct Shared {
+    /// Written only by the task.
+    counters: Counters,
+    /// Written only by the task; read by the handle.
+    health: Mutex<WriterHealth>,
+    /// The stop deadline, once one is requested. The sender lives here, so
+    /// the task's receiver stays open for as long as the task runs.
+    stop: watch::Sender<Option<Instant>>,
+}
+
+/// The task's statistics. Plain `std` atomics rather than the loom facade:
+/// nothing orders other memory by them, so there is no protocol for loom to
+/// check, and `Relaxed` suffices.
+#[derive(Default)]
+struct Counters {
+    accepted: AtomicU64,
+    duplicate: AtomicU64,
+    rejected: AtomicU64,
+    lost: AtomicU64,
+    in_flight: AtomicU64,
+    batches: AtomicU64,
+    retries: AtomicU64,
+    ingest_timeouts: AtomicU64,
+    storage_errors: AtomicU64,
+}
+
+impl Shared {
+    fn health(&self) -> MutexGuard<'_, WriterHealth> {
+        // A health value cannot be left half-written, so a poisoned lock
+        // still holds a valid reading.
+        self.health.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+fn bump(counter: &AtomicU64, by: u64) {
+    counter.fetch_add(by, Ordering::Relaxed);
+}
+
+/// The writer task.
+///
+/// # Invariants
+///
+/// 1. `batch` holds events taken from the queue, in queue order, whose places
+///    are not yet released; it is emptied only after the sink answered for
+///    every one of them, or at the deadline when they are counted lost (I21).
+/// 2. Between steps, `counters.in_flight == batch.len()`.
+struct Task {
+    queue: Arc<UsageQueue>,
+    sink: Arc<dyn UsageSink>,
+    clock: Arc<dyn Clock>,
+    shared: Arc<Shared>,
+    stop: watch::Receiver<Option<Instant>>,
+    config: UsageWriterConfig,
+    batch: Vec<UsageEvent>,
+}
+
+/// What the task should do after waiting.
+enum Wait {
+    /// Take a batch and deliver it.
+    Work,
+    /// Stopped, and either drained or out of time.
+    Finish,
+}
+
+/// The stop deadline passed before the awaited work finished.
+struct DeadlinePassed;
+
+impl Task {
+    /// Delivers batches until stopped, then gives up whatever is left.
+    /// Returns the places still held by outstanding permits at the end.
+    async fn run(mut self) -> u64 {
+        while let Wait::Work = self.wait_for_work().await {
+            self.queue.take_into(&mut self.batch, self.config.max_batch);
+            self.shared
+                .counters
+                .in_flight
+                .store(self.batch.len() as u64, Ordering::Relaxed);
+            debug_assert!(
+                !self.batch.is_empty(),
+                "the task is the queue's only reader, and it was told events are waiting"
+            );
+            if self.deliver().await.is_err() {
+                break;
+            }
+        }
+        self.give_up()
+    }
+
+    /// Waits until a batch should be taken, or until the writer should end.
+    async fn wait_for_work(&mut self) -> Wait {
+        let mut flush_at = after(Instant::now(), self.config.flush_interval);
+        loop {
+            let deadline = *self.stop.borrow_and_update();
+            if let Some(deadline) = deadline
+                && let Some(next) = self.next_after_stop(deadline)
+            {
+                return next;
+            }
+            let wake_at = deadline.map_or(flush_at, |deadline| deadline.min(flush_at));
+            tokio::select! {
+                () = batch_ready(&self.queue) => return Wait::Work,
+                () = sleep_until(wake_at) => {
+                    if self.queue.len() > 0 {
+                        return Wait::Work;
+                    }
+                    if Instant::now() >= flush_at {
+                        flush_at = after(flush_at, self.config.flush_interval);
+                    }
+                }
+                () = stop_changed(&mut self.stop) => {}
+            }
+        }
+    }
+
+    /// I21: once stopped, the writer ends when no place is held (queue
+    /// empty, no permit outstanding) or the deadline has passed; until then
+    /// whatever is queued goes out at once. `None` means wait: a permit may
+    /// still record.
+    fn next_after_stop(&self, deadline: Instant) -> Option<Wait> {
+        if self.queue.in_use() == 0 || Instant::now() >= deadline {
+            Some(Wait::Finish)
+        } else if self.queue.len() > 0 {
+            Some(Wait::Work)
+        } else {
+            // A permit's recording wakes the task only once a batch's worth
+            // is queued, so the task polls at the flush interval.
+            None
+        }
+    }
+
+    /// Delivers the batch, retrying the same events after each failure,
+    /// until the sink answers for all of them or the stop deadline passes.
+    async fn deliver(&mut self) -> Result<(), DeadlinePassed> {
+        let mut attempts: u64 = 0;
+        loop {
+            if attempts > 0 {
+                bump(&self.shared.counters.retries, 1);
+            }
+            attempts += 1;
+            // I22: the ingest is bounded by the timeout; a stop deadline
+            // that comes sooner cuts it off too.
+            let call = timeout(self.config.ingest_timeout, self.sink.ingest(&self.batch));
+            let answer = before_deadline(&mut self.stop, call).await?;
+            if let Some(outcomes) = self.judge(answer) {
+                self.settle(&outcomes);
+                return Ok(());
+            }
+            self.note_failure();
+            // I21: the batch is kept as it is (same events, same order,
+            // nothing appended) and delivered again after the backoff;
+            // re-delivery is safe because events are idempotent (I8).
+            before_deadline(&mut self.stop, sleep(self.config.retry_backoff)).await?;
+        }
+    }
+
+    /// The outcomes of an attempt that succeeded, or `None` after counting
+    /// and logging a failed one.
+    fn judge(
+        &self,
+        answer: Result<Result<Vec<IngestOutcome>, StoreError>, Elapsed>,
+    ) -> Option<Vec<IngestOutcome>> {
+        let counters = &self.shared.counters;
+        let size = self.batch.len();
+        match answer {
+            Ok(Ok(outcomes)) if outcomes.len() == size => Some(outcomes),
+            Ok(Ok(outcomes)) => {
+                bump(&counters.storage_errors, 1);
+                tracing::error!(
+                    batch = size,
+                    outcomes = outcomes.len(),
+                    "usage writer: the sink answered for the wrong number of events; \
+                     retrying the batch"
+                );
+                None
+            }
+            Ok(Err(error)) => {
+                bump(&counters.storage_errors, 1);
+                tracing::warn!(%error, batch = size, "usage writer: ingest failed; retrying the batch");
+                None
+            }
+            Err(_) => {
+                // I22: a timed-out call may have taken effect; retrying is
+                // safe by I8.
+                bump(&counters.ingest_timeouts, 1);
+                tracing::warn!(
+                    timeout = ?self.config.ingest_timeout,
+                    batch = size,
+                    "usage writer: ingest timed out; retrying the batch"
+                );
+                None
+            }
+        }
+    }
+
+    /// Counts the sink's answer for every event of the batch and frees their
+    /// places.
+    fn settle(&mut self, outcomes: &[IngestOutcome]) {
+        let (mut accepted, mut duplicate, mut rejected) = (0, 0, 0);
+        for (event, outcome) in self.batch.iter().zip(outcomes) {
+            match outcome {
+                IngestOutcome::Accepted => accepted += 1,
+                IngestOutcome::Duplicate => duplicate += 1,
+                IngestOutcome::Rejected(reason) => {
+                    // I21: a rejection is final; it is counted and logged,
+                    // never retried.
+                    rejected += 1;
+                    tracing::warn!(
+                        request_id = %event.request_id,
+                        reason = reason.label(),
+                        "usage writer: the sink rejected a usage event"
+                    );
+                }
+            }
+        }
+        let counters = &self.shared.counters;
+        bump(&counters.accepted, accepted);
+        bump(&counters.duplicate, duplicate);
+        bump(&counters.rejected, rejected);
+        bump(&counters.batches, 1);
+        counters.in_flight.store(0, Ordering::Relaxed);
+        // I20: these events have left the process; their places are free.
+        self.queue.release(self.batch.len());
+        self.batch.clear();
+        self.note_success();
+    }
+
+    fn note_failure(&self) {
+        let mut health = self.shared.health();
+        *health = match *health {
+            WriterHealth::Retrying { since, attempts } => WriterHealth::Retrying {
+                since,
+                attempts: attempts + 1,
+            },
+            WriterHealth::Healthy | WriterHealth::Stopped => WriterHealth::Retrying {
+                since: self.clock.now(),
+                attempts: 1,
+            },
+        };
+    }
+
+    fn note_success(&self) {
+        let mut health = self.shared.health();
+        if let WriterHealth::Retrying { since, attempts } = *health {
+            tracing::info!(%since, attempts, "usage writer: the sink recovered");
+        }
+        *health = WriterHealth::Healthy;
+    }
+
+    /// I21: at the end, whatever the writer still holds or finds queued is
+    /// counted lost and logged, never dropped silently. Returns the places
+    /// still held by outstanding permits.
+    fn give_up(&mut self) -> u64 {
+        self.queue.take_into(&mut self.batch, usize::MAX);
+        let abandoned = self.batch.len() as u64;
+        // I20: given-up events leave the process, so their places are freed.
+        // Places held by outstanding permits still belong to those permits,
+        // which free them when dropped; releasing them here would free them
+        // twice.
+        self.queue.release(self.batch.len());
+        self.batch.clear();
+        let counters = &self.shared.counters;
+        bump(&counters.lost, abandoned);
+        counters.in_flight.store(0, Ordering::Relaxed);
+        let held_by_permits = self.queue.in_use() as u64;
+        if abandoned > 0 || held_by_permits > 0 {
+            tracing::error!(
+                lost = abandoned,
+                held_by_permits,
+                "usage writer: shutdown deadline passed; undelivered usage events are lost"
+            );
+        }
+        let overflowed = self.queue.overflowed();
+        if overflowed > 0 {
+            tracing::error!(
+                overflowed,
+                "usage writer: events were dropped because their permit's place was taken (I20 broken)"
+            );
+        }
+        *self.shared.health() = WriterHealth::Stopped;
+        held_by_permits
+    }
+}
+
+/// Resolves once a batch's worth is queued.
+async fn batch_ready(queue: &UsageQueue) {
+    poll_fn(|cx| {
+        queue.register(cx.waker());
+        // Checked after registering: a recording that lands between the
+        // check and the registration would otherwise wake nobody.
+        if queue.batch_ready() {
+            Poll::Ready(())
+        } else {
+            Poll::Pending
+        }
+    })
+    .await;
+}
+
+/// Runs `work` unless the stop deadline passes first. Before a stop is
+/// requested there is no deadline, but a stop requested while `work` runs
+/// starts one, so no wait outlives it (I21).
+async fn before_deadline<F: Future>(
+    stop: &mut watch::Receiver<Option<Instant>>,
+    work: F,
+) -> Result<F::Output, DeadlinePassed> {
+    tokio::select! {
+        // An answer that is ready at the deadline still counts.
+        biased;
+        output = work => Ok(output),
+        () = deadline_passed(stop) => Err(DeadlinePassed),
+    }
+}
+
+/// Resolves when the stop deadline (the earliest requested) has passed.
+async fn deadline_passed(stop: &mut watch::Receiver<Option<Instant>>) {
+    loop {
+        let requested = *stop.borrow_and_update();
+        match requested {
+            Some(deadline) => tokio::select! {
+                () = sleep_until(deadline) => return,
+                // A later `stop_at` may have brought the deadline forward.
+                () = stop_changed(stop) => {}
+            },
+            None => stop_changed(stop).await,
+        }
+    }
+}
+
+/// Resolves when a stop is requested or its deadline changes.
+async fn stop_changed(stop: &mut watch::Receiver<Option<Instant>>) {
+    if stop.changed().await.is_err() {
+        // Unreachable: the sender lives in `Shared`, which the task holds.
+        // Waiting forever beats spinning on a closed channel.
+        std::future::pending::<()>().await;
+    }
+}
+
+/// `from + wait`, with waits beyond thirty years treated as thirty years:
+/// `Instant` arithmetic panics on overflow, and such a wait never ends in
+/// practice either way.
+fn after(from: Instant, wait: Duration) -> Instant {
+    const FAR_FUTURE: Duration = Duration::from_secs(86_400 * 365 * 30);
+    from + wait.min(FAR_FUTURE)
+}

@@ -1,0 +1,152 @@
+//! I5: a warm admission allocates nothing. With the snapshot published and a
+//! lease installed, `begin` + `commit` + the usage hand-off, and `begin` +
+//! drop, make no heap allocation on the calling thread.
+
+mod support;
+
+use std::sync::Arc;
+
+use jiff::{SignedDuration, Timestamp};
+use support::counting_allocator::{CountingAllocator, allocations_during, assert_counter_works};
+use tollgate::admission::{
+    AdmissionEngine, ArcSwapSnapshotMap, RequestIds, SlotRegistry, SnapshotMapConfig, UsageRecorder,
+};
+use tollgate::{
+    AccountId, AccountStatus, CostUnits, DenyReason, EnforcementMode, FencingToken, KeyId,
+    KeyStatus, LeaseGrant, LeaseId, LocalLease, LocalSharding, PermissionBits, PolicyRevision,
+    Principal, PrincipalSnapshot,
+};
+
+#[global_allocator]
+static GLOBAL: CountingAllocator = CountingAllocator;
+
+const ALICE: Principal = Principal(1);
+const ACCOUNT: AccountId = AccountId(1);
+
+fn at(second: i64) -> Timestamp {
+    Timestamp::from_second(second).expect("test instants are in range")
+}
+
+fn warm_engine(
+    mode: EnforcementMode,
+    sharding: LocalSharding,
+) -> (AdmissionEngine, Arc<LocalLease>) {
+    let registry = Arc::new(SlotRegistry::new(sharding));
+    let map = Arc::new(
+        ArcSwapSnapshotMap::new(
+            SnapshotMapConfig {
+                max_staleness: SignedDuration::from_secs(3_600),
+                negative_capacity: 16,
+                history_depth: 2,
+                lookup_queue_capacity: 16,
+            },
+            Arc::clone(&registry),
+        )
+        .unwrap(),
+    );
+    map.publish([PrincipalSnapshot {
+        principal: ALICE,
+        account_id: ACCOUNT,
+        key_id: Some(KeyId(1)),
+        permissions: PermissionBits::ALL,
+        key_status: KeyStatus::Active,
+        account_status: AccountStatus::Active,
+        mode,
+        policy_revision: PolicyRevision(1),
+        fetched_at: at(0),
+    }]);
+    let lease = Arc::new(LocalLease::with_sharding(
+        LeaseGrant {
+            lease_id: LeaseId(1),
+            account_id: ACCOUNT,
+            fencing_token: FencingToken(1),
+            units: CostUnits(1_000_000),
+            expires_at: at(1_000),
+        },
+        CostUnits::ZERO,
+        SignedDuration::ZERO,
+        sharding,
+    ));
+    registry.get(ACCOUNT).unwrap().replace(Arc::clone(&lease));
+    let recorder = UsageRecorder::with_capacity(4_096, 4_096);
+    let engine = AdmissionEngine::new(map, recorder, RequestIds::with_prefix(1));
+    // Warm the thread: its locality, request-id counter and arc-swap slot.
+    drop(
+        engine
+            .begin(ALICE, PermissionBits::NONE, CostUnits(1), at(1))
+            .unwrap(),
+    );
+    (engine, lease)
+}
+
+#[test]
+fn the_allocator_sees_allocations_on_this_thread() {
+    assert_counter_works();
+}
+
+#[test]
+fn begin_commit_and_usage_hand_off_allocate_nothing() {
+    for mode in [
+        EnforcementMode::Strict,
+        EnforcementMode::Elastic {
+            overage_cap: CostUnits(10),
+        },
+    ] {
+        for sharding in [LocalSharding::Single, LocalSharding::shards(4).unwrap()] {
+            let (engine, lease) = warm_engine(mode, sharding);
+            let counted = allocations_during(|| {
+                for _ in 0..1_000 {
+                    let mut context = engine
+                        .begin(ALICE, PermissionBits::bit(0), CostUnits(2), at(1))
+                        .unwrap();
+                    assert_eq!(context.commit(at(2)), Ok(CostUnits(2)));
+                }
+            });
+            assert_eq!(
+                counted, 0,
+                "I5: a warm admission allocated ({mode:?}, {sharding:?})"
+            );
+            assert_eq!(engine.recorder().queued(), 1_000);
+            assert_eq!(lease.remaining(), CostUnits(1_000_000 - 2_000));
+        }
+    }
+}
+
+#[test]
+fn begin_and_drop_allocate_nothing() {
+    let (engine, lease) = warm_engine(EnforcementMode::Strict, LocalSharding::Single);
+    let counted = allocations_during(|| {
+        for _ in 0..1_000 {
+            drop(
+                engine
+                    .begin(ALICE, PermissionBits::bit(0), CostUnits(2), at(1))
+                    .unwrap(),
+            );
+        }
+    });
+    assert_eq!(counted, 0, "I5: begin + drop allocated");
+    assert_eq!(lease.remaining(), CostUnits(1_000_000));
+    assert_eq!(engine.recorder().queued(), 0);
+}
+
+#[test]
+fn denials_allocate_nothing() {
+    let (engine, _lease) = warm_engine(EnforcementMode::Strict, LocalSharding::Single);
+    let counted = allocations_during(|| {
+        for _ in 0..100 {
+            assert_eq!(
+                engine
+                    .begin(ALICE, PermissionBits::ALL, CostUnits(2_000_000), at(1))
+                    .unwrap_err(),
+                DenyReason::LeaseExhausted
+            );
+            assert_eq!(
+                engine
+                    .begin(ALICE, PermissionBits::NONE, CostUnits(1), at(10_000))
+                    .unwrap_err(),
+                DenyReason::SnapshotStale
+            );
+        }
+    });
+    assert_eq!(counted, 0, "I5: a denial allocated");
+}

@@ -1,0 +1,674 @@
+//! The usage writer against a scripted sink, on paused tokio time: batching,
+//! the flush interval, retries through outages and hangs, rejections,
+//! bounded shutdown, and the accounting identity that says nothing is lost
+//! silently (I20, I21, I22).
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use jiff::{SignedDuration, Timestamp};
+use tokio::time::{Instant, sleep};
+use tollgate::runtime::{
+    UsageWriter, UsageWriterConfig, UsageWriterConfigError, WriterHealth, WriterStats,
+};
+use tollgate::store::{IngestOutcome, ManualClock, RejectReason, StoreError, UsageSink};
+use tollgate::{
+    AccountId, CostUnits, DenyReason, PolicyRevision, RequestId, UsageEvent, UsageSource,
+};
+
+const MAX_BATCH: usize = 4;
+const FLUSH_MS: u64 = 100;
+const FLUSH: Duration = Duration::from_millis(FLUSH_MS);
+const BACKOFF: Duration = Duration::from_millis(50);
+const INGEST_TIMEOUT: Duration = Duration::from_millis(200);
+const DRAIN: Duration = Duration::from_secs(1);
+
+fn config() -> UsageWriterConfig {
+    UsageWriterConfig {
+        queue_capacity: 64,
+        max_batch: MAX_BATCH,
+        flush_interval: FLUSH,
+        retry_backoff: BACKOFF,
+        ingest_timeout: INGEST_TIMEOUT,
+        shutdown_drain_deadline: DRAIN,
+    }
+}
+
+fn start() -> Timestamp {
+    Timestamp::from_second(1_700_000_000).expect("a test instant is in range")
+}
+
+fn ms(n: u64) -> Duration {
+    Duration::from_millis(n)
+}
+
+fn event(id: u128) -> UsageEvent {
+    UsageEvent {
+        request_id: RequestId(id),
+        account_id: AccountId(1),
+        source: UsageSource::Overage,
+        units: CostUnits(1),
+        at: start(),
+        policy_revision: PolicyRevision::UNSTATED,
+        key_id: None,
+    }
+}
+
+/// One planned answer of the scripted sink.
+#[derive(Debug, Clone)]
+enum Answer {
+    AcceptAll,
+    Fail,
+    Hang,
+    Outcomes(Vec<IngestOutcome>),
+    DuplicateAll,
+    RejectFirst,
+    WrongCount,
+}
+
+/// A sink that records every batch it is handed, in order, and answers from
+/// its script; once the script runs out it answers `then`.
+#[derive(Debug)]
+struct ScriptedSink {
+    script: Mutex<VecDeque<Answer>>,
+    then: Answer,
+    received: Mutex<Vec<Vec<u128>>>,
+    accepted: Mutex<Vec<u128>>,
+    answered: Mutex<Vec<u128>>,
+}
+
+impl ScriptedSink {
+    fn new(script: impl IntoIterator<Item = Answer>) -> Arc<Self> {
+        Self::then(script, Answer::AcceptAll)
+    }
+
+    fn then(script: impl IntoIterator<Item = Answer>, then: Answer) -> Arc<Self> {
+        Arc::new(Self {
+            script: Mutex::new(script.into_iter().collect()),
+            then,
+            received: Mutex::new(Vec::new()),
+            accepted: Mutex::new(Vec::new()),
+            answered: Mutex::new(Vec::new()),
+        })
+    }
+
+    fn plan(&self, answers: impl IntoIterator<Item = Answer>) {
+        lock(&self.script).extend(answers);
+    }
+
+    /// Every batch handed over, as request ids, in the order received.
+    fn received(&self) -> Vec<Vec<u128>> {
+        lock(&self.received).clone()
+    }
+
+    /// The ids of events answered `Accepted`, in the order answered.
+    fn accepted(&self) -> Vec<u128> {
+        lock(&self.accepted).clone()
+    }
+
+    /// The ids of events the sink gave any outcome for, in the order
+    /// answered.
+    fn answered(&self) -> Vec<u128> {
+        lock(&self.answered).clone()
+    }
+
+    fn next_answer(&self, batch: &[UsageEvent]) -> Answer {
+        lock(&self.received).push(batch.iter().map(|e| e.request_id.get()).collect());
+        lock(&self.script)
+            .pop_front()
+            .unwrap_or_else(|| self.then.clone())
+    }
+
+    fn note_answered(&self, batch: &[UsageEvent], outcomes: &[IngestOutcome]) {
+        let (mut accepted, mut answered) = (lock(&self.accepted), lock(&self.answered));
+        for (event, outcome) in batch.iter().zip(outcomes) {
+            answered.push(event.request_id.get());
+            if *outcome == IngestOutcome::Accepted {
+                accepted.push(event.request_id.get());
+            }
+        }
+    }
+}
+
+#[async_trait]
+impl UsageSink for ScriptedSink {
+    async fn ingest(&self, batch: &[UsageEvent]) -> Result<Vec<IngestOutcome>, StoreError> {
+        let outcomes = match self.next_answer(batch) {
+            Answer::AcceptAll => vec![IngestOutcome::Accepted; batch.len()],
+            Answer::Outcomes(outcomes) => outcomes,
+            Answer::DuplicateAll => vec![IngestOutcome::Duplicate; batch.len()],
+            Answer::RejectFirst => {
+                let mut outcomes = vec![IngestOutcome::Accepted; batch.len()];
+                outcomes[0] = IngestOutcome::Rejected(RejectReason::Malformed);
+                outcomes
+            }
+            Answer::WrongCount => vec![IngestOutcome::Accepted; batch.len() + 1],
+            Answer::Fail => return Err(StoreError::new("scripted outage")),
+            Answer::Hang => std::future::pending().await,
+        };
+        if outcomes.len() == batch.len() {
+            self.note_answered(batch, &outcomes);
+        }
+        Ok(outcomes)
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+struct Harness {
+    sink: Arc<ScriptedSink>,
+    clock: Arc<ManualClock>,
+    recorder: tollgate::admission::UsageRecorder,
+    writer: UsageWriter,
+    recorded: u64,
+}
+
+impl Harness {
+    fn new(sink: Arc<ScriptedSink>) -> Self {
+        Self::with_config(sink, config())
+    }
+
+    fn with_config(sink: Arc<ScriptedSink>, config: UsageWriterConfig) -> Self {
+        let clock = Arc::new(ManualClock::new(start()));
+        let (recorder, writer) = UsageWriter::spawn(sink.clone(), clock.clone(), config)
+            .expect("the test configuration is valid");
+        Self {
+            sink,
+            clock,
+            recorder,
+            writer,
+            recorded: 0,
+        }
+    }
+
+    /// Records one event per id, each through its own permit.
+    #[track_caller]
+    fn record(&mut self, ids: impl IntoIterator<Item = u128>) {
+        for id in ids {
+            let permit = self
+                .recorder
+                .try_permit()
+                .expect("the test never fills the queue");
+            permit.record(event(id));
+            self.recorded += 1;
+        }
+    }
+
+    fn stats(&self) -> WriterStats {
+        self.writer.stats()
+    }
+}
+
+fn ids(range: std::ops::Range<u128>) -> Vec<u128> {
+    range.collect()
+}
+
+/// I21: every recorded event is exactly one of accepted, duplicate,
+/// rejected, lost, queued or in flight.
+#[track_caller]
+fn assert_accounted(stats: &WriterStats, recorded: u64) {
+    let sum = stats.accepted
+        + stats.duplicate
+        + stats.rejected
+        + stats.lost
+        + stats.queued
+        + stats.in_flight;
+    assert_eq!(
+        sum, recorded,
+        "I21: every recorded event is accounted for: {stats:?}"
+    );
+}
+
+/// I21: a batch's worth wakes the writer at once; it does not wait for the
+/// flush interval.
+#[tokio::test(start_paused = true)]
+async fn a_full_batch_is_delivered_without_waiting_for_the_flush_interval() {
+    let mut h = Harness::new(ScriptedSink::new([]));
+    let begun = Instant::now();
+    h.record(0..4);
+    sleep(FLUSH / 2).await;
+    assert!(begun.elapsed() < FLUSH);
+    assert_eq!(h.sink.received(), vec![ids(0..4)]);
+    assert_eq!(h.stats().accepted, 4);
+    assert_eq!(h.stats().batches, 1);
+    assert_accounted(&h.stats(), h.recorded);
+}
+
+/// I21: a partial batch waits for the flush interval, and no longer.
+#[tokio::test(start_paused = true)]
+async fn a_partial_batch_waits_for_the_flush_interval_and_no_longer() {
+    let mut h = Harness::new(ScriptedSink::new([]));
+    h.record(0..3);
+    sleep(ms(FLUSH_MS - 1)).await;
+    assert_eq!(
+        h.sink.received(),
+        Vec::<Vec<u128>>::new(),
+        "not before the interval"
+    );
+    assert_eq!(h.stats().queued, 3);
+    sleep(ms(2)).await;
+    assert_eq!(h.sink.received(), vec![ids(0..3)], "at the interval");
+    assert_eq!(h.stats().queued, 0);
+    assert_accounted(&h.stats(), h.recorded);
+}
+
+/// I21: an outage of many flush intervals loses nothing; the same batch is
+/// retried until the sink recovers, and everything is accepted in recording
+/// order.
+#[tokio::test(start_paused = true)]
+async fn a_long_sink_outage_loses_nothing_and_delivers_in_recording_order() {
+    let mut h = Harness::new(ScriptedSink::new(vec![Answer::Fail; 20]));
+    h.record(0..10);
+    // Attempts fail at 0, 50, …, 950 ms; the twenty-first, at 1000 ms, succeeds.
+    sleep(ms(25)).await;
+    h.clock.advance(SignedDuration::from_secs(3600));
+    let retrying_since_start = |attempts| WriterHealth::Retrying {
+        since: start(),
+        attempts,
+    };
+    assert_eq!(h.writer.health(), retrying_since_start(1));
+    sleep(ms(500)).await;
+    assert_eq!(h.writer.health(), retrying_since_start(11));
+    assert_accounted(&h.stats(), h.recorded);
+    sleep(ms(500)).await;
+    assert_eq!(h.writer.health(), WriterHealth::Healthy);
+    sleep(FLUSH * 2).await;
+
+    let mut expected = vec![ids(0..4); 21];
+    expected.extend([ids(4..8), ids(8..10)]);
+    assert_eq!(
+        h.sink.received(),
+        expected,
+        "the same batch, unchanged, until it lands"
+    );
+    assert_eq!(h.sink.accepted(), ids(0..10));
+    let stats = h.stats();
+    assert_eq!((stats.retries, stats.storage_errors), (20, 20));
+    assert_eq!((stats.accepted, stats.lost, stats.batches), (10, 0, 3));
+    assert_accounted(&stats, h.recorded);
+}
+
+/// I22: a sink that never answers is cut off by the ingest timeout, once per
+/// attempt, and the batch is retried until it lands.
+#[tokio::test(start_paused = true)]
+async fn a_hanging_sink_is_cut_off_by_the_ingest_timeout_and_the_batch_retried() {
+    let mut h = Harness::new(ScriptedSink::new([Answer::Hang, Answer::Hang]));
+    h.record(0..4);
+    // Attempts at 0 and 250 ms hang until 200 and 450 ms; the one at 500 lands.
+    sleep(ms(300)).await;
+    let stats = h.stats();
+    assert_eq!(
+        (stats.ingest_timeouts, stats.retries, stats.in_flight),
+        (1, 1, 4)
+    );
+    assert!(matches!(
+        h.writer.health(),
+        WriterHealth::Retrying { attempts: 1, .. }
+    ));
+    assert_accounted(&stats, h.recorded);
+    sleep(ms(300)).await;
+    let stats = h.stats();
+    assert_eq!((stats.ingest_timeouts, stats.retries), (2, 2));
+    assert_eq!(
+        (stats.storage_errors, stats.accepted, stats.in_flight),
+        (0, 4, 0)
+    );
+    assert_eq!(h.sink.received(), vec![ids(0..4); 3]);
+    assert_eq!(h.writer.health(), WriterHealth::Healthy);
+}
+
+/// I21: duplicates count as delivered; a rejected event is counted and never
+/// handed to the sink again.
+#[tokio::test(start_paused = true)]
+async fn duplicates_are_counted_and_rejections_are_never_retried() {
+    let sink = ScriptedSink::new([Answer::Outcomes(vec![
+        IngestOutcome::Accepted,
+        IngestOutcome::Duplicate,
+        IngestOutcome::Rejected(RejectReason::ExceedsLease),
+        IngestOutcome::Duplicate,
+    ])]);
+    let mut h = Harness::new(sink);
+    h.record(0..4);
+    sleep(DRAIN * 5).await;
+    let stats = h.stats();
+    assert_eq!((stats.accepted, stats.duplicate, stats.rejected), (1, 2, 1));
+    assert_eq!((stats.retries, stats.batches), (0, 1));
+    let rejected_seen = h
+        .sink
+        .received()
+        .concat()
+        .iter()
+        .filter(|&&id| id == 2)
+        .count();
+    assert_eq!(
+        rejected_seen, 1,
+        "the rejected event is handed over exactly once"
+    );
+    assert_eq!(
+        h.recorder.available(),
+        h.recorder.capacity(),
+        "I20: every place is free"
+    );
+    assert_accounted(&stats, h.recorded);
+}
+
+/// I21: an answer with the wrong number of outcomes says nothing about any
+/// one event, so it is a storage error and the batch is retried.
+#[tokio::test(start_paused = true)]
+async fn an_answer_with_the_wrong_number_of_outcomes_is_retried_as_a_storage_error() {
+    let mut h = Harness::new(ScriptedSink::new([Answer::WrongCount]));
+    h.record(0..4);
+    sleep(BACKOFF * 2).await;
+    let stats = h.stats();
+    assert_eq!(
+        (stats.storage_errors, stats.retries, stats.accepted),
+        (1, 1, 4)
+    );
+    assert_eq!(h.sink.received(), vec![ids(0..4); 2]);
+    assert_eq!(h.sink.accepted(), ids(0..4));
+}
+
+/// I21: with a dead sink, shutdown returns at the drain deadline and reports
+/// exactly the undelivered events as lost; I20: the queue then refuses new
+/// permits and every place given up is free again.
+#[tokio::test(start_paused = true)]
+async fn shutdown_with_a_dead_sink_returns_at_the_deadline_and_reports_the_loss() {
+    let mut h = Harness::new(ScriptedSink::then([], Answer::Fail));
+    h.record(0..6);
+    sleep(ms(300)).await;
+    let begun = Instant::now();
+    let report = h.writer.shutdown().await;
+    assert_eq!(begun.elapsed(), DRAIN, "neither early nor late");
+    assert_eq!(
+        report.lost, 6,
+        "the in-flight batch of four and the two queued"
+    );
+    assert_eq!((report.stats.lost, report.stats.accepted), (6, 0));
+    assert!(!report.task_died);
+    assert_accounted(&report.stats, h.recorded);
+    assert_eq!(
+        h.recorder.try_permit().unwrap_err(),
+        DenyReason::ShuttingDown
+    );
+    assert_eq!(h.recorder.available(), h.recorder.capacity());
+}
+
+/// I21, I22: an ingest that hangs past the drain deadline does not hold
+/// shutdown past it, even though its own timeout is later.
+#[tokio::test(start_paused = true)]
+async fn a_hanging_ingest_cannot_hold_shutdown_past_the_drain_deadline() {
+    let slow_timeout = UsageWriterConfig {
+        ingest_timeout: DRAIN * 10,
+        ..config()
+    };
+    let mut h = Harness::with_config(ScriptedSink::then([], Answer::Hang), slow_timeout);
+    h.record(0..2);
+    sleep(FLUSH + ms(1)).await;
+    assert_eq!(h.stats().in_flight, 2);
+    let begun = Instant::now();
+    let report = h.writer.shutdown().await;
+    assert_eq!(begun.elapsed(), DRAIN);
+    assert_eq!((report.lost, report.stats.ingest_timeouts), (2, 0));
+}
+
+/// I21: a stop deadline later than the configured drain budget is capped by
+/// the budget.
+#[tokio::test(start_paused = true)]
+async fn a_stop_deadline_is_capped_by_the_drain_budget() {
+    let mut h = Harness::new(ScriptedSink::then([], Answer::Fail));
+    h.record(0..1);
+    let begun = Instant::now();
+    h.writer.stop_at(begun + DRAIN * 10);
+    let report = h.writer.shutdown().await;
+    assert_eq!(begun.elapsed(), DRAIN);
+    assert_eq!(report.lost, 1);
+}
+
+/// I21: a second `stop_at` can bring the deadline forward, even while the
+/// writer is backing off.
+#[tokio::test(start_paused = true)]
+async fn an_earlier_stop_deadline_replaces_a_later_one() {
+    let mut h = Harness::new(ScriptedSink::then([], Answer::Fail));
+    h.record(0..1);
+    let begun = Instant::now();
+    h.writer.stop_at(begun + DRAIN);
+    sleep(ms(225)).await;
+    h.writer.stop_at(Instant::now() + ms(100));
+    let report = h.writer.shutdown().await;
+    assert_eq!(begun.elapsed(), ms(325), "the earlier deadline wins");
+    // Attempts at 0, 50, …, 300 ms; the one due at 350 never starts.
+    assert_eq!((report.lost, report.stats.storage_errors), (1, 7));
+}
+
+/// I20, I21: a healthy shutdown delivers everything queued, waits for a
+/// permit taken before the stop to record, and loses nothing.
+#[tokio::test(start_paused = true)]
+async fn shutdown_with_a_healthy_sink_delivers_everything_including_late_permits() {
+    let mut h = Harness::new(ScriptedSink::new([]));
+    h.record(0..3);
+    let late = h.recorder.try_permit().expect("the queue has room");
+    h.writer.stop_at(Instant::now() + DRAIN);
+    assert_eq!(
+        h.recorder.try_permit().unwrap_err(),
+        DenyReason::ShuttingDown
+    );
+    sleep(ms(250)).await;
+    assert_eq!(
+        h.sink.received(),
+        vec![ids(0..3)],
+        "queued events go out at once"
+    );
+    late.record(event(3));
+    h.recorded += 1;
+    let begun = Instant::now();
+    let report = h.writer.shutdown().await;
+    assert!(
+        begun.elapsed() < DRAIN,
+        "finished once drained, not at the deadline"
+    );
+    assert_eq!(h.sink.received(), vec![ids(0..3), ids(3..4)]);
+    assert_eq!((report.lost, report.stats.accepted), (0, 4));
+    assert!(!report.task_died);
+    assert_accounted(&report.stats, h.recorded);
+    assert_eq!(h.recorder.available(), h.recorder.capacity());
+}
+
+/// I21: a permit still outstanding at the deadline is reported lost with
+/// the undelivered events, though it never recorded.
+#[tokio::test(start_paused = true)]
+async fn a_permit_outstanding_at_the_deadline_is_reported_lost() {
+    let mut h = Harness::new(ScriptedSink::new([]));
+    h.record(0..2);
+    let _never_recorded = h.recorder.try_permit().expect("the queue has room");
+    let report = h.writer.shutdown().await;
+    assert_eq!(h.sink.received(), vec![ids(0..2)]);
+    assert_eq!(
+        (report.stats.accepted, report.stats.lost, report.lost),
+        (2, 0, 1)
+    );
+}
+
+/// I21: whatever the interleaving of recordings, failures, hangs,
+/// duplicates and rejections, every recorded event is accounted for at every
+/// step, and each one gets exactly one final answer, in recording order.
+#[tokio::test(start_paused = true)]
+async fn every_recorded_event_is_accounted_for_through_interleaved_failures() {
+    let roomy = UsageWriterConfig {
+        queue_capacity: 1024,
+        ..config()
+    };
+    let mut h = Harness::with_config(ScriptedSink::new([]), roomy);
+    let mut seed: u64 = 0x9e37_79b9_7f4a_7c15;
+    let mut next_id: u128 = 0;
+    for _ in 0..300 {
+        seed = seed
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        let roll = seed >> 33;
+        match roll % 10 {
+            0 => h.sink.plan([Answer::Fail]),
+            1 => h.sink.plan([Answer::Hang]),
+            2 => h.sink.plan([Answer::DuplicateAll]),
+            3 => h.sink.plan([Answer::RejectFirst]),
+            _ => {}
+        }
+        let count = u128::from(roll % 4);
+        h.record(next_id..next_id + count);
+        next_id += count;
+        sleep(ms(roll % 130)).await;
+        assert_accounted(&h.stats(), h.recorded);
+    }
+    let report = h.writer.shutdown().await;
+    let stats = report.stats;
+    assert_eq!(
+        (report.lost, stats.lost, stats.queued, stats.in_flight),
+        (0, 0, 0, 0)
+    );
+    assert!(stats.storage_errors > 0 && stats.ingest_timeouts > 0 && stats.rejected > 0);
+    assert_eq!(
+        stats.accepted + stats.duplicate + stats.rejected,
+        h.recorded
+    );
+    assert_accounted(&stats, h.recorded);
+    assert_eq!(
+        h.sink.answered(),
+        ids(0..next_id),
+        "I21: one answer each, in order"
+    );
+}
+
+/// Dropping the handle without shutdown aborts the task: nothing more
+/// reaches the sink however long we wait, and the queue refuses new permits.
+#[tokio::test(start_paused = true)]
+async fn dropping_the_writer_without_shutdown_aborts_the_task() {
+    let mut h = Harness::new(ScriptedSink::new([]));
+    h.record(0..4);
+    sleep(ms(1)).await;
+    assert_eq!(h.sink.received(), vec![ids(0..4)]);
+    h.record(4..6);
+    let Harness {
+        sink,
+        recorder,
+        writer,
+        ..
+    } = h;
+    drop(writer);
+    sleep(FLUSH * 20).await;
+    assert_eq!(
+        sink.received(),
+        vec![ids(0..4)],
+        "the aborted task delivers nothing more"
+    );
+    assert_eq!(recorder.queued(), 2);
+    assert_eq!(recorder.try_permit().unwrap_err(), DenyReason::ShuttingDown);
+}
+
+/// I17: an invalid configuration is refused before anything starts.
+#[tokio::test(start_paused = true)]
+async fn spawning_with_an_invalid_configuration_starts_nothing() {
+    let sink = ScriptedSink::new([]);
+    let clock = Arc::new(ManualClock::new(start()));
+    let broken = UsageWriterConfig {
+        max_batch: 0,
+        ..config()
+    };
+    let refused = UsageWriter::spawn(sink, clock, broken).unwrap_err();
+    assert_eq!(refused, UsageWriterConfigError::MaxBatchZero);
+}
+
+/// I17: `validate` names the first broken rule, in field order.
+#[test]
+fn validate_names_the_first_broken_rule_in_field_order() {
+    use UsageWriterConfigError as Broken;
+
+    #[track_caller]
+    fn check(edit: impl FnOnce(&mut UsageWriterConfig), expected: Option<(Broken, &str)>) {
+        let mut config = config();
+        edit(&mut config);
+        let got = config.validate();
+        match expected {
+            None => assert_eq!(got, Ok(())),
+            Some((broken, message)) => {
+                assert_eq!(got, Err(broken));
+                assert_eq!(broken.to_string(), message);
+            }
+        }
+    }
+
+    check(|_| {}, None);
+    check(|c| c.max_batch = c.queue_capacity, None);
+    check(
+        |c| c.queue_capacity = 0,
+        Some((
+            Broken::QueueCapacityZero,
+            "usage writer: queue_capacity must be positive",
+        )),
+    );
+    check(
+        |c| c.max_batch = 0,
+        Some((
+            Broken::MaxBatchZero,
+            "usage writer: max_batch must be positive",
+        )),
+    );
+    check(
+        |c| c.max_batch = c.queue_capacity + 1,
+        Some((
+            Broken::MaxBatchAboveQueueCapacity,
+            "usage writer: max_batch must not exceed queue_capacity",
+        )),
+    );
+    check(
+        |c| c.flush_interval = Duration::ZERO,
+        Some((
+            Broken::FlushIntervalZero,
+            "usage writer: flush_interval must be positive",
+        )),
+    );
+    check(
+        |c| c.retry_backoff = Duration::ZERO,
+        Some((
+            Broken::RetryBackoffZero,
+            "usage writer: retry_backoff must be positive",
+        )),
+    );
+    check(
+        |c| c.ingest_timeout = Duration::ZERO,
+        Some((
+            Broken::IngestTimeoutZero,
+            "usage writer: ingest_timeout must be positive",
+        )),
+    );
+    check(
+        |c| c.shutdown_drain_deadline = Duration::ZERO,
+        Some((
+            Broken::ShutdownDrainDeadlineZero,
+            "usage writer: shutdown_drain_deadline must be positive",
+        )),
+    );
+    check(
+        |c| {
+            c.queue_capacity = 0;
+            c.max_batch = 0;
+            c.shutdown_drain_deadline = Duration::ZERO;
+        },
+        Some((
+            Broken::QueueCapacityZero,
+            "usage writer: queue_capacity must be positive",
+        )),
+    );
+    check(
+        |c| {
+            c.max_batch = c.queue_capacity + 1;
+            c.flush_interval = Duration::ZERO;
+        },
+        Some((
+            Broken::MaxBatchAboveQueueCapacity,
+            "usage writer: max_batch must not exceed queue_capacity",
+        )),
+    );
+}

@@ -1,0 +1,7 @@
+//! Shared by the integration tests that need it.
+#![allow(
+    dead_code,
+    reason = "each test crate uses only part of the support code"
+)]
+
+pub(crate) mod counting_allocator;
