@@ -102,15 +102,22 @@ fn run(sharding: LocalSharding) {
                 .fold((0, 0), |(u, c), (wu, wc)| (u + wu, c + wc))
         });
         drop(engine);
-        assert!(lease.is_only_local_view());
+        // I8, I20: one queued event per commit, no more, no less.
+        assert_eq!(recorder.queued(), commits, "round {round}");
+        // I26: until their events leave the process, the commits hold the
+        // lease that funded them, so it cannot be released yet.
+        assert_eq!(lease.is_only_local_view(), commits == 0, "round {round}");
+        let mut delivered = Vec::new();
+        assert_eq!(recorder.take_recorded(&mut delivered, usize::MAX), commits);
+        assert!(lease.is_only_local_view(), "round {round}");
         // I6: remaining + committed == granted, exactly.
         assert_eq!(
             lease.remaining().get() + committed,
             GRANTED,
             "round {round}"
         );
-        // I8, I20: one queued event per commit, no more, no less.
-        assert_eq!(recorder.queued(), commits, "round {round}");
+        let billed: u64 = delivered.iter().map(|event| event.units.get()).sum();
+        assert_eq!(billed, committed, "round {round}");
     }
 }
 

@@ -97,6 +97,8 @@ struct ModelLease {
     used: u64,
     expires_at: Timestamp,
     settled: bool,
+    /// Credited back at settlement.
+    credited: u64,
 }
 
 /// What the store should hold, computed the plain way.
@@ -247,6 +249,7 @@ async fn step(store: &MemoryStore, model: &mut Model, op: Op) -> Result<(), Test
                     used: 0,
                     expires_at: allocation.grant.expires_at,
                     settled: false,
+                    credited: 0,
                 });
             }
         }
@@ -276,6 +279,7 @@ async fn step(store: &MemoryStore, model: &mut Model, op: Op) -> Result<(), Test
                 prop_assert_eq!(outcome.map(|r| r.credited), Ok(CostUnits(claim)));
                 model.balance += claim;
                 model.leases[index].settled = true;
+                model.leases[index].credited = claim;
             }
         }
         Op::Consolidate {
@@ -335,6 +339,7 @@ async fn step(store: &MemoryStore, model: &mut Model, op: Op) -> Result<(), Test
                     .unwrap();
                 prop_assert_eq!(allocation.grant.units, size);
                 model.leases[index].settled = true;
+                model.leases[index].credited = claim;
                 model.balance = available - size.get();
                 prop_assert_eq!(
                     allocation.funding,
@@ -347,6 +352,7 @@ async fn step(store: &MemoryStore, model: &mut Model, op: Op) -> Result<(), Test
                     used: 0,
                     expires_at: allocation.grant.expires_at,
                     settled: false,
+                    credited: 0,
                 });
             }
         }
@@ -367,10 +373,14 @@ async fn step(store: &MemoryStore, model: &mut Model, op: Op) -> Result<(), Test
             let outcome = store.ingest(&[event]).await.unwrap();
             let expected = if stale {
                 IngestOutcome::Rejected(RejectReason::FencingMismatch)
-            } else if l.settled {
-                IngestOutcome::Rejected(RejectReason::LeaseSettled)
-            } else if l.used + units > l.granted {
-                IngestOutcome::Rejected(RejectReason::ExceedsLease)
+            } else if l.used + units + l.credited > l.granted {
+                // I15: nothing past the grant, counting what settlement
+                // credited back.
+                IngestOutcome::Rejected(if l.settled {
+                    RejectReason::LeaseSettled
+                } else {
+                    RejectReason::ExceedsLease
+                })
             } else {
                 model.leases[index].used += units;
                 model.accepted.push(event);
@@ -414,6 +424,7 @@ async fn step(store: &MemoryStore, model: &mut Model, op: Op) -> Result<(), Test
                 prop_assert_eq!(reclaimed.lease_id, l.id);
                 prop_assert_eq!(reclaimed.credited, CostUnits(l.granted - l.used));
                 model.balance += l.granted - l.used;
+                l.credited = l.granted - l.used;
                 l.settled = true;
             }
         }

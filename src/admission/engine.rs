@@ -30,7 +30,12 @@ pub struct AdmissionEngine {
 /// before that releases the charge for zero and gives the queue place back
 /// (I4, I20).
 pub struct RequestContext {
-    reservation: Reservation,
+    /// The pending charge; once committed it travels with its usage event
+    /// (see [`UsagePermit`]) and this is `None`.
+    reservation: Option<Reservation>,
+    units: CostUnits,
+    account_id: AccountId,
+    admitted_as_overage: bool,
     permit: Option<UsagePermit>,
     request_id: RequestId,
     /// The account's overage counter and cap, held only for Elastic
@@ -142,7 +147,10 @@ impl AdmissionEngine {
             .overage_cap()
             .map(|cap| (Arc::clone(entry.slot.overage()), cap));
         Ok(RequestContext {
-            reservation,
+            units: reservation.units(),
+            account_id: reservation.account_id(),
+            admitted_as_overage: reservation.admitted_as_overage(),
+            reservation: Some(reservation),
             permit: Some(permit),
             request_id: self.ids.next(),
             elastic,
@@ -212,12 +220,17 @@ impl RequestContext {
             Some((overage, cap)) => CommitFunding::OverageFallback { overage, cap: *cap },
             None => CommitFunding::LeaseOnly,
         };
-        let units = self.reservation.commit_owned(now, funding)?;
+        let Some(reservation) = self.reservation.as_mut() else {
+            return Err(CommitError::AlreadyCommitted);
+        };
+        let units = reservation.commit_owned(now, funding)?;
         let event =
-            self.reservation
-                .usage_event(self.request_id, now, self.policy_revision, self.key_id);
-        match (self.permit.take(), event) {
-            (Some(permit), Some(event)) => permit.record(event),
+            reservation.usage_event(self.request_id, now, self.policy_revision, self.key_id);
+        match (self.permit.take(), event, self.reservation.take()) {
+            // I26: the committed charge rides with its event, keeping the
+            // lease that funded it from being released before the event is
+            // written.
+            (Some(permit), Some(event), Some(charge)) => permit.record_holding(event, charge),
             _ => debug_assert!(
                 false,
                 "I8: a first successful commit has a place and an event"
@@ -235,13 +248,13 @@ impl RequestContext {
     /// The units this request is charged if it commits.
     #[must_use]
     pub fn units(&self) -> CostUnits {
-        self.reservation.units()
+        self.units
     }
 
     /// The account charged.
     #[must_use]
     pub fn account_id(&self) -> AccountId {
-        self.reservation.account_id()
+        self.account_id
     }
 
     /// The principal that made the request.
@@ -271,13 +284,13 @@ impl RequestContext {
     /// Whether admission funded the request from overage.
     #[must_use]
     pub fn admitted_as_overage(&self) -> bool {
-        self.reservation.admitted_as_overage()
+        self.admitted_as_overage
     }
 
     /// Whether the charge has been committed.
     #[must_use]
     pub fn is_committed(&self) -> bool {
-        self.reservation.is_committed()
+        self.reservation.is_none()
     }
 }
 
@@ -287,8 +300,8 @@ impl fmt::Debug for RequestContext {
             .field("request_id", &self.request_id)
             .field("principal", &self.principal)
             .field("account", &self.account_id())
-            .field("units", &self.reservation.units())
-            .field("committed", &self.reservation.is_committed())
+            .field("units", &self.units)
+            .field("committed", &self.is_committed())
             .finish_non_exhaustive()
     }
 }

@@ -294,7 +294,11 @@ impl ArcSwapSnapshotMap {
         let mut added = Vec::new();
         for principal in principals {
             writer.history.remove(&principal);
-            writer.unknown_order.push_back(principal);
+            // Once per principal, so eviction forgets the oldest record and
+            // not a copy of a newer one.
+            if !writer.unknown_order.contains(&principal) {
+                writer.unknown_order.push_back(principal);
+            }
             added.push(principal);
         }
         let mut evicted = Vec::new();

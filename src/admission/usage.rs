@@ -19,7 +19,7 @@ use atomic_waker::AtomicWaker;
 use crossbeam_queue::ArrayQueue;
 
 use crate::model::sharding::split_evenly;
-use crate::model::{CachePadded, DenyReason, LocalSharding, Locality, UsageEvent};
+use crate::model::{CachePadded, DenyReason, LocalSharding, Locality, Reservation, UsageEvent};
 
 /// Hands usage events to the writer. Cheap to clone; every clone feeds the
 /// same queue.
@@ -51,15 +51,27 @@ pub struct UsagePermit {
 pub(crate) struct UsageQueue {
     stripes: Box<[Arc<CachePadded<Stripe>>]>,
     hub: Arc<Hub>,
-    /// Which stripes the writer's taken-but-unreleased events came from, in
-    /// the order taken, as runs of (stripe, count). Only the writer touches
-    /// it, never the request path.
-    taken: Mutex<VecDeque<(usize, usize)>>,
+    /// For each event the writer has taken and not yet released, in the
+    /// order taken: the stripe it came from and the charge it holds. Only
+    /// the writer touches it, never the request path.
+    taken: Mutex<VecDeque<(usize, Option<Reservation>)>>,
+}
+
+/// One recorded event, and the committed charge that produced it.
+///
+/// The charge travels with its event and is dropped only when the event
+/// leaves the process. Until then it holds a view of the lease that funded
+/// it, so the lease is not quiescent and cannot be released while usage
+/// naming it is still on its way to the sink (I26): its release then claims
+/// an exact remainder with every charge against it already billed.
+struct Recorded {
+    event: UsageEvent,
+    hold: Option<Reservation>,
 }
 
 struct Stripe {
     available: AtomicUsize,
-    events: ArrayQueue<UsageEvent>,
+    events: ArrayQueue<Recorded>,
     capacity: usize,
     /// Events in this stripe at which a recording wakes the writer.
     wake_at: usize,
@@ -215,13 +227,28 @@ impl UsagePermit {
     /// Queues `event` in the place this permit reserved. Never blocks and
     /// never fails (I20).
     #[inline]
-    pub fn record(mut self, event: UsageEvent) {
+    pub fn record(self, event: UsageEvent) {
+        self.record_entry(Recorded { event, hold: None });
+    }
+
+    /// Queues `event` with the committed charge that produced it; the charge
+    /// is dropped when the event leaves the process (see [`Recorded`]).
+    #[inline]
+    pub(crate) fn record_holding(self, event: UsageEvent, charge: Reservation) {
+        self.record_entry(Recorded {
+            event,
+            hold: Some(charge),
+        });
+    }
+
+    #[inline]
+    fn record_entry(mut self, entry: Recorded) {
         // The place now belongs to the queued event; it comes back when the
         // writer delivers it, so dropping the permit must not return it.
         let Some(stripe) = self.stripe.take() else {
             return;
         };
-        if stripe.events.push(event).is_err() {
+        if stripe.events.push(entry).is_err() {
             // Unreachable while I20 holds: the permit's place is free.
             stripe.hub.overflowed.fetch_add(1, Ordering::Relaxed);
             debug_assert!(false, "I20: a permit's place was taken");
@@ -254,45 +281,43 @@ impl UsageQueue {
         let mut taken = self.lock_taken();
         let mut total = 0;
         for (index, stripe) in self.stripes.iter().enumerate() {
-            let mut run = 0;
             while total < max {
-                match stripe.events.pop() {
-                    Some(event) => {
-                        batch.push(event);
-                        run += 1;
-                        total += 1;
-                    }
-                    None => break,
-                }
-            }
-            if run > 0 {
-                taken.push_back((index, run));
+                let Some(Recorded { event, hold }) = stripe.events.pop() else {
+                    break;
+                };
+                batch.push(event);
+                taken.push_back((index, hold));
+                total += 1;
             }
         }
         total
     }
 
-    /// Frees the places of the `delivered` events taken longest ago: they
-    /// left this process (written, rejected, or given up as lost).
-    pub(crate) fn release(&self, mut delivered: usize) {
-        let mut taken = self.lock_taken();
-        while delivered > 0 {
-            let Some((index, run)) = taken.front_mut() else {
-                debug_assert!(false, "I20: more places freed than were taken");
-                return;
-            };
-            let freed = (*run).min(delivered);
-            let stripe = &self.stripes[*index];
-            let before = stripe.available.fetch_add(freed, Ordering::AcqRel);
+    /// Frees the places of the `delivered` events taken longest ago, and
+    /// drops the charges they held: they left this process (written,
+    /// rejected, or given up as lost).
+    pub(crate) fn release(&self, delivered: usize) {
+        let mut freed = Vec::with_capacity(delivered.min(self.hub.capacity));
+        {
+            let mut taken = self.lock_taken();
+            for _ in 0..delivered {
+                let Some(entry) = taken.pop_front() else {
+                    debug_assert!(false, "I20: more places freed than were taken");
+                    break;
+                };
+                freed.push(entry);
+            }
+        }
+        for (index, hold) in freed {
+            // The charge goes first, so a lease it held is quiescent by the
+            // time the place is seen free.
+            drop(hold);
+            let stripe = &self.stripes[index];
+            let before = stripe.available.fetch_add(1, Ordering::AcqRel);
             debug_assert!(
-                before + freed <= stripe.capacity,
+                before < stripe.capacity,
                 "I20: more places freed than the stripe has"
             );
-            *run -= freed;
-            delivered -= freed;
-            if *run == 0 {
-                taken.pop_front();
-            }
         }
     }
 
@@ -333,8 +358,8 @@ impl UsageQueue {
             .sum()
     }
 
-    fn lock_taken(&self) -> std::sync::MutexGuard<'_, VecDeque<(usize, usize)>> {
-        // A list of counts cannot be left half-written by a panic.
+    fn lock_taken(&self) -> std::sync::MutexGuard<'_, VecDeque<(usize, Option<Reservation>)>> {
+        // A list of entries cannot be left half-written by a panic.
         self.taken.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }

@@ -967,14 +967,20 @@ impl Ledger {
                 if lease.fencing_token != fencing_token {
                     return Err(RejectReason::FencingMismatch);
                 }
-                // A settled lease's remainder was credited back; billing
-                // against it now would count those units twice.
-                if lease.settlement.is_some() {
-                    return Err(RejectReason::LeaseSettled);
-                }
+                // I15: usage plus what settlement credited back never exceeds
+                // the grant. A lease released with its exact remainder still
+                // bills the charges committed before the release (their events
+                // may trail it through the usage pipeline); a reclaimed lease,
+                // whose settlement credited everything not yet billed, bills
+                // nothing more: those units would count twice.
+                let credited = lease.settlement.map_or(0, |settlement| settlement.credited);
                 let used = lease.used + event.units.get();
-                if used > lease.granted {
-                    return Err(RejectReason::ExceedsLease);
+                if u128::from(used) + u128::from(credited) > u128::from(lease.granted) {
+                    return Err(if lease.settlement.is_some() {
+                        RejectReason::LeaseSettled
+                    } else {
+                        RejectReason::ExceedsLease
+                    });
                 }
                 lease.used = used;
             }

@@ -111,6 +111,11 @@ pub trait LeaseAllocator: Send + Sync {
 }
 
 /// Records committed charges.
+///
+/// A leased event is accepted while the lease's accepted usage plus what its
+/// settlement credited back stays within its grant (I15), so the usage of
+/// charges committed just before a lease's release is still billed when it
+/// arrives after the release.
 #[async_trait]
 pub trait UsageSink: Send + Sync {
     /// Records a batch of events and says, per event and in order, what
@@ -208,8 +213,10 @@ pub enum RejectReason {
     UnknownLease,
     /// The event's fencing token is not the lease's.
     FencingMismatch,
-    /// The lease was settled; its remainder was credited, so the units would
-    /// count twice.
+    /// The lease was settled and what its settlement credited back leaves no
+    /// room for these units: they would count twice (a reclaimed lease
+    /// accepts no more usage; a released one accepts only the charges
+    /// committed before its release).
     LeaseSettled,
     /// The lease cannot hold this much more usage.
     ExceedsLease,

@@ -1,0 +1,804 @@
+//! The instance runtime: one validated configuration, every background plane
+//! spawned and supervised, and the ordered shutdown.
+//!
+//! ```text
+//!   SnapshotManager ──publishes──► ArcSwapSnapshotMap ──binds──► SlotRegistry
+//!          │ bindings                                                 │
+//!          ▼                                                          ▼
+//!     supervisor ──starts/retires/restarts──► LeaseManager per account ──► LeaseSlot
+//!                                                                     ▲
+//!   RuntimeHandle::begin ─► AdmissionEngine ─reads───────────────────┘
+//!          │ commit
+//!          ▼
+//!     usage queue ──► UsageWriter ──► UsageSink
+//! ```
+//!
+//! Shutdown runs in a fixed order inside one deadline (I25): stop admitting,
+//! drain usage, then release leases. Releasing first would settle leases that
+//! honest usage events still name, and the sink would reject them.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use jiff::Timestamp;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tokio::time::{Instant, sleep};
+
+use crate::admission::{
+    AdmissionEngine, AdmissionStats, ArcSwapSnapshotMap, RequestContext, RequestIds, SlotRegistry,
+    SnapshotMapConfig, SnapshotMapConfigError, UsageRecorder,
+};
+use crate::model::{
+    AccountId, BalanceShortfall, CostUnits, DenyReason, LocalSharding, PermissionBits, Principal,
+    ShardOccupancy,
+};
+use crate::runtime::{
+    AccountBindings, AccountLeaseConfig, LeaseHealth, LeaseManager, LeaseManagerConfigError,
+    LeaseManagerReport, LeaseStats, ReclaimStats, Reclaimer, ReclaimerConfig, ReclaimerConfigError,
+    SnapshotManager, SnapshotManagerConfig, SnapshotManagerConfigError, SnapshotStats, UsageWriter,
+    UsageWriterConfig, UsageWriterConfigError, WriterHealth, WriterReport, WriterStats,
+};
+use crate::store::{Clock, LeaseAllocator, SnapshotSource, UsageSink};
+
+/// Everything an instance needs to run. No defaults (I17): every value
+/// here decides what may be spent, how long policy is trusted, or how long
+/// shutdown may take.
+#[derive(Debug, Clone)]
+pub struct InstanceRuntimeConfig {
+    /// How snapshots are cached and how stale they may get.
+    pub snapshot_map: SnapshotMapConfig,
+    /// Which principals to load and how often to refresh them.
+    pub snapshots: SnapshotManagerConfig,
+    /// How each account's lease is sized, kept and returned.
+    pub leases: AccountLeaseConfig,
+    /// How each account's leases are spread over cache lines.
+    pub sharding: LocalSharding,
+    /// How usage is queued, batched and drained.
+    pub usage: UsageWriterConfig,
+    /// Whether this instance also reclaims expired leases, and how.
+    pub reclaimer: Option<ReclaimerConfig>,
+    /// How often the supervisor checks its lease managers.
+    pub supervisor_interval: Duration,
+    /// How long an account with no usable principal keeps its lease before
+    /// the supervisor returns it.
+    pub account_linger: Duration,
+    /// How long the supervisor waits before restarting a lease manager that
+    /// died.
+    pub manager_restart_backoff: Duration,
+    /// The one budget for the whole shutdown; the usage drain and the lease
+    /// release budgets must fit inside it together.
+    pub shutdown_deadline: Duration,
+}
+
+/// The first rule an [`InstanceRuntimeConfig`] breaks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum InstanceRuntimeConfigError {
+    /// The snapshot map's configuration.
+    SnapshotMap(SnapshotMapConfigError),
+    /// The snapshot manager's configuration.
+    Snapshots(SnapshotManagerConfigError),
+    /// The lease managers' configuration.
+    Leases(LeaseManagerConfigError),
+    /// The usage writer's configuration.
+    Usage(UsageWriterConfigError),
+    /// The reclaimer's configuration.
+    Reclaimer(ReclaimerConfigError),
+    /// The snapshot manager's and the snapshot map's `max_staleness` must be
+    /// the same limit: readiness and admission must agree on when policy is
+    /// too old.
+    StalenessMismatch,
+    /// `supervisor_interval` must be positive.
+    SupervisorIntervalZero,
+    /// `account_linger` must be positive.
+    AccountLingerZero,
+    /// `manager_restart_backoff` must be positive.
+    ManagerRestartBackoffZero,
+    /// `shutdown_deadline` must cover the usage drain plus the lease release.
+    PhaseBudgetsExceedShutdownDeadline,
+    /// The operating system supplied no randomness for request ids.
+    Randomness,
+}
+
+impl fmt::Display for InstanceRuntimeConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::SnapshotMap(error) => error.fmt(f),
+            Self::Snapshots(error) => error.fmt(f),
+            Self::Leases(error) => error.fmt(f),
+            Self::Usage(error) => error.fmt(f),
+            Self::Reclaimer(error) => error.fmt(f),
+            Self::StalenessMismatch => f.write_str(
+                "instance runtime: snapshots.max_staleness must equal snapshot_map.max_staleness",
+            ),
+            Self::SupervisorIntervalZero => {
+                f.write_str("instance runtime: supervisor_interval must be positive")
+            }
+            Self::AccountLingerZero => f.write_str("instance runtime: account_linger must be positive"),
+            Self::ManagerRestartBackoffZero => {
+                f.write_str("instance runtime: manager_restart_backoff must be positive")
+            }
+            Self::PhaseBudgetsExceedShutdownDeadline => f.write_str(
+                "instance runtime: shutdown_deadline must cover usage.shutdown_drain_deadline plus leases.shutdown_release_deadline",
+            ),
+            Self::Randomness => f.write_str("instance runtime: no randomness for request ids"),
+        }
+    }
+}
+
+impl std::error::Error for InstanceRuntimeConfigError {}
+
+impl InstanceRuntimeConfig {
+    /// Checks every rule, in field order, and names the first one broken.
+    ///
+    /// # Errors
+    ///
+    /// The first broken rule.
+    pub fn validate(&self) -> Result<(), InstanceRuntimeConfigError> {
+        use InstanceRuntimeConfigError as E;
+        self.snapshot_map.validate().map_err(E::SnapshotMap)?;
+        self.snapshots.validate().map_err(E::Snapshots)?;
+        if self.snapshots.max_staleness != self.snapshot_map.max_staleness {
+            return Err(E::StalenessMismatch);
+        }
+        self.leases
+            .for_account(AccountId(0))
+            .validate()
+            .map_err(E::Leases)?;
+        self.usage.validate().map_err(E::Usage)?;
+        if let Some(reclaimer) = &self.reclaimer {
+            reclaimer.validate().map_err(E::Reclaimer)?;
+        }
+        if self.supervisor_interval.is_zero() {
+            return Err(E::SupervisorIntervalZero);
+        }
+        if self.account_linger.is_zero() {
+            return Err(E::AccountLingerZero);
+        }
+        if self.manager_restart_backoff.is_zero() {
+            return Err(E::ManagerRestartBackoffZero);
+        }
+        let phases = self
+            .usage
+            .shutdown_drain_deadline
+            .checked_add(self.leases.shutdown_release_deadline);
+        if phases.is_none_or(|phases| phases > self.shutdown_deadline) {
+            return Err(E::PhaseBudgetsExceedShutdownDeadline);
+        }
+        Ok(())
+    }
+}
+
+/// The running instance: owns every background task. Keep it for the
+/// process's life and call [`shutdown`](Self::shutdown) to stop; dropping it
+/// aborts everything and leaves held leases to TTL reclaim.
+pub struct InstanceRuntime {
+    shared: Arc<Shared>,
+    supervisor: Option<JoinHandle<()>>,
+}
+
+/// What the serving side holds: cheap to clone, shared by every clone of the
+/// HTTP layer.
+#[derive(Clone)]
+pub struct RuntimeHandle {
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    engine: AdmissionEngine,
+    registry: Arc<SlotRegistry>,
+    allocator: Arc<dyn LeaseAllocator>,
+    clock: Arc<dyn Clock>,
+    config: InstanceRuntimeConfig,
+    /// Cleared once shutdown begins: admission denies from then on.
+    admitting: AtomicBool,
+    /// Set when a plane reported an integrity fault: the instance stops
+    /// serving for good.
+    faulted: AtomicBool,
+    shutdown: watch::Sender<bool>,
+    snapshots_ready: watch::Receiver<bool>,
+    restarts: AtomicU64,
+    planes: Mutex<Planes>,
+}
+
+/// The background tasks other than the supervisor, behind one lock that is
+/// never held across an await.
+struct Planes {
+    writer: Option<UsageWriter>,
+    snapshots: Option<SnapshotManager>,
+    reclaimer: Option<Reclaimer>,
+    accounts: BTreeMap<AccountId, ManagedAccount>,
+    /// Stats of lease managers that have ended, so totals never go down.
+    retired: LeaseStats,
+}
+
+struct ManagedAccount {
+    manager: Option<LeaseManager>,
+    /// When a dead manager may be started again.
+    restart_at: Option<Instant>,
+}
+
+/// How one account is served on this instance.
+#[derive(Debug, Clone)]
+pub struct AccountReport {
+    /// The account.
+    pub account: AccountId,
+    /// The lease manager's state, or `None` while it waits to be restarted.
+    pub health: Option<LeaseHealth>,
+    /// The manager's counters.
+    pub stats: LeaseStats,
+    /// Units left on the serving lease, if any (a momentary reading).
+    pub remaining: Option<CostUnits>,
+    /// How the serving lease's units sit across its shards.
+    pub occupancy: Option<ShardOccupancy>,
+    /// The allocator's latest evidence about the account's funds.
+    pub funding: Option<BalanceShortfall>,
+    /// Debit attempts that lost a race to another thread, over every lease.
+    pub contended_exchanges: u64,
+}
+
+/// A reading of the whole instance.
+#[derive(Debug, Clone)]
+pub struct RuntimeReport {
+    /// Whether the instance should receive traffic.
+    pub ready: bool,
+    /// Whether admission is open (false once shutdown began).
+    pub admitting: bool,
+    /// Whether a plane reported an integrity fault.
+    pub faulted: bool,
+    /// Admissions and denials.
+    pub admission: AdmissionStats,
+    /// The usage writer's counters.
+    pub writer: WriterStats,
+    /// The usage writer's state.
+    pub writer_health: WriterHealth,
+    /// The snapshot manager's counters.
+    pub snapshots: SnapshotStats,
+    /// Every lease manager's counters, summed, including retired ones; `None`
+    /// if the sum overflowed.
+    pub leases: Option<LeaseStats>,
+    /// The reclaimer's counters, if this instance runs one.
+    pub reclaimer: Option<ReclaimStats>,
+    /// Accounts with a lease manager.
+    pub accounts: usize,
+    /// Lease managers restarted after dying.
+    pub manager_restarts: u64,
+    /// The accounts whose debits contend most, hottest first (at most five).
+    pub hottest_accounts: Vec<(AccountId, u64)>,
+}
+
+/// What a shutdown did.
+#[derive(Debug, Clone)]
+pub struct RuntimeShutdownReport {
+    /// The usage writer's drain.
+    pub usage: Option<WriterReport>,
+    /// Each account's lease release.
+    pub leases: Vec<(AccountId, LeaseManagerReport)>,
+    /// Lease managers that did not finish inside the deadline; their leases
+    /// are left to TTL reclaim.
+    pub unfinished_accounts: Vec<AccountId>,
+    /// The snapshot manager's counters at the end.
+    pub snapshots: Option<SnapshotStats>,
+    /// How long the shutdown took.
+    pub elapsed: Duration,
+}
+
+impl RuntimeShutdownReport {
+    /// Leases returned to the allocator.
+    #[must_use]
+    pub fn released(&self) -> u64 {
+        self.leases.iter().map(|(_, report)| report.released).sum()
+    }
+
+    /// Leases left to TTL reclaim because a request still held them.
+    #[must_use]
+    pub fn abandoned(&self) -> u64 {
+        self.leases.iter().map(|(_, report)| report.abandoned).sum()
+    }
+
+    /// Usage events that could not be delivered.
+    #[must_use]
+    pub fn lost_events(&self) -> u64 {
+        self.usage.as_ref().map_or(0, |usage| usage.lost)
+    }
+}
+
+impl InstanceRuntime {
+    /// Validates `config` and starts every plane: the usage writer, the
+    /// snapshot manager, the optional reclaimer, and the supervisor that
+    /// runs one lease manager per account in use. Call inside a tokio
+    /// runtime.
+    ///
+    /// # Errors
+    ///
+    /// The first rule `config` breaks.
+    pub fn spawn(
+        source: Arc<dyn SnapshotSource>,
+        allocator: Arc<dyn LeaseAllocator>,
+        sink: Arc<dyn UsageSink>,
+        clock: Arc<dyn Clock>,
+        config: InstanceRuntimeConfig,
+    ) -> Result<(Self, RuntimeHandle), InstanceRuntimeConfigError> {
+        use InstanceRuntimeConfigError as E;
+        config.validate()?;
+        let ids = RequestIds::random().map_err(|_| E::Randomness)?;
+        let registry = Arc::new(SlotRegistry::new(config.sharding));
+        let map = Arc::new(
+            ArcSwapSnapshotMap::new(config.snapshot_map, Arc::clone(&registry))
+                .map_err(E::SnapshotMap)?,
+        );
+        let (recorder, writer) =
+            UsageWriter::spawn(sink, Arc::clone(&clock), config.usage).map_err(E::Usage)?;
+        let snapshots = SnapshotManager::spawn(
+            source,
+            Arc::clone(&map),
+            Arc::clone(&clock),
+            config.snapshots.clone(),
+        )
+        .map_err(E::Snapshots)?;
+        let reclaimer = match &config.reclaimer {
+            Some(reclaimer) => Some(
+                Reclaimer::spawn(Arc::clone(&allocator), Arc::clone(&clock), *reclaimer)
+                    .map_err(E::Reclaimer)?,
+            ),
+            None => None,
+        };
+        let bindings = snapshots.bindings();
+        let shared = Arc::new(Shared {
+            engine: AdmissionEngine::new(Arc::clone(&map), recorder, ids),
+            snapshots_ready: snapshots.readiness(),
+            registry,
+            allocator,
+            clock,
+            config,
+            admitting: AtomicBool::new(true),
+            faulted: AtomicBool::new(false),
+            shutdown: watch::Sender::new(false),
+            restarts: AtomicU64::new(0),
+            planes: Mutex::new(Planes {
+                writer: Some(writer),
+                snapshots: Some(snapshots),
+                reclaimer,
+                accounts: BTreeMap::new(),
+                retired: LeaseStats::default(),
+            }),
+        });
+        let supervisor = tokio::spawn(supervise(Arc::clone(&shared), bindings));
+        let handle = RuntimeHandle {
+            shared: Arc::clone(&shared),
+        };
+        Ok((
+            Self {
+                shared,
+                supervisor: Some(supervisor),
+            },
+            handle,
+        ))
+    }
+
+    /// A handle for the serving side.
+    #[must_use]
+    pub fn handle(&self) -> RuntimeHandle {
+        RuntimeHandle {
+            shared: Arc::clone(&self.shared),
+        }
+    }
+
+    /// Stops the instance in order, inside one `shutdown_deadline` (I25):
+    /// stop admitting, drain usage, release leases. A lease still held by a
+    /// request at its deadline is abandoned to TTL reclaim, never released.
+    pub async fn shutdown(mut self) -> RuntimeShutdownReport {
+        let started = Instant::now();
+        let deadline = started + self.shared.config.shutdown_deadline;
+        self.shared.begin_shutdown();
+        if let Some(supervisor) = self.supervisor.take() {
+            // The supervisor only starts and retires managers; it is told to
+            // stop and given until the deadline.
+            let _ = tokio::time::timeout_at(deadline, supervisor).await;
+        }
+        let (writer, snapshots, reclaimer, managers) = {
+            let mut planes = self.shared.lock_planes();
+            let managers: Vec<(AccountId, LeaseManager)> = std::mem::take(&mut planes.accounts)
+                .into_iter()
+                .filter_map(|(account, managed)| managed.manager.map(|m| (account, m)))
+                .collect();
+            (
+                planes.writer.take(),
+                planes.snapshots.take(),
+                planes.reclaimer.take(),
+                managers,
+            )
+        };
+        // 1. Admission is closed (begin_shutdown). 2. Drain usage.
+        let usage = match writer {
+            Some(writer) => {
+                let drain = self.shared.config.usage.shutdown_drain_deadline;
+                writer.stop_at((Instant::now() + drain).min(deadline));
+                Some(writer.shutdown().await)
+            }
+            None => None,
+        };
+        // 3. Release leases, every account at once, inside what is left.
+        let mut releases = tokio::task::JoinSet::new();
+        for (account, manager) in managers {
+            releases.spawn(async move { (account, manager.shutdown().await) });
+        }
+        let mut leases = Vec::new();
+        let mut finished = std::collections::BTreeSet::new();
+        while let Ok(Some(joined)) = tokio::time::timeout_at(deadline, releases.join_next()).await {
+            if let Ok((account, report)) = joined {
+                finished.insert(account);
+                leases.push((account, report));
+            }
+        }
+        releases.abort_all();
+        let unfinished_accounts: Vec<AccountId> = self
+            .shared
+            .registry
+            .accounts()
+            .into_iter()
+            .filter(|account| !finished.contains(account))
+            .collect();
+        if !unfinished_accounts.is_empty() {
+            tracing::error!(
+                accounts = ?unfinished_accounts,
+                "shutdown deadline passed before these accounts' leases were returned; they settle at TTL reclaim"
+            );
+        }
+        let snapshots = match snapshots {
+            Some(manager) => Some(manager.shutdown().await.stats),
+            None => None,
+        };
+        if let Some(reclaimer) = reclaimer {
+            reclaimer.shutdown().await;
+        }
+        RuntimeShutdownReport {
+            usage,
+            leases,
+            unfinished_accounts,
+            snapshots,
+            elapsed: started.elapsed(),
+        }
+    }
+}
+
+impl Drop for InstanceRuntime {
+    fn drop(&mut self) {
+        let Some(supervisor) = self.supervisor.take() else {
+            return;
+        };
+        supervisor.abort();
+        self.shared.begin_shutdown();
+        let mut planes = self.shared.lock_planes();
+        let accounts: Vec<AccountId> = planes.accounts.keys().copied().collect();
+        // Dropping each plane's handle aborts its task.
+        planes.accounts.clear();
+        planes.writer = None;
+        planes.snapshots = None;
+        planes.reclaimer = None;
+        tracing::warn!(
+            accounts = ?accounts,
+            "instance runtime dropped without shutdown: queued usage is lost and held leases settle at TTL reclaim"
+        );
+    }
+}
+
+impl fmt::Debug for InstanceRuntime {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("InstanceRuntime")
+            .field("running", &self.supervisor.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+impl RuntimeHandle {
+    /// Admits a request (see [`AdmissionEngine::begin`]), or denies it with
+    /// [`DenyReason::ShuttingDown`] once shutdown has begun.
+    ///
+    /// # Errors
+    ///
+    /// Why the request was not admitted.
+    #[inline]
+    pub fn begin(
+        &self,
+        principal: Principal,
+        required: PermissionBits,
+        quote: CostUnits,
+        now: Timestamp,
+    ) -> Result<RequestContext, DenyReason> {
+        if !self.shared.admitting.load(Ordering::Acquire) {
+            return Err(DenyReason::ShuttingDown);
+        }
+        self.shared.engine.begin(principal, required, quote, now)
+    }
+
+    /// The admission engine, for its counters and snapshot map.
+    #[must_use]
+    pub fn engine(&self) -> &AdmissionEngine {
+        &self.shared.engine
+    }
+
+    /// The usage recorder admission takes places from.
+    #[must_use]
+    pub fn recorder(&self) -> &UsageRecorder {
+        self.shared.engine.recorder()
+    }
+
+    /// The admission counters.
+    #[must_use]
+    pub fn counters(&self) -> AdmissionStats {
+        self.shared.engine.counters().read()
+    }
+
+    /// The clock the runtime reads.
+    #[must_use]
+    pub fn clock(&self) -> &Arc<dyn Clock> {
+        &self.shared.clock
+    }
+
+    /// Whether the instance should receive traffic: admission open, no
+    /// fault, snapshots loaded and fresh, the usage writer running, every
+    /// lease manager alive, and every account either funded or known by the
+    /// allocator's evidence to be out of funds (so it answers truthfully).
+    #[must_use]
+    pub fn readiness(&self) -> bool {
+        self.report().ready
+    }
+
+    /// Starts the shutdown from the serving side (for example, on a signal):
+    /// admission closes at once; the owner's
+    /// [`InstanceRuntime::shutdown`] performs the rest.
+    pub fn request_shutdown(&self) {
+        self.shared.begin_shutdown();
+    }
+
+    /// The allocator's evidence about `account`'s funds in force at `now`.
+    #[must_use]
+    pub fn funding(&self, account: AccountId, now: Timestamp) -> Option<BalanceShortfall> {
+        self.shared.registry.get(account)?.funding_evidence(now)
+    }
+
+    /// A reading of every account this instance serves.
+    #[must_use]
+    pub fn account_reports(&self) -> Vec<AccountReport> {
+        let now = self.shared.clock.now();
+        let planes = self.shared.lock_planes();
+        planes
+            .accounts
+            .iter()
+            .map(|(account, managed)| {
+                let slot = self.shared.registry.get(*account);
+                let lease = slot.as_ref().and_then(|slot| slot.load_observed());
+                AccountReport {
+                    account: *account,
+                    health: managed.manager.as_ref().map(LeaseManager::health),
+                    stats: managed
+                        .manager
+                        .as_ref()
+                        .map(LeaseManager::stats)
+                        .unwrap_or_default(),
+                    remaining: lease.as_ref().map(|lease| lease.remaining()),
+                    occupancy: lease.as_ref().map(|lease| lease.occupancy()),
+                    funding: slot.as_ref().and_then(|slot| slot.funding_evidence(now)),
+                    contended_exchanges: slot.as_ref().map_or(0, |slot| slot.contended_exchanges()),
+                }
+            })
+            .collect()
+    }
+
+    /// A reading of the whole instance.
+    #[must_use]
+    pub fn report(&self) -> RuntimeReport {
+        let shared = &self.shared;
+        let now = shared.clock.now();
+        let accounts = self.account_reports();
+        let planes = shared.lock_planes();
+        let admitting = shared.admitting.load(Ordering::Acquire);
+        let faulted = shared.faulted.load(Ordering::Acquire)
+            || accounts
+                .iter()
+                .any(|account| account.health == Some(LeaseHealth::Faulted));
+        let writer_health = planes
+            .writer
+            .as_ref()
+            .map_or(WriterHealth::Stopped, UsageWriter::health);
+        let accounts_ready = planes.accounts.iter().all(|(account, managed)| {
+            let funded = managed
+                .manager
+                .as_ref()
+                .is_some_and(|manager| *manager.readiness().borrow());
+            let known_empty = shared
+                .registry
+                .get(*account)
+                .and_then(|slot| slot.funding_evidence(now))
+                .is_some();
+            funded || known_empty
+        });
+        let ready = admitting
+            && !faulted
+            && *shared.snapshots_ready.borrow()
+            && writer_health != WriterHealth::Stopped
+            && accounts_ready;
+        let leases = accounts.iter().try_fold(planes.retired, |sum, account| {
+            sum.checked_add(&account.stats)
+        });
+        let mut hottest: Vec<(AccountId, u64)> = accounts
+            .iter()
+            .filter(|account| account.contended_exchanges > 0)
+            .map(|account| (account.account, account.contended_exchanges))
+            .collect();
+        hottest.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+        hottest.truncate(5);
+        RuntimeReport {
+            ready,
+            admitting,
+            faulted,
+            admission: shared.engine.counters().read(),
+            writer: planes
+                .writer
+                .as_ref()
+                .map(UsageWriter::stats)
+                .unwrap_or_default(),
+            writer_health,
+            snapshots: planes
+                .snapshots
+                .as_ref()
+                .map(SnapshotManager::stats)
+                .unwrap_or_default(),
+            leases,
+            reclaimer: planes.reclaimer.as_ref().map(Reclaimer::stats),
+            accounts: planes.accounts.len(),
+            manager_restarts: shared.restarts.load(Ordering::Relaxed),
+            hottest_accounts: hottest,
+        }
+    }
+}
+
+impl fmt::Debug for RuntimeHandle {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RuntimeHandle")
+            .field("admitting", &self.shared.admitting.load(Ordering::Acquire))
+            .finish_non_exhaustive()
+    }
+}
+
+impl Shared {
+    fn begin_shutdown(&self) {
+        // I25: stop admitting first.
+        self.admitting.store(false, Ordering::Release);
+        self.shutdown.send_replace(true);
+    }
+
+    fn lock_planes(&self) -> MutexGuard<'_, Planes> {
+        // Only handles and counters live here; a panic cannot leave them
+        // half-updated in a way a reader could misuse.
+        self.planes.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// One supervision pass: start managers for accounts in use, restart
+    /// dead ones after the backoff, retire accounts idle past the linger.
+    fn supervise_once(&self, bindings: &AccountBindings, retiring: &mut Vec<LeaseManager>) {
+        let now = self.clock.now();
+        let instant = Instant::now();
+        let linger = jiff::SignedDuration::try_from(self.config.account_linger)
+            .unwrap_or(jiff::SignedDuration::MAX);
+        let mut planes = self.lock_planes();
+        let planes = &mut *planes;
+        let mut known = std::collections::BTreeSet::new();
+        for binding in bindings.accounts() {
+            let account = binding.account;
+            known.insert(account);
+            // I29: an account keeps its lease while it has a usable principal,
+            // and for a linger after its last one went away.
+            let in_use = binding.usable || now.duration_since(binding.last_seen_usable) < linger;
+            if in_use {
+                let managed = planes.accounts.entry(account).or_insert(ManagedAccount {
+                    manager: None,
+                    restart_at: None,
+                });
+                self.keep_running(account, managed, &mut planes.retired, instant);
+            } else if let Some(managed) = planes.accounts.remove(&account) {
+                retiring.extend(managed.manager);
+            }
+        }
+        // Accounts the bindings no longer mention at all are retired too.
+        let gone: Vec<AccountId> = planes
+            .accounts
+            .keys()
+            .filter(|account| !known.contains(account))
+            .copied()
+            .collect();
+        for account in gone {
+            if let Some(managed) = planes.accounts.remove(&account) {
+                retiring.extend(managed.manager);
+            }
+        }
+    }
+
+    fn keep_running(
+        &self,
+        account: AccountId,
+        managed: &mut ManagedAccount,
+        retired: &mut LeaseStats,
+        now: Instant,
+    ) {
+        if let Some(manager) = &managed.manager {
+            if manager.health() == LeaseHealth::Faulted {
+                // I15: books that disagree with the store are no basis for
+                // spending; the instance stops serving for good.
+                self.faulted.store(true, Ordering::Release);
+                return;
+            }
+            if !manager.is_finished() {
+                return;
+            }
+            // The manager died: keep its counts, and restart after a pause.
+            let dead = managed.manager.take().expect("checked above");
+            *retired = retired.checked_add(&dead.stats()).unwrap_or(*retired);
+            tracing::error!(%account, "lease manager died; restarting after backoff");
+            managed.restart_at = Some(now + self.config.manager_restart_backoff);
+            return;
+        }
+        if managed.restart_at.is_some_and(|at| now < at) {
+            return;
+        }
+        let slot = self.registry.ensure(account);
+        match LeaseManager::spawn(
+            Arc::clone(&self.allocator),
+            slot,
+            Arc::clone(&self.clock),
+            self.config.leases.for_account(account),
+        ) {
+            Ok(started) => {
+                if managed.restart_at.take().is_some() {
+                    self.restarts.fetch_add(1, Ordering::Relaxed);
+                }
+                managed.manager = Some(started);
+            }
+            Err(error) => {
+                // Validated at spawn; unreachable unless the config changed.
+                tracing::error!(%account, %error, "lease manager refused its configuration");
+                self.faulted.store(true, Ordering::Release);
+            }
+        }
+    }
+}
+
+/// The supervisor task.
+async fn supervise(shared: Arc<Shared>, mut bindings: watch::Receiver<Arc<AccountBindings>>) {
+    let mut shutdown = shared.shutdown.subscribe();
+    loop {
+        if *shutdown.borrow() {
+            return;
+        }
+        let current = Arc::clone(&bindings.borrow_and_update());
+        let mut retiring = Vec::new();
+        shared.supervise_once(&current, &mut retiring);
+        for manager in retiring {
+            let account = manager.account();
+            // Retiring returns the account's lease; it runs beside the
+            // supervisor so one slow release does not hold up the others.
+            // The slot stays registered: published snapshots still point at
+            // it, and a returning account is served from it again.
+            tokio::spawn(async move {
+                let report = manager.shutdown().await;
+                tracing::info!(%account, released = report.released, abandoned = report.abandoned, "retired idle account");
+            });
+        }
+        tokio::select! {
+            () = sleep(shared.config.supervisor_interval) => {}
+            changed = bindings.changed() => {
+                if changed.is_err() {
+                    // The snapshot manager is gone; keep supervising on the
+                    // interval with the last bindings.
+                    sleep(shared.config.supervisor_interval).await;
+                }
+            }
+            _ = shutdown.changed() => return,
+        }
+    }
+}

@@ -1,0 +1,1656 @@
+//! The lease manager: one background task per account that keeps the
+//! account's [`LeaseSlot`] stocked with a lease from the [`LeaseAllocator`],
+//! and hands back what it no longer needs.
+//!
+//! The request path spends the slot's lease with atomics and never talks to
+//! the store (I5). Everything that does talk to the store on the account's
+//! behalf happens here, off the request path.
+//!
+//! # When the task looks at the slot
+//!
+//! Right after [`LeaseManager::spawn`], then whenever a lease rings its
+//! doorbell, and otherwise every `poll_interval`. A lease rings when a debit
+//! leaves it at or below its low-water mark, or when it refuses a debit for
+//! want of units (I7); the doorbell is a flag and a waker, so ringing it is
+//! two atomic operations on the request path (I28). The poll is the backstop
+//! for what no debit announces: a cold start with no lease, a lease reaching
+//! the end of its usability window, and an attempt that failed and must be
+//! made again.
+//!
+//! # One inspection
+//!
+//! 1. A lease in the slot whose usability window has closed is taken out and
+//!    parked. The allocator may still hold it open (its window closes
+//!    `expiry_safety_margin` before `expires_at`), so its remainder can still
+//!    go back to the balance.
+//! 2. A *release pass* over the parked leases returns those that have gone
+//!    quiet.
+//! 3. The slot is examined. Empty: acquire a lease. Serving and above low
+//!    water: nothing. At or below low water: acquire a replacement while the
+//!    old lease keeps serving, install it, park the old one. The lease refused
+//!    a quote: *consolidate* it.
+//!
+//! # Parked leases and quiescence
+//!
+//! A lease taken out of the slot may still be held by requests that
+//! reserved on it a moment earlier. Its remaining count is final only once it
+//! is *quiescent*: the manager holds the only `Arc` to it and no debit holds a
+//! view of any of its shards (I6, I26). Only then is it released, claiming
+//! exactly `remaining()` as unspent; releasing earlier could credit units that
+//! a running request then commits, and the store would refuse that request's
+//! usage event because the lease is settled (I15).
+//!
+//! # Consolidation
+//!
+//! A lease that refused a quote the account might fund is folded, in one
+//! allocator call, into a new grant of at least that quote (I18, I27). Folding
+//! needs an exact unspent count, so the lease is taken out of the slot and
+//! tested for quiescence; if a reservation is still in flight it goes straight
+//! back and the fold is tried on a later inspection. Otherwise the account's
+//! requests are denied for the length of that one call. The answer decides
+//! where the old lease goes: a grant settles it (it is dropped); a domain
+//! refusal rolled back (it returns to the slot); a lease the store no longer
+//! holds for us is dropped; an answer that never came may or may not have
+//! committed, so the lease is parked and the release pass finds out which.
+//!
+//! # Release refusals
+//!
+//! Each refusal means something different (I26):
+//!
+//! - unknown lease or not active: someone settled it already (an earlier
+//!   release whose answer was lost, or TTL reclaim); it is dropped;
+//! - fenced: the store does not recognise the capability this instance holds
+//!   for the lease, so the instance's idea of its own leases is in doubt. The
+//!   lease is dropped, and the serving lease is taken out of the slot and
+//!   parked (never dropped: it may well still be ours, and its units must go
+//!   back) until a fresh grant replaces it;
+//! - storage error or timeout: unknown outcome; the lease stays parked and is
+//!   released again on the next pass (a second release of a lease that was in
+//!   fact settled is answered "not active" and dropped);
+//! - anything else (an invalid release, a balance overflow): the store and
+//!   this instance disagree about the books. That is an *integrity fault*:
+//!   readiness is withdrawn for good, the slot is emptied and no further lease
+//!   is acquired, and the lease is kept on the books but never claimed again;
+//!   at shutdown it is reported abandoned and settles at TTL reclaim.
+//!
+//! # Time limits
+//!
+//! Every allocator call is cut off after `store_call_timeout` (I22). A release
+//! pass shares one such budget across all parked leases, each call capped by
+//! what is left of it, so a store that hangs costs one timeout per pass
+//! however many leases are parked; a lease whose call used up the budget goes
+//! to the back of the queue so the others get their turn next pass.
+//!
+//! # Shutdown
+//!
+//! [`LeaseManager::shutdown`] asks the task to stop; every wait the task is in
+//! (an allocator call, the poll) is raced against that request, so it acts on
+//! it at once. The task stops acquiring, takes the serving lease out of the
+//! slot, and until `shutdown_release_deadline` releases each parked lease as
+//! soon as it is quiescent. A lease still held by a request at the deadline is
+//! *abandoned*, never released: the request may still commit against it
+//! (I25). The embedding service should stop admitting and drain its usage
+//! before shutting the manager down, so that nothing is still held. Abandoned leases
+//! come back at TTL reclaim and are counted in the [`LeaseManagerReport`].
+//!
+//! Dropping the [`LeaseManager`] instead aborts the task; the leases it held
+//! are left to TTL reclaim, and a warning says how many.
+
+use std::collections::VecDeque;
+use std::fmt;
+use std::future::{Future, poll_fn};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::task::Poll;
+use std::time::Duration;
+
+use atomic_waker::AtomicWaker;
+use jiff::SignedDuration;
+use tokio::sync::watch;
+use tokio::task::{JoinError, JoinHandle};
+use tokio::time::{Instant, sleep_until, timeout_at};
+use tracing::Instrument as _;
+
+use crate::admission::LeaseSlot;
+use crate::model::{AccountId, CostUnits, LeaseGrant, LocalLease, RefillSignal, RefillVerdict};
+use crate::store::{AllocateError, Allocation, Clock, LeaseAllocator, Released};
+
+/// How one account's lease manager sizes, times and returns its leases.
+///
+/// There is no `Default` (I17): these values decide how much of the balance
+/// one instance holds, for how long, and how long the store may be waited
+/// on. [`validate`](Self::validate) checks them before the task starts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LeaseManagerConfig {
+    /// The account whose slot is stocked and whose balance pays.
+    pub account: AccountId,
+    /// Units asked for in each acquire. The allocator may grant less near
+    /// the end of the balance. Larger grants mean fewer store calls but more
+    /// balance held by one instance (and left to TTL reclaim if it crashes).
+    /// Must be positive.
+    pub target_grant: CostUnits,
+    /// The mark at or below which a lease asks to be replaced while it keeps
+    /// serving. Size it to what the account spends during one refill (an
+    /// allocator round trip) at its peak rate. Must be below `target_grant`;
+    /// on a smaller grant it is lowered to one unit below the grant so a fresh
+    /// lease does not ask for replacement at once.
+    pub low_water: CostUnits,
+    /// The lifetime asked for each lease. The allocator may clamp it. Must be
+    /// positive and longer than `expiry_safety_margin`.
+    pub lease_ttl: SignedDuration,
+    /// How long before `expires_at` a lease stops accepting debits and
+    /// commits (I2). It must cover the clock skew between this instance and
+    /// the store plus the longest request the service runs. Must not be
+    /// negative.
+    pub expiry_safety_margin: SignedDuration,
+    /// How long after one inspection ends the next one starts when no lease
+    /// rings. Bounds how long an expired lease or a parked lease that went
+    /// quiet waits, and is the pause before a failed call is retried. Must be
+    /// positive.
+    pub poll_interval: Duration,
+    /// The longest any allocator call may take (I22), and the budget of one
+    /// release pass over every parked lease. A call cut off by it is treated
+    /// as a storage error: it may have taken effect. Must be positive.
+    pub store_call_timeout: Duration,
+    /// How long a shutdown may spend returning leases, waiting for them to
+    /// quiesce included. Must be positive.
+    pub shutdown_release_deadline: Duration,
+}
+
+/// The first rule a [`LeaseManagerConfig`] breaks, in field order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum LeaseManagerConfigError {
+    /// `target_grant` is zero.
+    TargetGrantZero,
+    /// `low_water` is not below `target_grant`.
+    LowWaterNotBelowTargetGrant,
+    /// `lease_ttl` is zero or negative.
+    LeaseTtlNotPositive,
+    /// `expiry_safety_margin` is negative.
+    ExpirySafetyMarginNegative,
+    /// `expiry_safety_margin` is not shorter than `lease_ttl`.
+    ExpirySafetyMarginNotBelowLeaseTtl,
+    /// `poll_interval` is zero.
+    PollIntervalZero,
+    /// `store_call_timeout` is zero.
+    StoreCallTimeoutZero,
+    /// `shutdown_release_deadline` is zero.
+    ShutdownReleaseDeadlineZero,
+}
+
+/// The lease settings an instance applies to every account it serves: a
+/// [`LeaseManagerConfig`] without the account.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AccountLeaseConfig {
+    /// See [`LeaseManagerConfig::target_grant`].
+    pub target_grant: CostUnits,
+    /// See [`LeaseManagerConfig::low_water`].
+    pub low_water: CostUnits,
+    /// See [`LeaseManagerConfig::lease_ttl`].
+    pub lease_ttl: SignedDuration,
+    /// See [`LeaseManagerConfig::expiry_safety_margin`].
+    pub expiry_safety_margin: SignedDuration,
+    /// See [`LeaseManagerConfig::poll_interval`].
+    pub poll_interval: Duration,
+    /// See [`LeaseManagerConfig::store_call_timeout`].
+    pub store_call_timeout: Duration,
+    /// See [`LeaseManagerConfig::shutdown_release_deadline`]. Each account's
+    /// manager has its own; managers shut down concurrently.
+    pub shutdown_release_deadline: Duration,
+}
+
+/// The owner's handle on one account's lease manager task.
+///
+/// Keep it while the account is served, and call
+/// [`shutdown`](Self::shutdown) to return the leases; dropping it aborts the
+/// task and leaves its leases to TTL reclaim.
+pub struct LeaseManager {
+    account: AccountId,
+    slot: Arc<LeaseSlot>,
+    clock: Arc<dyn Clock>,
+    shared: Arc<Shared>,
+    stop: watch::Sender<Option<Instant>>,
+    shutdown_release_deadline: Duration,
+    /// `None` once `shutdown` has joined the task.
+    task: Option<JoinHandle<LeaseManagerReport>>,
+}
+
+/// Whether the account can be served from this instance.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LeaseHealth {
+    /// The slot holds a lease inside its usability window.
+    Serving,
+    /// The slot is empty or its lease has expired; requests are denied while
+    /// the task keeps trying to acquire.
+    Unfunded,
+    /// The store refused a claim as an accounting fault. The task no longer
+    /// acquires and the slot stays empty; readiness is withdrawn for good.
+    Faulted,
+    /// The task has ended.
+    Stopped,
+}
+
+/// What a shutdown did with the leases the task still held.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LeaseManagerReport {
+    /// Leases returned to the allocator during the shutdown, or found settled
+    /// by it.
+    pub released: u64,
+    /// The units those releases credited back.
+    pub released_units: u64,
+    /// Leases not returned: still held by a request at the deadline, left
+    /// unanswered by the store, or withheld after an integrity fault. They
+    /// settle at TTL reclaim.
+    pub abandoned: u64,
+    /// The units the abandoned leases held at the deadline. For a lease still
+    /// held by a request this is a momentary reading.
+    pub abandoned_units: u64,
+    /// The task panicked or was aborted instead of shutting down. The counts
+    /// above are then what the handle could still see: the slot's lease and
+    /// the leases the task last said it held.
+    pub task_died: bool,
+    /// The task's counters at the end.
+    pub stats: LeaseStats,
+}
+
+/// What the task has done: cumulative counters, written only by the task.
+///
+/// Plain `Relaxed` atomics: nothing else is ordered by them, and with a
+/// single writer they cannot contend.
+#[derive(Default)]
+pub struct LeaseCounters {
+    acquired: AtomicU64,
+    acquired_units: AtomicU64,
+    acquire_timeouts: AtomicU64,
+    uncertain_acquires: AtomicU64,
+    refused: [AtomicU64; AllocateError::COUNT],
+    released: AtomicU64,
+    released_units: AtomicU64,
+    release_timeouts: AtomicU64,
+    release_refused: [AtomicU64; AllocateError::COUNT],
+    abandoned: AtomicU64,
+    consolidated: AtomicU64,
+    consolidations_deferred: AtomicU64,
+}
+
+/// A reading of [`LeaseCounters`]. Each field is read on its own, so a
+/// reading taken while the task works may be off by the step in progress.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct LeaseStats {
+    /// Grants received, by acquire or by consolidation.
+    pub acquired: u64,
+    /// The units of those grants.
+    pub acquired_units: u64,
+    /// Acquires and consolidations cut off by `store_call_timeout`.
+    pub acquire_timeouts: u64,
+    /// Acquires and consolidations whose outcome is unknown: timed out,
+    /// answered with a storage error, or cut off by shutdown. Each may have
+    /// created a grant nobody holds, which comes back at TTL reclaim.
+    pub uncertain_acquires: u64,
+    /// Refusals of acquires and consolidations, by [`AllocateError::index`].
+    pub refused: [u64; AllocateError::COUNT],
+    /// Leases that left this manager's books settled: released, folded into
+    /// a consolidation, or found settled or disowned (fenced) by the store.
+    pub released: u64,
+    /// The units credited back by releases and consolidations.
+    pub released_units: u64,
+    /// Releases cut off by `store_call_timeout` or a pass budget.
+    pub release_timeouts: u64,
+    /// Refusals of releases, by [`AllocateError::index`].
+    pub release_refused: [u64; AllocateError::COUNT],
+    /// Leases given up at shutdown; they settle at TTL reclaim.
+    pub abandoned: u64,
+    /// Refused leases folded into a new grant. A rising count says
+    /// `target_grant` is small against the largest quotes.
+    pub consolidated: u64,
+    /// Consolidations put off because a reservation was still in flight on
+    /// the refused lease.
+    pub consolidations_deferred: u64,
+}
+
+impl LeaseManagerConfig {
+    /// Checks every rule, in field order.
+    ///
+    /// # Errors
+    ///
+    /// The first rule broken.
+    pub fn validate(&self) -> Result<(), LeaseManagerConfigError> {
+        use LeaseManagerConfigError as Broken;
+        // I17: nothing is repaired; the first broken rule is named.
+        let rules = [
+            (!self.target_grant.is_zero(), Broken::TargetGrantZero),
+            (
+                self.low_water < self.target_grant,
+                Broken::LowWaterNotBelowTargetGrant,
+            ),
+            (self.lease_ttl.is_positive(), Broken::LeaseTtlNotPositive),
+            (
+                !self.expiry_safety_margin.is_negative(),
+                Broken::ExpirySafetyMarginNegative,
+            ),
+            (
+                self.expiry_safety_margin < self.lease_ttl,
+                Broken::ExpirySafetyMarginNotBelowLeaseTtl,
+            ),
+            (!self.poll_interval.is_zero(), Broken::PollIntervalZero),
+            (
+                !self.store_call_timeout.is_zero(),
+                Broken::StoreCallTimeoutZero,
+            ),
+            (
+                !self.shutdown_release_deadline.is_zero(),
+                Broken::ShutdownReleaseDeadlineZero,
+            ),
+        ];
+        rules
+            .into_iter()
+            .find_map(|(holds, broken)| (!holds).then_some(broken))
+            .map_or(Ok(()), Err)
+    }
+}
+
+impl fmt::Display for LeaseManagerConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::TargetGrantZero => "lease manager: target_grant must be positive",
+            Self::LowWaterNotBelowTargetGrant => {
+                "lease manager: low_water must be below target_grant"
+            }
+            Self::LeaseTtlNotPositive => "lease manager: lease_ttl must be positive",
+            Self::ExpirySafetyMarginNegative => {
+                "lease manager: expiry_safety_margin must not be negative"
+            }
+            Self::ExpirySafetyMarginNotBelowLeaseTtl => {
+                "lease manager: expiry_safety_margin must be shorter than lease_ttl"
+            }
+            Self::PollIntervalZero => "lease manager: poll_interval must be positive",
+            Self::StoreCallTimeoutZero => "lease manager: store_call_timeout must be positive",
+            Self::ShutdownReleaseDeadlineZero => {
+                "lease manager: shutdown_release_deadline must be positive"
+            }
+        })
+    }
+}
+
+impl std::error::Error for LeaseManagerConfigError {}
+
+impl AccountLeaseConfig {
+    /// The complete configuration for `account`'s manager.
+    #[must_use]
+    pub fn for_account(&self, account: AccountId) -> LeaseManagerConfig {
+        LeaseManagerConfig {
+            account,
+            target_grant: self.target_grant,
+            low_water: self.low_water,
+            lease_ttl: self.lease_ttl,
+            expiry_safety_margin: self.expiry_safety_margin,
+            poll_interval: self.poll_interval,
+            store_call_timeout: self.store_call_timeout,
+            shutdown_release_deadline: self.shutdown_release_deadline,
+        }
+    }
+
+    /// Checks the rules of [`LeaseManagerConfig::validate`], which do not
+    /// depend on the account, before any manager is started.
+    ///
+    /// # Errors
+    ///
+    /// The first rule broken.
+    pub fn validate(&self) -> Result<(), LeaseManagerConfigError> {
+        // No rule looks at the account, so any one will do.
+        let placeholder = AccountId(0);
+        self.for_account(placeholder).validate()
+    }
+}
+
+impl LeaseManager {
+    /// Validates `config` and starts the task that stocks `slot` from
+    /// `allocator` on the current tokio runtime. The first inspection (and
+    /// so the first acquire into an empty slot) runs at once.
+    ///
+    /// `slot` should be the account's one slot: the task is meant to be its
+    /// only writer. A slot of another account is refused by a debug
+    /// assertion here, and in release builds by an integrity fault on the
+    /// first grant, before anything is spent.
+    ///
+    /// # Errors
+    ///
+    /// The first rule `config` breaks; nothing is started then.
+    ///
+    /// # Panics
+    ///
+    /// When called outside a tokio runtime.
+    pub fn spawn(
+        allocator: Arc<dyn LeaseAllocator>,
+        slot: Arc<LeaseSlot>,
+        clock: Arc<dyn Clock>,
+        config: LeaseManagerConfig,
+    ) -> Result<Self, LeaseManagerConfigError> {
+        config.validate()?;
+        debug_assert_eq!(
+            slot.account(),
+            config.account,
+            "a lease manager stocks its own account's slot"
+        );
+        let (stop, stop_rx) = watch::channel(None);
+        let shared = Arc::new(Shared {
+            counters: Arc::new(LeaseCounters::default()),
+            readiness: watch::Sender::new(false),
+            faulted: AtomicBool::new(false),
+            grant_call_in_flight: AtomicBool::new(false),
+            held_leases: AtomicU64::new(0),
+            held_units: AtomicU64::new(0),
+        });
+        let task = Task {
+            allocator,
+            slot: Arc::clone(&slot),
+            clock: Arc::clone(&clock),
+            config,
+            shared: Arc::clone(&shared),
+            doorbell: Arc::new(Doorbell::default()),
+            stop: stop_rx,
+            parked: VecDeque::new(),
+            withheld: Vec::new(),
+        };
+        let span = tracing::info_span!("lease_manager", account = %config.account);
+        Ok(Self {
+            account: config.account,
+            slot,
+            clock,
+            shared,
+            stop,
+            shutdown_release_deadline: config.shutdown_release_deadline,
+            task: Some(tokio::spawn(task.run().instrument(span))),
+        })
+    }
+
+    /// The account this manager serves.
+    pub fn account(&self) -> AccountId {
+        self.account
+    }
+
+    /// The counters as they stand now.
+    pub fn stats(&self) -> LeaseStats {
+        self.shared.counters.stats()
+    }
+
+    /// The task's counters, shared: they can be kept after the handle moves
+    /// on, and stay readable after the task ends.
+    pub fn counters(&self) -> &Arc<LeaseCounters> {
+        &self.shared.counters
+    }
+
+    /// Whether the account is served, waiting for funds, faulted or stopped,
+    /// judged now from the slot and the task.
+    pub fn health(&self) -> LeaseHealth {
+        if self.is_finished() {
+            return LeaseHealth::Stopped;
+        }
+        if self.shared.is_faulted() {
+            return LeaseHealth::Faulted;
+        }
+        if serving(&self.slot, self.clock.as_ref()) {
+            LeaseHealth::Serving
+        } else {
+            LeaseHealth::Unfunded
+        }
+    }
+
+    /// `true` while the slot holds a usable lease and no integrity fault has
+    /// been seen; updated by the task after every inspection, so a lease that
+    /// expires shows here by the next poll. `false` for good after a fault,
+    /// and once the task ends however it ends.
+    pub fn readiness(&self) -> watch::Receiver<bool> {
+        self.shared.readiness.subscribe()
+    }
+
+    /// Whether the task has ended: stopped, panicked or aborted.
+    pub fn is_finished(&self) -> bool {
+        self.task.as_ref().is_none_or(JoinHandle::is_finished)
+    }
+
+    /// Stops the task and reports what it returned and what it left to TTL
+    /// reclaim.
+    ///
+    /// The task stops acquiring at once, takes the serving lease out of the
+    /// slot (requests on this account are denied from then on) and releases
+    /// every lease as it quiesces, until `shutdown_release_deadline` from
+    /// this call; it returns by then, give or take scheduling. Stop admitting
+    /// and drain usage first, so no request still holds a lease.
+    ///
+    /// Dropping the returned future before it completes aborts the task, as
+    /// dropping the handle does.
+    pub async fn shutdown(mut self) -> LeaseManagerReport {
+        let deadline = after(Instant::now(), self.shutdown_release_deadline);
+        self.stop.send_if_modified(|requested| {
+            let first = requested.is_none();
+            if first {
+                *requested = Some(deadline);
+            }
+            first
+        });
+        let ending = match self.task.as_mut() {
+            Some(task) => task.await,
+            None => return self.report_death(None),
+        };
+        self.task = None;
+        match ending {
+            Ok(report) => report,
+            Err(error) => self.report_death(Some(&error)),
+        }
+    }
+
+    /// The report of a task that did not finish its own shutdown. What it
+    /// held is lost with it; the serving lease is taken out of the slot so
+    /// requests stop spending on an account nobody manages any more.
+    fn report_death(&self, error: Option<&JoinError>) -> LeaseManagerReport {
+        let stranded = self.slot.take();
+        let serving_units = stranded.as_ref().map_or(0, |lease| lease.remaining().get());
+        let held = self.shared.held_leases.load(Ordering::Relaxed);
+        let abandoned = held.saturating_add(u64::from(stranded.is_some()));
+        let abandoned_units = self
+            .shared
+            .held_units
+            .load(Ordering::Relaxed)
+            .saturating_add(serving_units);
+        let mut stats = self.shared.counters.stats();
+        // A grant request the task was awaiting when it died may have
+        // created a lease nobody holds.
+        if self.shared.grant_call_in_flight.load(Ordering::Acquire) {
+            stats.uncertain_acquires = stats.uncertain_acquires.saturating_add(1);
+        }
+        tracing::error!(
+            account = %self.account,
+            error = error.map(tracing::field::display),
+            abandoned,
+            abandoned_units,
+            "lease manager: the task died; its leases settle at TTL reclaim"
+        );
+        LeaseManagerReport {
+            released: 0,
+            released_units: 0,
+            abandoned,
+            abandoned_units,
+            task_died: true,
+            stats,
+        }
+    }
+}
+
+impl Drop for LeaseManager {
+    fn drop(&mut self) {
+        let Some(task) = self.task.take() else {
+            return;
+        };
+        if task.is_finished() {
+            return;
+        }
+        task.abort();
+        let serving = self.slot.load_observed();
+        tracing::warn!(
+            account = %self.account,
+            parked = self.shared.held_leases.load(Ordering::Relaxed),
+            parked_units = self.shared.held_units.load(Ordering::Relaxed),
+            serving = serving.as_ref().map(|lease| tracing::field::display(lease.grant().lease_id)),
+            serving_units = serving.as_ref().map(|lease| lease.remaining().get()),
+            "lease manager: handle dropped without shutdown; the task is aborted and its \
+             leases settle at TTL reclaim"
+        );
+    }
+}
+
+impl fmt::Debug for LeaseManager {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LeaseManager")
+            .field("account", &self.account)
+            .field("health", &self.health())
+            .field("stats", &self.stats())
+            .finish_non_exhaustive()
+    }
+}
+
+impl LeaseCounters {
+    /// Reads every counter.
+    pub fn stats(&self) -> LeaseStats {
+        let read = |counter: &AtomicU64| counter.load(Ordering::Relaxed);
+        LeaseStats {
+            acquired: read(&self.acquired),
+            acquired_units: read(&self.acquired_units),
+            acquire_timeouts: read(&self.acquire_timeouts),
+            uncertain_acquires: read(&self.uncertain_acquires),
+            refused: std::array::from_fn(|index| read(&self.refused[index])),
+            released: read(&self.released),
+            released_units: read(&self.released_units),
+            release_timeouts: read(&self.release_timeouts),
+            release_refused: std::array::from_fn(|index| read(&self.release_refused[index])),
+            abandoned: read(&self.abandoned),
+            consolidated: read(&self.consolidated),
+            consolidations_deferred: read(&self.consolidations_deferred),
+        }
+    }
+
+    fn granted(&self, grant: &LeaseGrant) {
+        bump(&self.acquired, 1);
+        bump(&self.acquired_units, grant.units.get());
+    }
+
+    fn settled(&self, credited: CostUnits) {
+        bump(&self.released, 1);
+        bump(&self.released_units, credited.get());
+    }
+
+    fn grant_refused(&self, error: &AllocateError) {
+        bump(&self.refused[error.index()], 1);
+        if matches!(error, AllocateError::Storage(_)) {
+            bump(&self.uncertain_acquires, 1);
+        }
+    }
+
+    fn grant_timed_out(&self) {
+        bump(&self.acquire_timeouts, 1);
+        bump(&self.uncertain_acquires, 1);
+    }
+}
+
+impl fmt::Debug for LeaseCounters {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("LeaseCounters").field(&self.stats()).finish()
+    }
+}
+
+impl LeaseStats {
+    /// The field-by-field sum, for totals across accounts; `None` if any sum
+    /// would overflow (I1: counters never wrap).
+    #[must_use]
+    pub fn checked_add(&self, other: &LeaseStats) -> Option<LeaseStats> {
+        let (a, b) = (self, other);
+        Some(LeaseStats {
+            acquired: sum(a.acquired, b.acquired)?,
+            acquired_units: sum(a.acquired_units, b.acquired_units)?,
+            acquire_timeouts: sum(a.acquire_timeouts, b.acquire_timeouts)?,
+            uncertain_acquires: sum(a.uncertain_acquires, b.uncertain_acquires)?,
+            refused: add_each(&a.refused, &b.refused)?,
+            released: sum(a.released, b.released)?,
+            released_units: sum(a.released_units, b.released_units)?,
+            release_timeouts: sum(a.release_timeouts, b.release_timeouts)?,
+            release_refused: add_each(&a.release_refused, &b.release_refused)?,
+            abandoned: sum(a.abandoned, b.abandoned)?,
+            consolidated: sum(a.consolidated, b.consolidated)?,
+            consolidations_deferred: sum(a.consolidations_deferred, b.consolidations_deferred)?,
+        })
+    }
+
+    /// How many acquires and consolidations were refused with `error`'s
+    /// variant.
+    #[must_use]
+    pub fn refused_for(&self, error: &AllocateError) -> u64 {
+        self.refused[error.index()]
+    }
+
+    /// How many releases were refused with `error`'s variant.
+    #[must_use]
+    pub fn release_refused_for(&self, error: &AllocateError) -> u64 {
+        self.release_refused[error.index()]
+    }
+}
+
+fn sum(a: u64, b: u64) -> Option<u64> {
+    a.checked_add(b)
+}
+
+fn add_each<const N: usize>(left: &[u64; N], right: &[u64; N]) -> Option<[u64; N]> {
+    let mut totals = [0; N];
+    for ((total, a), b) in totals.iter_mut().zip(left).zip(right) {
+        *total = sum(*a, *b)?;
+    }
+    Some(totals)
+}
+
+/// A counter update by the only writer: a load and a store, saturating
+/// rather than wrapping (I1).
+fn bump(counter: &AtomicU64, by: u64) {
+    let current = counter.load(Ordering::Relaxed);
+    counter.store(current.saturating_add(by), Ordering::Relaxed);
+}
+
+/// What the handle and the task share.
+struct Shared {
+    counters: Arc<LeaseCounters>,
+    readiness: watch::Sender<bool>,
+    /// Set once, by the task, on an integrity fault; never cleared.
+    faulted: AtomicBool,
+    /// Whether the task is awaiting an acquire or a consolidation, so the
+    /// handle can count it as uncertain if the task dies meanwhile.
+    grant_call_in_flight: AtomicBool,
+    /// How many leases the task holds outside the slot, and their units, as
+    /// of its last inspection: what a dead task leaves to TTL reclaim.
+    held_leases: AtomicU64,
+    held_units: AtomicU64,
+}
+
+impl Shared {
+    fn is_faulted(&self) -> bool {
+        self.faulted.load(Ordering::Acquire)
+    }
+}
+
+/// Withdraws readiness when the task ends, however it ends: a return, a
+/// panic, or an abort that drops the task's future.
+struct ReadinessOnExit(Arc<Shared>);
+
+impl Drop for ReadinessOnExit {
+    fn drop(&mut self) {
+        self.0.readiness.send_replace(false);
+    }
+}
+
+/// The doorbell every installed lease rings (I7, I28).
+///
+/// `request_refill` runs inside a debit on the request path, so it is a flag
+/// store and a waker hand-off, both lock-free (I5); what `Waker::wake` does
+/// inside the runtime's scheduler is the runtime's business.
+#[derive(Default)]
+struct Doorbell {
+    rung: AtomicBool,
+    waker: AtomicWaker,
+}
+
+impl RefillSignal for Doorbell {
+    fn request_refill(&self) {
+        // Set before the wake, so the woken task finds it.
+        self.rung.store(true, Ordering::Release);
+        self.waker.wake();
+    }
+}
+
+impl Doorbell {
+    /// Resolves once the bell has rung since it was last answered, and
+    /// answers it. Safe to drop unresolved in a `select!`: the ring is
+    /// consumed only when this resolves.
+    fn answer(&self) -> impl Future<Output = ()> + '_ {
+        poll_fn(|cx| {
+            if self.rung.swap(false, Ordering::AcqRel) {
+                return Poll::Ready(());
+            }
+            self.waker.register(cx.waker());
+            // A ring between the first look and the registration woke nobody;
+            // looking again after registering catches it.
+            if self.rung.swap(false, Ordering::AcqRel) {
+                Poll::Ready(())
+            } else {
+                Poll::Pending
+            }
+        })
+    }
+}
+
+/// Between steps, pause this long while waiting at shutdown for leases to
+/// quiesce. Requests let go of a lease without telling anyone, so the task
+/// looks again; a short pause against a deadline of seconds.
+const QUIESCENCE_POLL: Duration = Duration::from_millis(5);
+
+/// The lease manager task.
+///
+/// # Invariants
+///
+/// 1. Every lease this task received from the allocator and has not seen
+///    settled is in exactly one place: the slot, `parked`, or `withheld`
+///    (or a local of the step in progress, which puts it in one of them
+///    before it next awaits anything other than the call about it).
+/// 2. A lease is released only when quiescent, claiming its exact
+///    `remaining()` (I6, I15).
+/// 3. Once `faulted` is set the task installs nothing into the slot.
+struct Task {
+    allocator: Arc<dyn LeaseAllocator>,
+    slot: Arc<LeaseSlot>,
+    clock: Arc<dyn Clock>,
+    config: LeaseManagerConfig,
+    shared: Arc<Shared>,
+    doorbell: Arc<Doorbell>,
+    stop: watch::Receiver<Option<Instant>>,
+    /// Leases out of the slot waiting to quiesce and be released; the front
+    /// has its turn first.
+    parked: VecDeque<Arc<LocalLease>>,
+    /// Leases whose release the store refused as an accounting fault. They
+    /// are never claimed again, and are reported abandoned at shutdown.
+    withheld: Vec<Arc<LocalLease>>,
+}
+
+/// Shutdown was requested; the deadline it set.
+struct Stopped(Instant);
+
+/// What one inspection of the slot calls for.
+enum Step {
+    Idle,
+    Acquire,
+    Consolidate,
+}
+
+/// How an allocator call ended.
+enum CallEnd<T> {
+    Answered(T),
+    TimedOut,
+    Stopped(Instant),
+}
+
+/// What a release refusal means for the lease.
+enum ReleaseRefusal {
+    /// It was settled already; drop it.
+    Settled,
+    /// The store does not recognise our capability for it.
+    Fenced,
+    /// The outcome is unknown; try again.
+    Retry,
+    /// The store and this instance disagree about the books.
+    Integrity,
+}
+
+/// What became of a lease after its release call.
+enum Judged {
+    /// Settled, disowned or withheld: no longer parked.
+    Done,
+    /// The outcome is unknown; it stays parked.
+    Keep(Arc<LocalLease>),
+    /// Shutdown cut the call short; it stays parked.
+    Stopped(Arc<LocalLease>, Instant),
+}
+
+/// What a refused consolidation means for the old lease.
+enum FoldRefusal {
+    /// A domain refusal: the call rolled back and the lease is still ours
+    /// (I18).
+    RolledBack,
+    /// The store no longer holds the lease for us.
+    Gone { fenced: bool },
+    /// The call may have committed.
+    Ambiguous,
+    /// The store and this instance disagree about the books.
+    Integrity,
+}
+
+impl Task {
+    async fn run(mut self) -> LeaseManagerReport {
+        let _exit = ReadinessOnExit(Arc::clone(&self.shared));
+        let Stopped(deadline) = self.serve().await;
+        self.wind_down(deadline).await
+    }
+
+    /// Inspects the slot at once, then after every ring or poll, until a
+    /// shutdown is requested.
+    async fn serve(&mut self) -> Stopped {
+        loop {
+            if let Err(stopped) = self.inspect().await {
+                return stopped;
+            }
+            self.note_holdings();
+            self.publish_readiness();
+            let next_poll = after(Instant::now(), self.config.poll_interval);
+            tokio::select! {
+                biased;
+                deadline = stop_requested(&mut self.stop) => return Stopped(deadline),
+                // I28: a ring is answered at once; the poll is the backstop.
+                () = self.doorbell.answer() => {}
+                () = sleep_until(next_poll) => {}
+            }
+        }
+    }
+
+    async fn inspect(&mut self) -> Result<(), Stopped> {
+        self.retire_expired();
+        let budget_end = after(Instant::now(), self.config.store_call_timeout);
+        self.release_pass(budget_end, true).await?;
+        // Invariant 3: after an integrity fault nothing is installed again.
+        if self.shared.is_faulted() {
+            return Ok(());
+        }
+        match self.next_step() {
+            Step::Idle => Ok(()),
+            Step::Acquire => self.acquire().await,
+            Step::Consolidate => self.consolidate().await,
+        }
+    }
+
+    fn next_step(&mut self) -> Step {
+        let verdict = {
+            let Some(lease) = self.slot.load_observed() else {
+                return Step::Acquire;
+            };
+            if self.clock.now() >= lease.usable_until() {
+                None
+            } else {
+                Some(lease.refill_due_or_rearm())
+            }
+            // The observed `Arc` is dropped here: held any longer it would
+            // make the lease look busy to the quiescence test.
+        };
+        match verdict {
+            // It expired during the release pass.
+            None => {
+                self.retire_expired();
+                Step::Acquire
+            }
+            Some(RefillVerdict::Idle) => Step::Idle,
+            Some(RefillVerdict::Draining) => Step::Acquire,
+            // Replacing a lease that refused a quote with one of the same
+            // size would refuse it again; fold it into a bigger one.
+            Some(RefillVerdict::Refused) => Step::Consolidate,
+        }
+    }
+
+    /// Takes a lease whose usability window has closed out of the slot and
+    /// parks it: no request can debit it any more (I2), but the allocator
+    /// may still take its remainder back.
+    fn retire_expired(&mut self) {
+        let now = self.clock.now();
+        let expired = self
+            .slot
+            .with_lease(|lease| lease.is_some_and(|lease| now >= lease.usable_until()));
+        if !expired {
+            return;
+        }
+        if let Some(lease) = self.slot.take() {
+            tracing::debug!(
+                lease = %lease.grant().lease_id,
+                usable_until = %lease.usable_until(),
+                "lease manager: the serving lease expired; parking it"
+            );
+            self.park(lease);
+        }
+    }
+
+    async fn acquire(&mut self) -> Result<(), Stopped> {
+        let config = &self.config;
+        let call = self.allocator.acquire(
+            config.account,
+            config.target_grant,
+            config.lease_ttl,
+            self.clock.now(),
+        );
+        let give_up_at = after(Instant::now(), config.store_call_timeout);
+        self.shared
+            .grant_call_in_flight
+            .store(true, Ordering::Release);
+        let end = bounded(Some(&mut self.stop), give_up_at, call).await;
+        self.shared
+            .grant_call_in_flight
+            .store(false, Ordering::Release);
+        let counters = Arc::clone(&self.shared.counters);
+        match end {
+            CallEnd::Answered(Ok(allocation)) => self.install(allocation),
+            CallEnd::Answered(Err(error)) => {
+                counters.grant_refused(&error);
+                if let Some(evidence) = error.evidence() {
+                    self.slot.publish_funding(Some(evidence));
+                }
+                self.log_unfunded(&error);
+            }
+            CallEnd::TimedOut => {
+                // I22: cut off, and treated as a storage error: a grant may
+                // exist that nobody holds; it comes back at TTL reclaim.
+                counters.grant_timed_out();
+                self.log_unfunded(&"the allocator did not answer in time");
+            }
+            CallEnd::Stopped(deadline) => {
+                bump(&counters.uncertain_acquires, 1);
+                tracing::debug!("lease manager: shutdown cut an acquire short");
+                return Err(Stopped(deadline));
+            }
+        }
+        Ok(())
+    }
+
+    /// Logs a failed acquire at the level of its consequence: routine while
+    /// a lease still serves, a warning when the account is denied meanwhile.
+    fn log_unfunded(&self, reason: &dyn fmt::Display) {
+        if serving(&self.slot, self.clock.as_ref()) {
+            tracing::debug!(%reason, "lease manager: no replacement lease; still serving");
+        } else {
+            // I5: the slot stays empty and requests are denied while the
+            // task retries on every poll.
+            tracing::warn!(
+                %reason,
+                "lease manager: no lease; requests on this account are denied"
+            );
+        }
+    }
+
+    /// Installs a fresh grant into the slot, parking what it replaces.
+    fn install(&mut self, allocation: Allocation) {
+        let grant = allocation.grant;
+        self.shared.counters.granted(&grant);
+        let lease = Arc::new(self.local_lease(grant));
+        if grant.account_id != self.config.account || grant.account_id != self.slot.account() {
+            // The allocator answered for another account, or the slot serves
+            // one this manager does not ask for. Releasing the grant is safe
+            // (the store checks every claim); spending it here is not.
+            tracing::error!(
+                lease = %grant.lease_id,
+                granted_to = %grant.account_id,
+                "lease manager: the allocator granted a lease of another account"
+            );
+            self.park(lease);
+            self.fault();
+            return;
+        }
+        let now = self.clock.now();
+        if grant.units.is_zero() || now >= lease.usable_until() {
+            // A grant that cannot serve a single debit: an empty one, or a
+            // ttl clamped to less than the safety margin. It goes back.
+            tracing::error!(
+                lease = %grant.lease_id,
+                units = grant.units.get(),
+                usable_until = %lease.usable_until(),
+                "lease manager: the grant is unusable on arrival (is the allocator's \
+                 max_ttl shorter than expiry_safety_margin?); returning it"
+            );
+            self.park(lease);
+            return;
+        }
+        self.slot.publish_funding(allocation.funding);
+        if let Some(previous) = self.slot.replace(lease) {
+            // I28: rotation. The old lease keeps serving the requests that
+            // hold it, and is released once they let go (I26).
+            self.park(previous);
+        }
+        tracing::debug!(
+            lease = %grant.lease_id,
+            units = grant.units.get(),
+            "lease manager: installed a lease"
+        );
+    }
+
+    fn local_lease(&self, grant: LeaseGrant) -> LocalLease {
+        // On a grant the allocator shrank, the mark sits below the grant so
+        // a fresh lease does not ask for its own replacement at once.
+        let low_water = self
+            .config
+            .low_water
+            .min(grant.units.saturating_sub(CostUnits(1)));
+        LocalLease::with_sharding(
+            grant,
+            low_water,
+            self.config.expiry_safety_margin,
+            self.slot.sharding(),
+        )
+        .with_refill(Arc::clone(&self.doorbell) as Arc<dyn RefillSignal>)
+    }
+
+    /// Folds the serving lease, which refused a quote, into one grant large
+    /// enough for that quote.
+    async fn consolidate(&mut self) -> Result<(), Stopped> {
+        let Some(live) = self.slot.take() else {
+            return self.acquire().await;
+        };
+        if !is_quiescent(&live) {
+            // I27: the unspent count is not final while a reservation is in
+            // flight. Requests were denied only for the take-and-test; the
+            // next inspection tries again.
+            bump(&self.shared.counters.consolidations_deferred, 1);
+            self.reinstate(live);
+            return Ok(());
+        }
+        let grant = *live.grant();
+        // I6: quiescent, so both readings are final.
+        let (unspent, needed) = (live.remaining(), live.largest_refused_quote());
+        let config = &self.config;
+        let call = self.allocator.consolidate(
+            grant.lease_id,
+            grant.fencing_token,
+            unspent,
+            config.target_grant,
+            needed,
+            config.lease_ttl,
+            self.clock.now(),
+        );
+        let give_up_at = after(Instant::now(), config.store_call_timeout);
+        self.shared
+            .grant_call_in_flight
+            .store(true, Ordering::Release);
+        let end = bounded(Some(&mut self.stop), give_up_at, call).await;
+        self.shared
+            .grant_call_in_flight
+            .store(false, Ordering::Release);
+        let counters = Arc::clone(&self.shared.counters);
+        let error = match end {
+            CallEnd::Answered(Ok(allocation)) => {
+                // The store settled the old lease in the same step (I18):
+                // releasing it again would claim credited units twice.
+                drop(live);
+                counters.settled(unspent);
+                bump(&counters.consolidated, 1);
+                tracing::debug!(
+                    folded = %grant.lease_id,
+                    unspent = unspent.get(),
+                    needed = needed.get(),
+                    "lease manager: consolidated a lease that refused a quote"
+                );
+                self.install(allocation);
+                return Ok(());
+            }
+            CallEnd::Answered(Err(error)) => error,
+            CallEnd::TimedOut => {
+                counters.grant_timed_out();
+                tracing::warn!(
+                    lease = %grant.lease_id,
+                    "lease manager: consolidation timed out; parking the lease until a \
+                     release says whether it was settled"
+                );
+                self.park(live);
+                return Ok(());
+            }
+            CallEnd::Stopped(deadline) => {
+                bump(&counters.uncertain_acquires, 1);
+                self.park(live);
+                return Err(Stopped(deadline));
+            }
+        };
+        counters.grant_refused(&error);
+        self.after_refused_fold(live, &error).await
+    }
+
+    /// Acts on a refused consolidation of `live`, by what the refusal says
+    /// about the old lease.
+    async fn after_refused_fold(
+        &mut self,
+        live: Arc<LocalLease>,
+        error: &AllocateError,
+    ) -> Result<(), Stopped> {
+        let lease_id = live.grant().lease_id;
+        // I27: a refused fold puts the still-active lease back; an ambiguous
+        // one parks it for the release pass.
+        match fold_refusal(error) {
+            FoldRefusal::RolledBack => {
+                if let Some(evidence) = error.evidence() {
+                    self.slot.publish_funding(Some(evidence));
+                }
+                tracing::debug!(
+                    lease = %lease_id,
+                    %error,
+                    "lease manager: consolidation refused; the lease keeps serving"
+                );
+                // Its refusal mark stays, so the fold is tried again on the
+                // next poll. If it is also low, replace it meanwhile, or one
+                // quote the account cannot fund would starve every smaller
+                // one until the lease runs dry.
+                let draining = live.remaining() <= live.low_water();
+                self.reinstate(live);
+                if draining {
+                    return self.acquire().await;
+                }
+            }
+            FoldRefusal::Gone { fenced } => {
+                // Settled: its remainder is no longer ours to spend or claim.
+                drop(live);
+                bump(&self.shared.counters.released, 1);
+                tracing::warn!(
+                    lease = %lease_id,
+                    %error,
+                    "lease manager: the store no longer holds the refused lease for us"
+                );
+                if fenced {
+                    self.clear_slot_after_fence();
+                }
+                return self.acquire().await;
+            }
+            FoldRefusal::Ambiguous => {
+                tracing::warn!(
+                    lease = %lease_id,
+                    %error,
+                    "lease manager: consolidation failed and may have committed; parking \
+                     the lease until a release says which"
+                );
+                self.park(live);
+            }
+            FoldRefusal::Integrity => {
+                tracing::error!(
+                    lease = %lease_id,
+                    unspent = live.remaining().get(),
+                    %error,
+                    "lease manager: the store refused the consolidation as an accounting fault"
+                );
+                self.withheld.push(live);
+                self.fault();
+            }
+        }
+        Ok(())
+    }
+
+    /// Puts a lease that is still ours back into the slot. Anything that was
+    /// published there meanwhile is parked, not dropped.
+    fn reinstate(&mut self, lease: Arc<LocalLease>) {
+        if let Some(other) = self.slot.replace(lease) {
+            self.park(other);
+        }
+    }
+
+    /// One pass over the parked leases: each quiescent one is released, the
+    /// others keep their place. The whole pass ends by `budget_end` (I22).
+    /// With `interruptible`, a shutdown request cuts the call in flight short
+    /// and ends the pass with every lease still parked.
+    async fn release_pass(
+        &mut self,
+        budget_end: Instant,
+        interruptible: bool,
+    ) -> Result<PassOutcome, Stopped> {
+        let mut outcome = PassOutcome {
+            store_failed: false,
+        };
+        // Examined but still ours: they go behind the leases this pass did
+        // not reach, so a lease that eats the budget does not keep the front.
+        let mut unsettled = Vec::new();
+        let ended = loop {
+            let Some(lease) = self.parked.pop_front() else {
+                break Ok(outcome);
+            };
+            if Instant::now() >= budget_end {
+                self.parked.push_front(lease);
+                break Ok(outcome);
+            }
+            // I26: only a quiescent lease is released.
+            if !is_quiescent(&lease) {
+                unsettled.push(lease);
+                continue;
+            }
+            let grant = *lease.grant();
+            // I6: quiescent, so exact.
+            let unspent = lease.remaining();
+            let call = self.allocator.release(
+                grant.lease_id,
+                grant.fencing_token,
+                unspent,
+                self.clock.now(),
+            );
+            let give_up_at = budget_end.min(after(Instant::now(), self.config.store_call_timeout));
+            let stop = interruptible.then_some(&mut self.stop);
+            let end = bounded(stop, give_up_at, call).await;
+            match self.judge_release(lease, unspent, end) {
+                Judged::Done => {}
+                Judged::Keep(lease) => {
+                    outcome.store_failed = true;
+                    unsettled.push(lease);
+                }
+                Judged::Stopped(lease, deadline) => {
+                    self.parked.push_front(lease);
+                    break Err(Stopped(deadline));
+                }
+            }
+        };
+        self.parked.extend(unsettled);
+        ended
+    }
+
+    /// Acts on the end of one release call: I26, each refusal by what it
+    /// means (see the module docs).
+    fn judge_release(
+        &mut self,
+        lease: Arc<LocalLease>,
+        unspent: CostUnits,
+        end: CallEnd<Result<Released, AllocateError>>,
+    ) -> Judged {
+        let lease_id = lease.grant().lease_id;
+        let counters = Arc::clone(&self.shared.counters);
+        let error = match end {
+            CallEnd::Answered(Ok(released)) => {
+                if released.credited != unspent {
+                    tracing::error!(
+                        lease = %lease_id,
+                        claimed = unspent.get(),
+                        credited = released.credited.get(),
+                        "lease manager: the store credited another amount than claimed"
+                    );
+                }
+                counters.settled(released.credited);
+                tracing::debug!(
+                    lease = %lease_id,
+                    unspent = unspent.get(),
+                    "lease manager: released a lease"
+                );
+                return Judged::Done;
+            }
+            CallEnd::Answered(Err(error)) => error,
+            CallEnd::TimedOut => {
+                // I22: it may have settled; the next attempt finds out.
+                bump(&counters.release_timeouts, 1);
+                tracing::debug!(
+                    lease = %lease_id,
+                    "lease manager: release timed out; trying again next pass"
+                );
+                return Judged::Keep(lease);
+            }
+            CallEnd::Stopped(deadline) => return Judged::Stopped(lease, deadline),
+        };
+        bump(&counters.release_refused[error.index()], 1);
+        match release_refusal(&error) {
+            ReleaseRefusal::Settled => {
+                bump(&counters.released, 1);
+                tracing::debug!(
+                    lease = %lease_id,
+                    %error,
+                    "lease manager: the lease was settled already"
+                );
+            }
+            ReleaseRefusal::Fenced => {
+                bump(&counters.released, 1);
+                tracing::error!(
+                    lease = %lease_id,
+                    "lease manager: the store fenced a release; dropping the lease and \
+                     taking the serving one out of the slot"
+                );
+                self.clear_slot_after_fence();
+            }
+            ReleaseRefusal::Retry => {
+                tracing::warn!(
+                    lease = %lease_id,
+                    %error,
+                    "lease manager: release failed; trying again next pass"
+                );
+                return Judged::Keep(lease);
+            }
+            ReleaseRefusal::Integrity => {
+                tracing::error!(
+                    lease = %lease_id,
+                    unspent = unspent.get(),
+                    %error,
+                    "lease manager: the store refused a release as an accounting fault"
+                );
+                self.withheld.push(lease);
+                self.fault();
+            }
+        }
+        Judged::Done
+    }
+
+    /// I26: after a fenced answer the instance's view of its leases is in doubt,
+    /// so the serving lease stops serving until a fresh grant replaces it. It
+    /// is parked, never dropped: it may well still be ours, and a release
+    /// either returns its units or says it is not.
+    fn clear_slot_after_fence(&mut self) {
+        if let Some(serving) = self.slot.take() {
+            self.park(serving);
+        }
+    }
+
+    /// Withdraws readiness for good and stops spending: the slot's lease is
+    /// parked and nothing is installed again (invariant 3).
+    fn fault(&mut self) {
+        if !self.shared.faulted.swap(true, Ordering::AcqRel) {
+            tracing::error!(
+                "lease manager: integrity fault; readiness withdrawn for good and this \
+                 account is no longer served"
+            );
+        }
+        if let Some(serving) = self.slot.take() {
+            self.park(serving);
+        }
+        self.publish_readiness();
+    }
+
+    fn park(&mut self, lease: Arc<LocalLease>) {
+        self.parked.push_back(lease);
+    }
+
+    /// Returns what it can until `deadline`, then abandons the rest (I25).
+    async fn wind_down(mut self, deadline: Instant) -> LeaseManagerReport {
+        if let Some(serving) = self.slot.take() {
+            self.park(serving);
+        }
+        self.note_holdings();
+        self.publish_readiness();
+        let before = self.shared.counters.stats();
+        loop {
+            // Not interruptible, so the pass cannot end with `Stopped`.
+            let store_failed = self
+                .release_pass(deadline, false)
+                .await
+                .is_ok_and(|pass| pass.store_failed);
+            let now = Instant::now();
+            if self.parked.is_empty() || now >= deadline {
+                break;
+            }
+            // A store that just failed is given the poll interval to recover;
+            // a lease a request still holds is looked at again shortly.
+            let pause = if store_failed {
+                self.config.poll_interval
+            } else {
+                QUIESCENCE_POLL
+            };
+            sleep_until(deadline.min(after(now, pause))).await;
+        }
+        self.abandon_rest(&before)
+    }
+
+    fn abandon_rest(&mut self, before: &LeaseStats) -> LeaseManagerReport {
+        let counters = &self.shared.counters;
+        let mut abandoned = 0_u64;
+        let mut abandoned_units = 0_u64;
+        for lease in self.parked.drain(..).chain(self.withheld.drain(..)) {
+            // I25: never released: a request may still commit against it, or
+            // the store refused its claim. TTL reclaim settles it.
+            let units = lease.remaining().get();
+            tracing::warn!(
+                lease = %lease.grant().lease_id,
+                units,
+                quiescent = is_quiescent(&lease),
+                "lease manager: lease abandoned at shutdown; it settles at TTL reclaim"
+            );
+            abandoned += 1;
+            abandoned_units = abandoned_units.saturating_add(units);
+        }
+        bump(&counters.abandoned, abandoned);
+        self.note_holdings();
+        let stats = counters.stats();
+        LeaseManagerReport {
+            released: stats.released.saturating_sub(before.released),
+            released_units: stats.released_units.saturating_sub(before.released_units),
+            abandoned,
+            abandoned_units,
+            task_died: false,
+            stats,
+        }
+    }
+
+    fn publish_readiness(&self) {
+        let ready = !self.shared.is_faulted() && serving(&self.slot, self.clock.as_ref());
+        self.shared.readiness.send_if_modified(|current| {
+            let changed = *current != ready;
+            *current = ready;
+            changed
+        });
+    }
+
+    fn note_holdings(&self) {
+        let held = self.parked.iter().chain(&self.withheld);
+        let units = held
+            .clone()
+            .map(|lease| lease.remaining().get())
+            .fold(0_u64, u64::saturating_add);
+        self.shared
+            .held_leases
+            .store(held.count() as u64, Ordering::Relaxed);
+        self.shared.held_units.store(units, Ordering::Relaxed);
+    }
+}
+
+/// What a release pass ran into.
+struct PassOutcome {
+    /// A release failed with a storage error or a timeout.
+    store_failed: bool,
+}
+
+fn release_refusal(error: &AllocateError) -> ReleaseRefusal {
+    match error {
+        AllocateError::UnknownLease | AllocateError::LeaseNotActive => ReleaseRefusal::Settled,
+        AllocateError::Fenced => ReleaseRefusal::Fenced,
+        AllocateError::Storage(_) => ReleaseRefusal::Retry,
+        // A release draws no grant, so a balance or account refusal is as
+        // much a contract breach as an over-claim (I15).
+        _ => ReleaseRefusal::Integrity,
+    }
+}
+
+fn fold_refusal(error: &AllocateError) -> FoldRefusal {
+    match error {
+        // The account cannot add what the quote needs, or cannot be granted
+        // to at all: I18, the step rolled back and the old lease is active.
+        AllocateError::BalanceExhausted(_)
+        | AllocateError::BalanceInsufficient(_)
+        | AllocateError::InsufficientBalance
+        | AllocateError::AccountInactive
+        | AllocateError::UnknownAccount
+        | AllocateError::InvalidTtl
+        | AllocateError::InvalidRequest => FoldRefusal::RolledBack,
+        AllocateError::UnknownLease | AllocateError::LeaseNotActive => {
+            FoldRefusal::Gone { fenced: false }
+        }
+        AllocateError::Fenced => FoldRefusal::Gone { fenced: true },
+        AllocateError::Storage(_) => FoldRefusal::Ambiguous,
+        // An over-claimed unspent count, a balance that would overflow, or a
+        // variant this code does not know: the books disagree.
+        _ => FoldRefusal::Integrity,
+    }
+}
+
+/// Whether no request can debit or credit `lease` any more, so its
+/// `remaining()` is final (I6). The caller's own `Arc` must be the only one.
+fn is_quiescent(lease: &Arc<LocalLease>) -> bool {
+    Arc::strong_count(lease) == 1 && lease.is_only_local_view()
+}
+
+/// Whether the slot holds a lease inside its usability window.
+fn serving(slot: &LeaseSlot, clock: &dyn Clock) -> bool {
+    let now = clock.now();
+    slot.with_lease(|lease| lease.is_some_and(|lease| now < lease.usable_until()))
+}
+
+/// Runs an allocator call until `give_up_at` (I22) and, when `stop` is
+/// given, until a shutdown is requested, whichever comes first. An answer
+/// ready together with the request still counts.
+async fn bounded<T>(
+    stop: Option<&mut watch::Receiver<Option<Instant>>>,
+    give_up_at: Instant,
+    call: impl Future<Output = T>,
+) -> CallEnd<T> {
+    let call = timeout_at(give_up_at, call);
+    let Some(stop) = stop else {
+        return call.await.map_or(CallEnd::TimedOut, CallEnd::Answered);
+    };
+    tokio::select! {
+        biased;
+        answer = call => answer.map_or(CallEnd::TimedOut, CallEnd::Answered),
+        deadline = stop_requested(stop) => CallEnd::Stopped(deadline),
+    }
+}
+
+/// Resolves with the shutdown deadline once a shutdown has been requested.
+async fn stop_requested(stop: &mut watch::Receiver<Option<Instant>>) -> Instant {
+    loop {
+        if let Some(deadline) = *stop.borrow_and_update() {
+            return deadline;
+        }
+        if stop.changed().await.is_err() {
+            // The handle is gone without a request; its `Drop` aborts this
+            // task. Waiting beats spinning on a closed channel.
+            std::future::pending::<()>().await;
+        }
+    }
+}
+
+/// `from + wait`, treating waits beyond a century as a century: `Instant`
+/// arithmetic panics on overflow, and no such wait ends in practice.
+fn after(from: Instant, wait: Duration) -> Instant {
+    const CENTURY: Duration = Duration::from_secs(100 * 365 * 86_400);
+    from + wait.min(CENTURY)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn a_ring_before_the_wait_is_answered_at_once() {
+        let bell = Doorbell::default();
+        bell.request_refill();
+        tokio::time::timeout(Duration::from_secs(1), bell.answer())
+            .await
+            .expect("a ring that came first is kept until answered");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_ring_during_the_wait_wakes_the_waiter() {
+        let bell = Arc::new(Doorbell::default());
+        let ringer = Arc::clone(&bell);
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(3)).await;
+            ringer.request_refill();
+        });
+        let began = Instant::now();
+        tokio::time::timeout(Duration::from_secs(1), bell.answer())
+            .await
+            .expect("the ring wakes the waiting task");
+        assert_eq!(began.elapsed(), Duration::from_millis(3));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn many_rings_before_an_answer_are_one_wake() {
+        let bell = Doorbell::default();
+        for _ in 0..5 {
+            bell.request_refill();
+        }
+        bell.answer().await;
+        assert!(
+            tokio::time::timeout(Duration::from_secs(1), bell.answer())
+                .await
+                .is_err(),
+            "the answered ring is consumed; waiting again blocks"
+        );
+    }
+
+    #[test]
+    fn a_release_refusal_is_judged_by_its_variant() {
+        use crate::store::StoreError;
+        let judged = |error: AllocateError| match release_refusal(&error) {
+            ReleaseRefusal::Settled => "settled",
+            ReleaseRefusal::Fenced => "fenced",
+            ReleaseRefusal::Retry => "retry",
+            ReleaseRefusal::Integrity => "integrity",
+        };
+        assert_eq!(judged(AllocateError::UnknownLease), "settled");
+        assert_eq!(judged(AllocateError::LeaseNotActive), "settled");
+        assert_eq!(judged(AllocateError::Fenced), "fenced");
+        assert_eq!(
+            judged(AllocateError::Storage(StoreError::new("x"))),
+            "retry"
+        );
+        assert_eq!(judged(AllocateError::InvalidRelease), "integrity");
+        assert_eq!(judged(AllocateError::BalanceOverflow), "integrity");
+        assert_eq!(judged(AllocateError::AccountInactive), "integrity");
+    }
+
+    #[test]
+    fn a_consolidation_refusal_is_judged_by_what_it_says_of_the_old_lease() {
+        use crate::model::BalanceExhaustion;
+        use crate::store::StoreError;
+        let judged = |error: AllocateError| match fold_refusal(&error) {
+            FoldRefusal::RolledBack => "rolled back",
+            FoldRefusal::Gone { fenced: false } => "gone",
+            FoldRefusal::Gone { fenced: true } => "fenced",
+            FoldRefusal::Ambiguous => "ambiguous",
+            FoldRefusal::Integrity => "integrity",
+        };
+        let exhausted = AllocateError::BalanceExhausted(BalanceExhaustion { period_end: None });
+        assert_eq!(judged(exhausted), "rolled back");
+        assert_eq!(judged(AllocateError::InsufficientBalance), "rolled back");
+        assert_eq!(judged(AllocateError::AccountInactive), "rolled back");
+        assert_eq!(judged(AllocateError::InvalidRequest), "rolled back");
+        assert_eq!(judged(AllocateError::LeaseNotActive), "gone");
+        assert_eq!(judged(AllocateError::UnknownLease), "gone");
+        assert_eq!(judged(AllocateError::Fenced), "fenced");
+        assert_eq!(
+            judged(AllocateError::Storage(StoreError::new("x"))),
+            "ambiguous"
+        );
+        assert_eq!(judged(AllocateError::InvalidRelease), "integrity");
+        assert_eq!(judged(AllocateError::BalanceOverflow), "integrity");
+    }
+}

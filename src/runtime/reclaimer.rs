@@ -1,0 +1,368 @@
+//! The reclaimer: the background task that settles leases their holders
+//! never came back for.
+//!
+//! An instance that crashes (or loses its store connection past a lease's
+//! expiry) leaves its leases active in the store. Once a lease is past
+//! `expires_at + reclaim_grace`, the allocator may settle it, crediting its
+//! remainder net of accepted usage back to the balance (I19). The reclaimer
+//! asks it to, every `interval`, in batches of at most `batch_limit`; while a
+//! batch says more leases are due it asks again at once, yielding between
+//! batches, rather than waiting another interval. The first pass runs as soon
+//! as the task starts, so a restarted instance settles its predecessor's
+//! leases promptly.
+//!
+//! The store settles each lease once however many reclaimers ask (I19), so
+//! it is safe to run one on every instance, or in a separate process.
+//!
+//! Every call is bounded by `store_call_timeout` (I22). An error or a timeout
+//! ends the pass, is counted and logged, and the next pass comes at the next
+//! interval: the reclaimer never gives up. Every lease it settles is logged
+//! at info level with its units, because a reclaim is the crash exposure of
+//! the ledger being settled (units a dead instance may have spent and never
+//! billed), which must be reported, never silent.
+//!
+//! [`Reclaimer::shutdown`] stops the task at once, abandoning a call in
+//! flight (store calls are cancellable). Dropping the [`Reclaimer`] instead
+//! aborts the task and logs it.
+
+use std::fmt;
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tokio::time::{MissedTickBehavior, interval, timeout};
+
+use crate::store::{Clock, LeaseAllocator, ReclaimBatch};
+
+/// How often and how much the reclaimer settles.
+///
+/// There is no `Default` (I17): these values decide when stranded units come
+/// back, so the caller states every one, and [`validate`](Self::validate)
+/// checks them before the task starts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReclaimerConfig {
+    /// The time between the starts of two passes. Must be positive.
+    pub interval: Duration,
+    /// The most leases one call settles. Must be positive.
+    pub batch_limit: usize,
+    /// The bound on every reclaim call (I22). Must be positive.
+    pub store_call_timeout: Duration,
+}
+
+/// The first rule a [`ReclaimerConfig`] breaks, in field order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ReclaimerConfigError {
+    /// `interval` is zero.
+    IntervalZero,
+    /// `batch_limit` is zero.
+    BatchLimitZero,
+    /// `store_call_timeout` is zero.
+    StoreCallTimeoutZero,
+}
+
+impl ReclaimerConfig {
+    /// Checks every rule, in field order.
+    ///
+    /// # Errors
+    ///
+    /// The first rule broken.
+    pub fn validate(&self) -> Result<(), ReclaimerConfigError> {
+        use ReclaimerConfigError as Broken;
+        let rules = [
+            (!self.interval.is_zero(), Broken::IntervalZero),
+            (self.batch_limit > 0, Broken::BatchLimitZero),
+            (
+                !self.store_call_timeout.is_zero(),
+                Broken::StoreCallTimeoutZero,
+            ),
+        ];
+        rules
+            .into_iter()
+            .find_map(|(holds, broken)| (!holds).then_some(broken))
+            .map_or(Ok(()), Err)
+    }
+}
+
+impl fmt::Display for ReclaimerConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::IntervalZero => "reclaimer: interval must be positive",
+            Self::BatchLimitZero => "reclaimer: batch_limit must be positive",
+            Self::StoreCallTimeoutZero => "reclaimer: store_call_timeout must be positive",
+        })
+    }
+}
+
+impl std::error::Error for ReclaimerConfigError {}
+
+/// What the reclaimer has done so far.
+///
+/// Every pass ends exactly one way: counted in `passes` (the store said
+/// nothing more is due), in `errors`, in `timeouts`, or cut short by
+/// shutdown.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ReclaimStats {
+    /// Passes that ran until the store said nothing more was due.
+    pub passes: u64,
+    /// Leases settled by reclaim.
+    pub reclaimed_leases: u64,
+    /// Units those settlements credited back to balances.
+    pub reclaimed_units: u64,
+    /// Passes ended by a storage error (or a store that said more leases
+    /// were due but settled none).
+    pub errors: u64,
+    /// Passes ended by a call cut off by `store_call_timeout` (I22).
+    pub timeouts: u64,
+}
+
+/// The owner's handle on the reclaimer task.
+///
+/// Call [`shutdown`](Self::shutdown) to stop it; dropping the handle instead
+/// aborts the task and logs it.
+pub struct Reclaimer {
+    counters: Arc<Counters>,
+    stop: watch::Sender<bool>,
+    /// `None` only once `shutdown` or `drop` has taken it.
+    task: Option<JoinHandle<()>>,
+}
+
+impl Reclaimer {
+    /// Validates `config` and starts the reclaimer on the current tokio
+    /// runtime. The first pass starts at once.
+    ///
+    /// # Errors
+    ///
+    /// The first rule `config` breaks; nothing is started then.
+    ///
+    /// # Panics
+    ///
+    /// When called outside a tokio runtime.
+    pub fn spawn(
+        allocator: Arc<dyn LeaseAllocator>,
+        clock: Arc<dyn Clock>,
+        config: ReclaimerConfig,
+    ) -> Result<Self, ReclaimerConfigError> {
+        config.validate()?;
+        let counters = Arc::new(Counters::default());
+        let (stop, stop_rx) = watch::channel(false);
+        let task = Task {
+            allocator,
+            clock,
+            config,
+            counters: Arc::clone(&counters),
+            stop: stop_rx,
+        };
+        Ok(Self {
+            counters,
+            stop,
+            task: Some(tokio::spawn(task.run())),
+        })
+    }
+
+    /// The counters as they stand now.
+    pub fn stats(&self) -> ReclaimStats {
+        self.counters.read()
+    }
+
+    /// Stops the reclaimer, abandoning any call in flight, and reports what
+    /// it did.
+    ///
+    /// # Panics
+    ///
+    /// Never in practice: the task handle is present until this method or
+    /// `drop` consumes the reclaimer.
+    pub async fn shutdown(mut self) -> ReclaimStats {
+        self.stop.send_replace(true);
+        let task = self.task.take().expect(
+            "the task handle is taken only by shutdown or drop, which consume the reclaimer",
+        );
+        if let Err(error) = task.await {
+            tracing::error!(%error, "reclaimer: the task died before it was stopped");
+        }
+        self.stats()
+    }
+}
+
+impl Drop for Reclaimer {
+    fn drop(&mut self) {
+        let Some(task) = self.task.take() else {
+            return;
+        };
+        if !task.is_finished() {
+            task.abort();
+            tracing::warn!(
+                stats = ?self.stats(),
+                "reclaimer: handle dropped without shutdown; the task is aborted"
+            );
+        }
+    }
+}
+
+impl fmt::Debug for Reclaimer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Reclaimer")
+            .field("stats", &self.stats())
+            .field(
+                "running",
+                &self.task.as_ref().is_some_and(|t| !t.is_finished()),
+            )
+            .finish_non_exhaustive()
+    }
+}
+
+/// The task's counters; plain `Relaxed` atomics, since nothing else in
+/// memory is ordered by them.
+#[derive(Default)]
+struct Counters {
+    passes: AtomicU64,
+    reclaimed_leases: AtomicU64,
+    reclaimed_units: AtomicU64,
+    errors: AtomicU64,
+    timeouts: AtomicU64,
+}
+
+impl Counters {
+    fn read(&self) -> ReclaimStats {
+        let read = |counter: &AtomicU64| counter.load(Ordering::Relaxed);
+        ReclaimStats {
+            passes: read(&self.passes),
+            reclaimed_leases: read(&self.reclaimed_leases),
+            reclaimed_units: read(&self.reclaimed_units),
+            errors: read(&self.errors),
+            timeouts: read(&self.timeouts),
+        }
+    }
+}
+
+/// The task was told to stop (or its handle is gone).
+struct Stopped;
+
+/// What the reclaimer should do after one batch.
+enum Next {
+    /// More leases are due: ask again at once.
+    Continue,
+    /// The pass is over, one way or another.
+    Done,
+}
+
+struct Task {
+    allocator: Arc<dyn LeaseAllocator>,
+    clock: Arc<dyn Clock>,
+    config: ReclaimerConfig,
+    counters: Arc<Counters>,
+    stop: watch::Receiver<bool>,
+}
+
+impl Task {
+    async fn run(mut self) {
+        // The first tick completes at once; a pass that overruns delays the
+        // next rather than bunching passes up.
+        let mut ticks = interval(self.config.interval);
+        ticks.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        loop {
+            if until_stopped(&mut self.stop, ticks.tick()).await.is_err()
+                || self.pass().await.is_err()
+            {
+                tracing::debug!("reclaimer: stopped");
+                return;
+            }
+        }
+    }
+
+    /// Settles batches until the store says nothing more is due, or a call
+    /// fails.
+    async fn pass(&mut self) -> Result<(), Stopped> {
+        loop {
+            let now = self.clock.now();
+            let limit = self.config.store_call_timeout;
+            // I22: the call is bounded; a stop abandons it (store calls are
+            // cancellable, and the store settles each lease once, I19).
+            let answer = until_stopped(
+                &mut self.stop,
+                timeout(
+                    limit,
+                    self.allocator
+                        .reclaim_expired_batch(now, self.config.batch_limit),
+                ),
+            )
+            .await?;
+            let next = match answer {
+                Ok(Ok(batch)) => self.settle(&batch),
+                Ok(Err(error)) => {
+                    bump(&self.counters.errors, 1);
+                    tracing::warn!(%error, "reclaimer: the store failed; trying again next interval");
+                    Next::Done
+                }
+                Err(_) => {
+                    bump(&self.counters.timeouts, 1);
+                    tracing::warn!(
+                        timeout = ?limit,
+                        "reclaimer: the store timed out; trying again next interval"
+                    );
+                    Next::Done
+                }
+            };
+            match next {
+                Next::Continue => tokio::task::yield_now().await,
+                Next::Done => return Ok(()),
+            }
+        }
+    }
+
+    /// Counts and reports one batch, and says whether the pass goes on.
+    fn settle(&self, batch: &ReclaimBatch) -> Next {
+        for lease in &batch.reclaimed {
+            // The crash exposure of the ledger being settled: reported,
+            // never silent.
+            tracing::info!(
+                lease_id = %lease.lease_id,
+                account_id = %lease.account_id,
+                units = lease.credited.get(),
+                "reclaimer: settled an expired lease its holder never released; \
+                 its remainder is credited back"
+            );
+            bump(&self.counters.reclaimed_leases, 1);
+            bump(&self.counters.reclaimed_units, lease.credited.get());
+        }
+        if !batch.more {
+            bump(&self.counters.passes, 1);
+            return Next::Done;
+        }
+        if batch.reclaimed.is_empty() {
+            // Asking again at once would spin: the store says leases are
+            // due but settles none of them.
+            bump(&self.counters.errors, 1);
+            tracing::error!(
+                "reclaimer: the store said more leases are due but settled none; \
+                 trying again next interval"
+            );
+            return Next::Done;
+        }
+        Next::Continue
+    }
+}
+
+/// Runs `work` unless a stop comes first.
+async fn until_stopped<F: Future>(
+    stop: &mut watch::Receiver<bool>,
+    work: F,
+) -> Result<F::Output, Stopped> {
+    tokio::select! {
+        biased;
+        // A dropped handle also stops the task: nobody could stop it later.
+        _ = stop.wait_for(|stopping| *stopping) => Err(Stopped),
+        output = work => Ok(output),
+    }
+}
+
+fn bump(counter: &AtomicU64, by: u64) {
+    // Saturating: a count that cannot grow says "at least this many" rather
+    // than wrapping to a small, false number.
+    let _ = counter.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |current| {
+        Some(current.saturating_add(by))
+    });
+}

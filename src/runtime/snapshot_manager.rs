@@ -1,0 +1,999 @@
+//! The snapshot manager: the background task that keeps the snapshot map
+//! current from a [`SnapshotSource`].
+//!
+//! # Refresh
+//!
+//! The first refresh runs as soon as the task starts; after a refresh that
+//! succeeded the next one starts `refresh_interval` after it began. What a
+//! refresh reads depends on the [`PrincipalSelection`]:
+//!
+//! - `Fixed`: one `fetch` of the listed principals (plus any principal
+//!   admission asked about that the source turned out to know, see below),
+//!   bounded by `fetch_timeout`. What comes back is published; a principal
+//!   asked for and not returned is marked unknown, which withdraws its
+//!   snapshot. Then the map is marked verified as of the refresh.
+//! - `All`: an incremental enumeration with `changed_since`, starting from
+//!   [`SnapshotCursor::START`] and resuming from the last page's cursor, one
+//!   page at a time, each bounded by `enumeration_timeout`. Every page is
+//!   published as it arrives; the map is marked verified only once a page
+//!   says the enumeration is complete, because only then has the source
+//!   confirmed that nothing else changed.
+//!
+//! Revoked keys and suspended accounts are published as they are, so
+//! admission denies them by name rather than as unknown.
+//!
+//! # Lookups
+//!
+//! Admission queues the principals it was asked about and found no snapshot
+//! for. Every tick the manager drains that queue and fetches them (bounded by
+//! `fetch_timeout`): found ones are published, the rest are marked unknown.
+//! Under `Fixed`, a principal found this way is *adopted*: every later
+//! refresh fetches it with the list, so marking the map verified never
+//! vouches for a snapshot the refresh did not read. Only principals the
+//! source knows are adopted, so they are bounded by the source's principals,
+//! as the map is.
+//!
+//! # Failure
+//!
+//! A call that fails or times out (I22) is counted and logged, and the next
+//! tick comes `retry_backoff` after the failed one ended; after a success
+//! the normal interval resumes. A failure never withdraws what was
+//! published: the last good snapshots keep serving until the map's own
+//! maximum staleness refuses them (I24).
+//!
+//! # Readiness and bindings
+//!
+//! Readiness turns true when a complete refresh first succeeds and false
+//! again once no complete refresh has succeeded within `max_staleness`, by
+//! which time the map refuses those snapshots as stale anyway. It is false
+//! once the task ends, however it ends, and its channel closes then, so a
+//! supervisor can tell a stopped manager from a quiet one.
+//!
+//! After every tick the manager recomputes from the map which accounts have a usable principal (key and
+//! account both active) and when each was last seen so. An account that
+//! lost its last usable principal stays listed, not usable, with the time
+//! it was last seen usable, so a supervisor can linger before retiring it;
+//! it is forgotten once its slot leaves the registry.
+//!
+//! # Shutdown
+//!
+//! Every wait (a source call, the pause between ticks) is raced against
+//! [`SnapshotManager::shutdown`], so shutdown returns promptly even while the
+//! source hangs. Dropping the [`SnapshotManager`] instead aborts the task
+//! and logs it.
+
+use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::fmt;
+use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use jiff::{SignedDuration, Timestamp};
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tokio::time::error::Elapsed;
+use tokio::time::{Instant, sleep_until, timeout};
+
+use crate::admission::ArcSwapSnapshotMap;
+use crate::model::{AccountId, AccountStatus, KeyStatus, Principal, PrincipalSnapshot};
+use crate::store::{Clock, SnapshotCursor, SnapshotSource, StoreError};
+
+/// Which principals the snapshot manager keeps loaded.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PrincipalSelection {
+    /// Exactly these principals, fetched in full on every refresh (in
+    /// ascending order, each once). For instances that serve a known set of
+    /// callers. Must not be empty.
+    Fixed(Vec<Principal>),
+    /// Every principal the source knows, enumerated incrementally: the first
+    /// refresh reads everything, later ones only what changed.
+    All {
+        /// The most principals asked for in one `changed_since` call. Must be
+        /// positive.
+        page_size: usize,
+    },
+}
+
+/// How the snapshot manager refreshes and when it stops vouching for what it
+/// published.
+///
+/// There is no `Default` (I17): these values decide how long a revoked key
+/// keeps working and how long an outage is tolerated, so the caller states
+/// every one, and [`validate`](Self::validate) checks them before the task
+/// starts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SnapshotManagerConfig {
+    /// Which principals to keep loaded.
+    pub principals: PrincipalSelection,
+    /// The time from the start of one successful refresh to the start of the
+    /// next: the longest a change in the source takes to reach admission
+    /// while the source is healthy. Must be positive.
+    pub refresh_interval: Duration,
+    /// The pause after a failed or timed-out call before the next attempt.
+    /// Must be positive; it may be longer than `refresh_interval`.
+    pub retry_backoff: Duration,
+    /// The bound on every `fetch` call (I22). Must be positive.
+    pub fetch_timeout: Duration,
+    /// The bound on every `changed_since` call (I22). Must be positive.
+    pub enumeration_timeout: Duration,
+    /// How long after the last successful refresh readiness stays true.
+    /// Must exceed `refresh_interval`, so that one slow or missed refresh
+    /// does not take the instance out of service; set it to the snapshot
+    /// map's own `max_staleness`, the point where admission refuses the
+    /// snapshots anyway.
+    pub max_staleness: SignedDuration,
+}
+
+/// The first rule a [`SnapshotManagerConfig`] breaks, in field order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum SnapshotManagerConfigError {
+    /// `principals` is `Fixed` with an empty list.
+    FixedPrincipalsEmpty,
+    /// `principals` is `All` with a `page_size` of zero.
+    PageSizeZero,
+    /// `refresh_interval` is zero.
+    RefreshIntervalZero,
+    /// `retry_backoff` is zero.
+    RetryBackoffZero,
+    /// `fetch_timeout` is zero.
+    FetchTimeoutZero,
+    /// `enumeration_timeout` is zero.
+    EnumerationTimeoutZero,
+    /// `max_staleness` is not longer than `refresh_interval`.
+    MaxStalenessNotAboveRefreshInterval,
+}
+
+impl SnapshotManagerConfig {
+    /// Checks every rule, in field order.
+    ///
+    /// # Errors
+    ///
+    /// The first rule broken.
+    pub fn validate(&self) -> Result<(), SnapshotManagerConfigError> {
+        use SnapshotManagerConfigError as Broken;
+        let (listed, paged) = match &self.principals {
+            PrincipalSelection::Fixed(principals) => (!principals.is_empty(), true),
+            PrincipalSelection::All { page_size } => (true, *page_size > 0),
+        };
+        // An interval too long to be a `SignedDuration` cannot be exceeded.
+        let staleness_covers_a_refresh = SignedDuration::try_from(self.refresh_interval)
+            .is_ok_and(|interval| self.max_staleness > interval);
+        let rules = [
+            (listed, Broken::FixedPrincipalsEmpty),
+            (paged, Broken::PageSizeZero),
+            (
+                !self.refresh_interval.is_zero(),
+                Broken::RefreshIntervalZero,
+            ),
+            (!self.retry_backoff.is_zero(), Broken::RetryBackoffZero),
+            (!self.fetch_timeout.is_zero(), Broken::FetchTimeoutZero),
+            (
+                !self.enumeration_timeout.is_zero(),
+                Broken::EnumerationTimeoutZero,
+            ),
+            (
+                staleness_covers_a_refresh,
+                Broken::MaxStalenessNotAboveRefreshInterval,
+            ),
+        ];
+        rules
+            .into_iter()
+            .find_map(|(holds, broken)| (!holds).then_some(broken))
+            .map_or(Ok(()), Err)
+    }
+}
+
+impl fmt::Display for SnapshotManagerConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::FixedPrincipalsEmpty => {
+                "snapshot manager: a fixed principal list must not be empty"
+            }
+            Self::PageSizeZero => "snapshot manager: page_size must be positive",
+            Self::RefreshIntervalZero => "snapshot manager: refresh_interval must be positive",
+            Self::RetryBackoffZero => "snapshot manager: retry_backoff must be positive",
+            Self::FetchTimeoutZero => "snapshot manager: fetch_timeout must be positive",
+            Self::EnumerationTimeoutZero => {
+                "snapshot manager: enumeration_timeout must be positive"
+            }
+            Self::MaxStalenessNotAboveRefreshInterval => {
+                "snapshot manager: max_staleness must exceed refresh_interval"
+            }
+        })
+    }
+}
+
+impl std::error::Error for SnapshotManagerConfigError {}
+
+/// The owner's handle on the snapshot manager task.
+///
+/// Keep it for the life of the instance and call
+/// [`shutdown`](Self::shutdown) to stop; dropping it instead aborts the task
+/// and logs it.
+pub struct SnapshotManager {
+    counters: Arc<SnapshotCounters>,
+    readiness: watch::Receiver<bool>,
+    bindings: watch::Receiver<Arc<AccountBindings>>,
+    stop: watch::Sender<bool>,
+    /// `None` only once `shutdown` or `drop` has taken it.
+    task: Option<JoinHandle<()>>,
+}
+
+/// Which accounts have at least one usable principal (key active, account
+/// active), and when each account was last seen so.
+///
+/// # Invariants
+///
+/// 1. Every listed account was usable at its `last_seen_usable` instant, by
+///    the clock of the manager that published it.
+/// 2. An account's `last_seen_usable` never moves backwards.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct AccountBindings {
+    accounts: BTreeMap<AccountId, AccountBinding>,
+}
+
+/// One account's entry in [`AccountBindings`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AccountBinding {
+    /// The account.
+    pub account: AccountId,
+    /// Whether the account has a usable principal now.
+    pub usable: bool,
+    /// The last time a refresh (or a lookup) saw the account with a usable
+    /// principal, by the manager's clock.
+    pub last_seen_usable: Timestamp,
+}
+
+impl AccountBindings {
+    /// Every listed account, usable or lingering, in ascending order.
+    pub fn accounts(&self) -> impl Iterator<Item = AccountBinding> + '_ {
+        self.accounts.values().copied()
+    }
+
+    /// The accounts that have a usable principal now, in ascending order.
+    pub fn usable_accounts(&self) -> impl Iterator<Item = AccountId> + '_ {
+        self.accounts
+            .values()
+            .filter(|binding| binding.usable)
+            .map(|binding| binding.account)
+    }
+
+    /// The entry of `account`, if it is listed.
+    #[must_use]
+    pub fn get(&self, account: AccountId) -> Option<AccountBinding> {
+        self.accounts.get(&account).copied()
+    }
+
+    /// When `account` was last seen with a usable principal, if ever (and
+    /// not yet forgotten).
+    #[must_use]
+    pub fn last_seen(&self, account: AccountId) -> Option<Timestamp> {
+        self.accounts
+            .get(&account)
+            .map(|binding| binding.last_seen_usable)
+    }
+
+    /// Whether `account` has a usable principal now.
+    #[must_use]
+    pub fn is_usable(&self, account: AccountId) -> bool {
+        self.accounts
+            .get(&account)
+            .is_some_and(|binding| binding.usable)
+    }
+
+    /// How many accounts are listed.
+    #[must_use]
+    pub fn len(&self) -> usize {
+        self.accounts.len()
+    }
+
+    /// Whether no account is listed.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.accounts.is_empty()
+    }
+}
+
+/// What the snapshot manager has done so far.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct SnapshotStats {
+    /// Complete refreshes: a fixed fetch, or an enumeration that reached its
+    /// last page.
+    pub refreshes: u64,
+    /// Source calls that answered with an error (or, for an enumeration,
+    /// with a page that made no progress).
+    pub failures: u64,
+    /// Source calls cut off by their timeout (I22).
+    pub timeouts: u64,
+    /// Snapshots handed to the map.
+    pub published: u64,
+    /// Principals marked unknown: not returned by the source when asked for.
+    pub unknown: u64,
+    /// Principals fetched on admission's request, counted per attempt.
+    pub lookups: u64,
+    /// When the last complete refresh started, by the manager's clock.
+    pub last_success: Option<Timestamp>,
+}
+
+/// The snapshot manager's counters, shared between the task (the only
+/// writer) and whoever holds the handle. Each value is read on its own, so a
+/// reading taken mid-refresh may be off by that refresh.
+#[derive(Debug, Default)]
+pub struct SnapshotCounters {
+    refreshes: AtomicU64,
+    failures: AtomicU64,
+    timeouts: AtomicU64,
+    published: AtomicU64,
+    unknown: AtomicU64,
+    lookups: AtomicU64,
+    last_success: Mutex<Option<Timestamp>>,
+}
+
+impl SnapshotCounters {
+    /// The counters as they stand now.
+    pub fn read(&self) -> SnapshotStats {
+        let read = |counter: &AtomicU64| counter.load(Ordering::Relaxed);
+        SnapshotStats {
+            refreshes: read(&self.refreshes),
+            failures: read(&self.failures),
+            timeouts: read(&self.timeouts),
+            published: read(&self.published),
+            unknown: read(&self.unknown),
+            lookups: read(&self.lookups),
+            last_success: *self.last_success(),
+        }
+    }
+
+    fn last_success(&self) -> MutexGuard<'_, Option<Timestamp>> {
+        // A timestamp cannot be left half-written, so a poisoned lock still
+        // holds a valid reading.
+        self.last_success
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// What a shutdown found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SnapshotManagerReport {
+    /// The final counters.
+    pub stats: SnapshotStats,
+    /// The task panicked or was aborted instead of stopping when told.
+    pub task_died: bool,
+}
+
+impl SnapshotManager {
+    /// Validates `config` and starts the manager on the current tokio
+    /// runtime, publishing into `map`. The first refresh starts at once.
+    ///
+    /// # Errors
+    ///
+    /// The first rule `config` breaks; nothing is started then.
+    ///
+    /// # Panics
+    ///
+    /// When called outside a tokio runtime.
+    pub fn spawn(
+        source: Arc<dyn SnapshotSource>,
+        map: Arc<ArcSwapSnapshotMap>,
+        clock: Arc<dyn Clock>,
+        config: SnapshotManagerConfig,
+    ) -> Result<Self, SnapshotManagerConfigError> {
+        config.validate()?;
+        if config.max_staleness > map.config().max_staleness {
+            tracing::warn!(
+                manager = %config.max_staleness,
+                map = %map.config().max_staleness,
+                "snapshot manager: max_staleness is longer than the map's; readiness will \
+                 outlive the snapshots admission accepts"
+            );
+        }
+        let counters = Arc::new(SnapshotCounters::default());
+        let (readiness_tx, readiness) = watch::channel(false);
+        let (bindings_tx, bindings) = watch::channel(Arc::new(AccountBindings::default()));
+        let (stop, stop_rx) = watch::channel(false);
+        let plan = match &config.principals {
+            PrincipalSelection::Fixed(principals) => Plan::Fixed {
+                listed: principals.iter().copied().collect(),
+                adopted: BTreeSet::new(),
+            },
+            PrincipalSelection::All { page_size } => Plan::All {
+                page_size: *page_size,
+                cursor: SnapshotCursor::START,
+            },
+        };
+        let task = Task {
+            source,
+            lookup_capacity: map.config().lookup_queue_capacity,
+            map,
+            counters: Arc::clone(&counters),
+            vigil: Vigil {
+                stop: stop_rx,
+                readiness: Readiness(readiness_tx),
+                clock,
+                max_staleness: config.max_staleness,
+                last_success: None,
+            },
+            bindings: bindings_tx,
+            config,
+            plan,
+            tracked: HashSet::new(),
+            pending_lookups: Vec::new(),
+            verified_at: None,
+        };
+        Ok(Self {
+            counters,
+            readiness,
+            bindings,
+            stop,
+            task: Some(tokio::spawn(task.run())),
+        })
+    }
+
+    /// A receiver of the manager's readiness: true while the last complete
+    /// refresh is within `max_staleness`; false before the first one, after
+    /// a lapse, and once the task has ended (its channel is closed then).
+    pub fn readiness(&self) -> watch::Receiver<bool> {
+        self.readiness.clone()
+    }
+
+    /// A receiver of the account bindings, updated after every tick that
+    /// changed them.
+    pub fn bindings(&self) -> watch::Receiver<Arc<AccountBindings>> {
+        self.bindings.clone()
+    }
+
+    /// The counters as they stand now.
+    pub fn stats(&self) -> SnapshotStats {
+        self.counters.read()
+    }
+
+    /// The live counters, for a supervisor that outlives this handle's
+    /// borrow.
+    pub fn counters(&self) -> &Arc<SnapshotCounters> {
+        &self.counters
+    }
+
+    /// Stops the manager, waits for the task to end, and reports what it
+    /// did. Returns promptly: the task races every wait, including a hanging
+    /// source call, against the stop.
+    ///
+    /// # Panics
+    ///
+    /// Never in practice: the task handle is present until this method or
+    /// `drop` consumes the manager.
+    pub async fn shutdown(mut self) -> SnapshotManagerReport {
+        self.stop.send_replace(true);
+        let task = self
+            .task
+            .take()
+            .expect("the task handle is taken only by shutdown or drop, which consume the manager");
+        let task_died = match task.await {
+            Ok(()) => false,
+            Err(error) => {
+                tracing::error!(
+                    %error,
+                    "snapshot manager: the task died before it was stopped; \
+                     the map was left as it last published it"
+                );
+                true
+            }
+        };
+        SnapshotManagerReport {
+            stats: self.stats(),
+            task_died,
+        }
+    }
+}
+
+impl Drop for SnapshotManager {
+    fn drop(&mut self) {
+        let Some(task) = self.task.take() else {
+            return;
+        };
+        if !task.is_finished() {
+            task.abort();
+            tracing::warn!(
+                "snapshot manager: handle dropped without shutdown; the task is aborted and \
+                 the map will go stale"
+            );
+        }
+    }
+}
+
+impl fmt::Debug for SnapshotManager {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SnapshotManager")
+            .field("ready", &*self.readiness.borrow())
+            .field("stats", &self.stats())
+            .field(
+                "running",
+                &self.task.as_ref().is_some_and(|t| !t.is_finished()),
+            )
+            .finish_non_exhaustive()
+    }
+}
+
+/// The task was told to stop (or its handle is gone).
+struct Stopped;
+
+/// Why a source call gave no answer.
+enum Failure {
+    Storage(StoreError),
+    TimedOut(Duration),
+    /// An enumeration page that is not the last but does not move the
+    /// cursor forward: following it would loop forever.
+    NoProgress(SnapshotCursor),
+}
+
+/// What a refresh reads, and where an enumeration stands.
+enum Plan {
+    Fixed {
+        /// The configured principals.
+        listed: BTreeSet<Principal>,
+        /// Principals outside the list that admission asked about and the
+        /// source knows; fetched with the list from then on.
+        adopted: BTreeSet<Principal>,
+    },
+    All {
+        page_size: usize,
+        /// Where the next enumeration call starts: the last page's `next`.
+        cursor: SnapshotCursor,
+    },
+}
+
+/// The manager task.
+///
+/// # Invariants
+///
+/// 1. `tracked` holds every principal this task published and has not
+///    withdrawn; bindings are computed over it, reading the map.
+/// 2. `verified_at` is the start of the last complete refresh, and the map
+///    was marked verified at that instant.
+/// 3. `pending_lookups` holds at most `lookup_capacity` principals.
+struct Task {
+    source: Arc<dyn SnapshotSource>,
+    map: Arc<ArcSwapSnapshotMap>,
+    counters: Arc<SnapshotCounters>,
+    vigil: Vigil,
+    bindings: watch::Sender<Arc<AccountBindings>>,
+    config: SnapshotManagerConfig,
+    plan: Plan,
+    tracked: HashSet<Principal>,
+    pending_lookups: Vec<Principal>,
+    lookup_capacity: usize,
+    verified_at: Option<Timestamp>,
+}
+
+impl Task {
+    async fn run(mut self) {
+        // The only way out is a stop; readiness turns false when the vigil
+        // is dropped with the task, however it ends.
+        let Err(Stopped) = self.serve().await;
+        tracing::debug!("snapshot manager: stopped");
+    }
+
+    async fn serve(&mut self) -> Result<std::convert::Infallible, Stopped> {
+        loop {
+            let began = Instant::now();
+            let refreshed = self.refresh().await?;
+            let looked_up = self.answer_lookups().await?;
+            self.rebind();
+            let next = if refreshed && looked_up {
+                after(began, self.config.refresh_interval)
+            } else {
+                after(Instant::now(), self.config.retry_backoff)
+            };
+            self.vigil.wait(sleep_until(next)).await?;
+        }
+    }
+
+    /// One refresh; true when it completed.
+    async fn refresh(&mut self) -> Result<bool, Stopped> {
+        let now = self.vigil.clock.now();
+        let completed = match &self.plan {
+            Plan::Fixed { .. } => self.refresh_fixed(now).await?,
+            Plan::All { .. } => self.refresh_all(now).await?,
+        };
+        if completed {
+            self.verify(now);
+        }
+        Ok(completed)
+    }
+
+    async fn refresh_fixed(&mut self, now: Timestamp) -> Result<bool, Stopped> {
+        let Plan::Fixed { listed, adopted } = &self.plan else {
+            unreachable!("refresh_fixed runs only under a fixed plan");
+        };
+        let asked: Vec<Principal> = listed.union(adopted).copied().collect();
+        let limit = self.config.fetch_timeout;
+        let answer = self
+            .vigil
+            .wait(timeout(limit, self.source.fetch(&asked, now)))
+            .await?;
+        let snapshots = match judge(answer, limit) {
+            Ok(snapshots) => snapshots,
+            Err(failure) => {
+                self.note_failure("refresh fetch", failure);
+                return Ok(false);
+            }
+        };
+        let missing = self.publish_answer(&asked, snapshots);
+        if let Plan::Fixed { adopted, .. } = &mut self.plan {
+            adopted.retain(|principal| !missing.contains(principal));
+        }
+        Ok(true)
+    }
+
+    async fn refresh_all(&mut self, now: Timestamp) -> Result<bool, Stopped> {
+        let Plan::All {
+            page_size,
+            mut cursor,
+        } = self.plan
+        else {
+            unreachable!("refresh_all runs only under an enumeration plan");
+        };
+        let limit = self.config.enumeration_timeout;
+        loop {
+            let answer = self
+                .vigil
+                .wait(timeout(
+                    limit,
+                    self.source.changed_since(cursor, page_size, now),
+                ))
+                .await?;
+            let page = match judge(answer, limit) {
+                Ok(page) if !page.complete && page.next <= cursor => {
+                    Err(Failure::NoProgress(page.next))
+                }
+                other => other,
+            };
+            let page = match page {
+                Ok(page) => page,
+                Err(failure) => {
+                    self.note_failure("enumeration", failure);
+                    return Ok(false);
+                }
+            };
+            // Each page is published as it arrives, and the cursor kept, so
+            // a failure later in the enumeration resumes from here.
+            self.publish(page.snapshots);
+            cursor = page.next;
+            self.plan = Plan::All { page_size, cursor };
+            if page.complete {
+                return Ok(true);
+            }
+            // A long enumeration shares the runtime.
+            tokio::task::yield_now().await;
+        }
+    }
+
+    /// Fetches the principals admission asked about; true unless the fetch
+    /// failed (the principals are then kept for the next tick).
+    async fn answer_lookups(&mut self) -> Result<bool, Stopped> {
+        self.map.drain_lookups(&mut self.pending_lookups);
+        self.pending_lookups.sort_unstable();
+        self.pending_lookups.dedup();
+        let map = &self.map;
+        // A principal published or found unknown since it was queued needs
+        // no lookup.
+        self.pending_lookups
+            .retain(|principal| map.get(*principal).is_none() && !map.is_known_unknown(*principal));
+        if self.pending_lookups.is_empty() {
+            return Ok(true);
+        }
+        // Invariant 3: admission queues a principal again when it asks about
+        // it again, so what is cut here is not lost for good.
+        self.pending_lookups.truncate(self.lookup_capacity);
+        let asked = std::mem::take(&mut self.pending_lookups);
+        bump(&self.counters.lookups, asked.len());
+        let now = self.vigil.clock.now();
+        let limit = self.config.fetch_timeout;
+        let answer = self
+            .vigil
+            .wait(timeout(limit, self.source.fetch(&asked, now)))
+            .await?;
+        match judge(answer, limit) {
+            Ok(snapshots) => {
+                if let Plan::Fixed { listed, adopted } = &mut self.plan {
+                    // Adopted principals are fetched with every refresh, so
+                    // marking the map verified never vouches for one the
+                    // refresh did not read.
+                    adopted.extend(
+                        snapshots
+                            .iter()
+                            .map(|snapshot| snapshot.principal)
+                            .filter(|principal| asked.contains(principal))
+                            .filter(|principal| !listed.contains(principal)),
+                    );
+                }
+                self.publish_answer(&asked, snapshots);
+                Ok(true)
+            }
+            Err(failure) => {
+                self.note_failure("lookup fetch", failure);
+                self.pending_lookups = asked;
+                Ok(false)
+            }
+        }
+    }
+
+    /// Publishes a fetch's answer and withdraws the principals asked for
+    /// that it left out, which it returns.
+    fn publish_answer(
+        &mut self,
+        asked: &[Principal],
+        snapshots: Vec<PrincipalSnapshot>,
+    ) -> HashSet<Principal> {
+        let returned: HashSet<Principal> = snapshots
+            .iter()
+            .map(|snapshot| snapshot.principal)
+            .collect();
+        self.publish(snapshots);
+        let missing: HashSet<Principal> = asked
+            .iter()
+            .copied()
+            .filter(|principal| !returned.contains(principal))
+            .collect();
+        self.withdraw(&missing);
+        missing
+    }
+
+    fn publish(&mut self, snapshots: Vec<PrincipalSnapshot>) {
+        if snapshots.is_empty() {
+            return;
+        }
+        bump(&self.counters.published, snapshots.len());
+        self.tracked
+            .extend(snapshots.iter().map(|snapshot| snapshot.principal));
+        // Revoked keys and suspended accounts are published as they are:
+        // admission denies them by name (I23).
+        self.map.publish(snapshots);
+    }
+
+    fn withdraw(&mut self, principals: &HashSet<Principal>) {
+        for principal in principals {
+            self.tracked.remove(principal);
+        }
+        // A principal already remembered as unknown is not marked again, so
+        // `unknown` counts what the source newly disowned and a refresh that
+        // learns nothing new leaves the map's generation alone.
+        let map = &self.map;
+        let fresh: Vec<Principal> = principals
+            .iter()
+            .copied()
+            .filter(|principal| !map.is_known_unknown(*principal))
+            .collect();
+        if fresh.is_empty() {
+            return;
+        }
+        bump(&self.counters.unknown, fresh.len());
+        tracing::debug!(
+            count = fresh.len(),
+            "snapshot manager: principals the source does not know are now denied as unknown"
+        );
+        self.map.mark_unknown(fresh);
+    }
+
+    /// Records a complete refresh that started at `now`.
+    fn verify(&mut self, now: Timestamp) {
+        // I24: the staleness of every published snapshot is measured from
+        // here, which is honest because the refresh just read every one of
+        // them (fixed) or confirmed that none else changed (enumeration).
+        self.map.mark_verified(now);
+        self.verified_at = Some(self.verified_at.map_or(now, |before| before.max(now)));
+        bump(&self.counters.refreshes, 1);
+        *self.counters.last_success() = Some(now);
+        let recovered = self.vigil.succeeded(now);
+        if recovered {
+            tracing::info!(%now, "snapshot manager: a complete refresh succeeded; ready");
+        }
+    }
+
+    fn note_failure(&self, call: &'static str, failure: Failure) {
+        match failure {
+            Failure::Storage(error) => {
+                bump(&self.counters.failures, 1);
+                tracing::warn!(
+                    call,
+                    %error,
+                    retry_in = ?self.config.retry_backoff,
+                    "snapshot manager: the source failed; keeping the last snapshots"
+                );
+            }
+            Failure::NoProgress(next) => {
+                bump(&self.counters.failures, 1);
+                tracing::error!(
+                    call,
+                    next = next.0,
+                    "snapshot manager: the source returned an incomplete page that does not \
+                     advance the cursor; keeping the last snapshots"
+                );
+            }
+            Failure::TimedOut(limit) => {
+                // I22: a call that ran past its bound is abandoned.
+                bump(&self.counters.timeouts, 1);
+                tracing::warn!(
+                    call,
+                    timeout = ?limit,
+                    retry_in = ?self.config.retry_backoff,
+                    "snapshot manager: the source timed out; keeping the last snapshots"
+                );
+            }
+        }
+    }
+
+    /// Recomputes the account bindings from the map and publishes them if
+    /// they changed.
+    fn rebind(&mut self) {
+        let verified_at = self.verified_at;
+        let map = &self.map;
+        let mut seen: BTreeMap<AccountId, Timestamp> = BTreeMap::new();
+        self.tracked.retain(|principal| {
+            let Some(snapshot) = map.get(*principal) else {
+                return false;
+            };
+            if usable(&snapshot) {
+                // A snapshot is as recent as its fetch, or the last complete
+                // refresh that confirmed it, whichever is later.
+                let at = verified_at.map_or(snapshot.fetched_at, |v| v.max(snapshot.fetched_at));
+                seen.entry(snapshot.account_id)
+                    .and_modify(|latest| *latest = (*latest).max(at))
+                    .or_insert(at);
+            }
+            true
+        });
+        let previous = Arc::clone(&self.bindings.borrow());
+        let mut accounts: BTreeMap<AccountId, AccountBinding> = seen
+            .into_iter()
+            .map(|(account, at)| {
+                // Invariant 2: never backwards, even if the clock is.
+                let last_seen_usable = previous.last_seen(account).map_or(at, |p| p.max(at));
+                let binding = AccountBinding {
+                    account,
+                    usable: true,
+                    last_seen_usable,
+                };
+                (account, binding)
+            })
+            .collect();
+        let registry = self.map.registry();
+        for binding in previous.accounts() {
+            // An account that lost its usable principals lingers, with the
+            // time it was last seen usable, until its slot is retired.
+            if !accounts.contains_key(&binding.account) && registry.get(binding.account).is_some() {
+                let lingering = AccountBinding {
+                    usable: false,
+                    ..binding
+                };
+                accounts.insert(binding.account, lingering);
+            }
+        }
+        let next = AccountBindings { accounts };
+        self.bindings.send_if_modified(|current| {
+            if **current == next {
+                return false;
+            }
+            *current = Arc::new(next);
+            true
+        });
+    }
+}
+
+/// The part of the task that every wait goes through: it answers a stop at
+/// once and keeps readiness honest while the task waits.
+struct Vigil {
+    stop: watch::Receiver<bool>,
+    readiness: Readiness,
+    clock: Arc<dyn Clock>,
+    max_staleness: SignedDuration,
+    last_success: Option<Timestamp>,
+}
+
+impl Vigil {
+    /// Runs `work` unless a stop comes first, withdrawing readiness the
+    /// moment the last success grows older than `max_staleness` meanwhile.
+    async fn wait<F: Future>(&mut self, work: F) -> Result<F::Output, Stopped> {
+        let mut work = std::pin::pin!(work);
+        loop {
+            self.judge();
+            let lapse_at = self.lapse_in().map(|wait| after(Instant::now(), wait));
+            tokio::select! {
+                biased;
+                () = stop_requested(&mut self.stop) => return Err(Stopped),
+                output = &mut work => return Ok(output),
+                () = sleep_until(lapse_at.unwrap_or_else(Instant::now)), if lapse_at.is_some() => {}
+            }
+        }
+    }
+
+    /// Records a complete refresh; true when it made the manager ready.
+    fn succeeded(&mut self, now: Timestamp) -> bool {
+        self.last_success = Some(self.last_success.map_or(now, |before| before.max(now)));
+        let was_ready = *self.readiness.0.borrow();
+        self.judge();
+        !was_ready && *self.readiness.0.borrow()
+    }
+
+    /// Sets readiness from the clock: ready while the last success is at
+    /// most `max_staleness` old, as the map judges its snapshots (I24).
+    fn judge(&self) {
+        let now = self.clock.now();
+        let ready = self
+            .last_success
+            .is_some_and(|at| now.duration_since(at) <= self.max_staleness);
+        let changed = self.readiness.0.send_if_modified(|current| {
+            let changed = *current != ready;
+            *current = ready;
+            changed
+        });
+        if changed && !ready {
+            tracing::warn!(
+                last_success = ?self.last_success,
+                max_staleness = %self.max_staleness,
+                "snapshot manager: no complete refresh within max_staleness; not ready"
+            );
+        }
+    }
+
+    /// While ready, how long until readiness lapses by the clock, with a
+    /// floor so that a clock standing at the edge does not make the task
+    /// spin.
+    fn lapse_in(&self) -> Option<Duration> {
+        const RECHECK_FLOOR: Duration = Duration::from_millis(1);
+        if !*self.readiness.0.borrow() {
+            return None;
+        }
+        let at = self.last_success?;
+        let left = self.max_staleness - self.clock.now().duration_since(at);
+        let left = Duration::try_from(left).unwrap_or(Duration::ZERO);
+        Some(left.max(RECHECK_FLOOR))
+    }
+}
+
+/// The task's end of the readiness channel. However the task ends
+/// (stopped, panicked or aborted) this is dropped with it, saying not ready
+/// and closing the channel.
+struct Readiness(watch::Sender<bool>);
+
+impl Drop for Readiness {
+    fn drop(&mut self) {
+        self.0.send_replace(false);
+    }
+}
+
+/// Whether a snapshot lets its account spend.
+fn usable(snapshot: &PrincipalSnapshot) -> bool {
+    snapshot.key_status == KeyStatus::Active && snapshot.account_status == AccountStatus::Active
+}
+
+/// Sorts a bounded call's outcome into an answer or a failure.
+fn judge<T>(answer: Result<Result<T, StoreError>, Elapsed>, limit: Duration) -> Result<T, Failure> {
+    match answer {
+        Ok(Ok(value)) => Ok(value),
+        Ok(Err(error)) => Err(Failure::Storage(error)),
+        Err(_) => Err(Failure::TimedOut(limit)),
+    }
+}
+
+/// Resolves once a stop is requested, or the handle that could request one
+/// is gone.
+async fn stop_requested(stop: &mut watch::Receiver<bool>) {
+    // An error means the sender is gone: nobody can stop the task any more,
+    // so it stops now rather than run unowned.
+    let _ = stop.wait_for(|stopping| *stopping).await;
+}
+
+fn bump(counter: &AtomicU64, by: usize) {
+    counter.fetch_add(by as u64, Ordering::Relaxed);
+}
+
+/// `from + wait`, with waits beyond thirty years treated as thirty years:
+/// `Instant` arithmetic panics on overflow, and such a wait never ends in
+/// practice either way.
+fn after(from: Instant, wait: Duration) -> Instant {
+    const FAR_FUTURE: Duration = Duration::from_secs(86_400 * 365 * 30);
+    from + wait.min(FAR_FUTURE)
+}

@@ -1,0 +1,649 @@
+//! The instance runtime end to end on the memory store: readiness, refill
+//! after a top-up, supervision of dying and faulting lease managers, idle
+//! retirement, ordered shutdown, and three instances sharing one balance
+//! through a crash (I14, I15, I19, I25, I29).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use jiff::{SignedDuration, Timestamp};
+use tollgate::admission::SnapshotMapConfig;
+use tollgate::runtime::InstanceRuntimeConfigError;
+use tollgate::runtime::{
+    AccountLeaseConfig, InstanceRuntime, InstanceRuntimeConfig, PrincipalSelection, RuntimeHandle,
+    SnapshotManagerConfig, UsageWriterConfig,
+};
+use tollgate::store::{
+    AccountSpec, AllocateError, Allocation, Clock, GrantPolicy, LeaseAllocator, ManualClock,
+    MemoryStore, ReclaimBatch, Released, StoreError, TailSharing,
+};
+use tollgate::{
+    AccountId, AccountStatus, CostUnits, DenyReason, EnforcementMode, FencingToken, LeaseId,
+    LocalSharding, PermissionBits, Principal,
+};
+
+const INITIAL: u64 = 20_000;
+const LEASE_TTL: SignedDuration = SignedDuration::from_secs(60);
+const GRACE: SignedDuration = SignedDuration::from_secs(10);
+
+fn ms(n: u64) -> Duration {
+    Duration::from_millis(n)
+}
+
+fn config() -> InstanceRuntimeConfig {
+    InstanceRuntimeConfig {
+        snapshot_map: SnapshotMapConfig {
+            max_staleness: SignedDuration::from_secs(30),
+            negative_capacity: 64,
+            history_depth: 2,
+            lookup_queue_capacity: 64,
+        },
+        snapshots: SnapshotManagerConfig {
+            principals: PrincipalSelection::All { page_size: 100 },
+            refresh_interval: ms(1_000),
+            retry_backoff: ms(200),
+            fetch_timeout: ms(500),
+            enumeration_timeout: ms(500),
+            max_staleness: SignedDuration::from_secs(30),
+        },
+        leases: AccountLeaseConfig {
+            target_grant: CostUnits(500),
+            low_water: CostUnits(100),
+            lease_ttl: LEASE_TTL,
+            expiry_safety_margin: SignedDuration::from_secs(5),
+            poll_interval: ms(100),
+            store_call_timeout: ms(200),
+            shutdown_release_deadline: ms(1_000),
+        },
+        sharding: LocalSharding::shards(2).unwrap(),
+        usage: UsageWriterConfig {
+            queue_capacity: 4_096,
+            max_batch: 256,
+            flush_interval: ms(50),
+            retry_backoff: ms(50),
+            ingest_timeout: ms(200),
+            shutdown_drain_deadline: ms(1_000),
+        },
+        reclaimer: None,
+        supervisor_interval: ms(100),
+        account_linger: ms(10_000),
+        manager_restart_backoff: ms(200),
+        shutdown_deadline: ms(3_000),
+    }
+}
+
+/// Captured log output.
+#[derive(Clone, Default)]
+struct Logs(Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl Logs {
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
+    }
+}
+
+impl std::io::Write for Logs {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Logs {
+    type Writer = Logs;
+
+    fn make_writer(&'a self) -> Self::Writer {
+        self.clone()
+    }
+}
+
+struct Instance {
+    runtime: Option<InstanceRuntime>,
+    handle: RuntimeHandle,
+}
+
+/// Admits and commits until the account says it is out of funds; returns
+/// the units this task committed.
+async fn spend(handle: RuntimeHandle, principal: Principal, clock: Arc<ManualClock>) -> u64 {
+    let mut committed = 0;
+    for attempt in 0_u64.. {
+        let quote = CostUnits(1 + attempt % 9);
+        match handle.begin(principal, PermissionBits::NONE, quote, clock.now()) {
+            Ok(mut context) => {
+                if context.commit(clock.now()).is_ok() {
+                    committed += quote.get();
+                }
+            }
+            Err(DenyReason::BalanceExhausted { .. } | DenyReason::BalanceInsufficient { .. })
+                if attempt > 0 =>
+            {
+                return committed;
+            }
+            // Cold start, rotation, a quote larger than the tail: wait for
+            // the refill task.
+            Err(_) => tokio::time::sleep(ms(5)).await,
+        }
+        tokio::task::yield_now().await;
+        assert!(attempt <= 200_000, "the balance never ran out");
+    }
+    committed
+}
+
+#[tokio::test(start_paused = true)]
+#[allow(clippy::too_many_lines, reason = "one scenario, read top to bottom")]
+async fn three_instances_spend_one_balance_exactly_even_when_one_crashes() {
+    let start = Timestamp::from_second(1_700_000_000).unwrap();
+    let clock = Arc::new(ManualClock::new(start));
+    let store = Arc::new(
+        MemoryStore::new(GrantPolicy {
+            max_ttl: LEASE_TTL,
+            reclaim_grace: GRACE,
+            tail: TailSharing {
+                instances: 3,
+                min_grant: CostUnits(20),
+            },
+        })
+        .unwrap(),
+    );
+    let account: AccountId = store
+        .create_account(
+            AccountSpec {
+                balance: CostUnits(INITIAL),
+                mode: EnforcementMode::Strict,
+                status: AccountStatus::Active,
+                refill: None,
+            },
+            start,
+        )
+        .unwrap();
+    let principals: Vec<Principal> = (0..3)
+        .map(|_| {
+            store
+                .issue_key(account, PermissionBits::ALL, start)
+                .unwrap()
+                .principal
+        })
+        .collect();
+
+    let mut instances = Vec::new();
+    for _ in 0..3 {
+        let (runtime, handle) = InstanceRuntime::spawn(
+            Arc::clone(&store) as _,
+            Arc::clone(&store) as _,
+            Arc::clone(&store) as _,
+            Arc::clone(&clock) as Arc<dyn Clock>,
+            config(),
+        )
+        .unwrap();
+        instances.push(Instance {
+            runtime: Some(runtime),
+            handle,
+        });
+    }
+    // Let snapshots load and leases arrive.
+    tokio::time::sleep(ms(500)).await;
+    assert!(
+        instances.iter().all(|i| i.handle.readiness()),
+        "every instance ready"
+    );
+
+    let mut spenders = Vec::new();
+    for (index, instance) in instances.iter().enumerate() {
+        for task in 0..8 {
+            spenders.push((
+                index,
+                tokio::spawn(spend(
+                    instance.handle.clone(),
+                    principals[(index + task) % 3],
+                    Arc::clone(&clock),
+                )),
+            ));
+        }
+    }
+    let mut committed_by = [0_u64; 3];
+    for (index, spender) in spenders {
+        committed_by[index] += spender.await.unwrap();
+    }
+    let committed: u64 = committed_by.iter().sum();
+    assert!(
+        committed > INITIAL / 2,
+        "most of the balance was spent: {committed}"
+    );
+    assert!(committed <= INITIAL, "I9: never more than the balance");
+
+    // No instance committed more than it was granted (I9): what each leased
+    // bounds what it spent.
+    let granted: Vec<u64> = instances
+        .iter()
+        .map(|i| {
+            i.handle
+                .report()
+                .leases
+                .expect("no overflow")
+                .acquired_units
+        })
+        .collect();
+    for (index, (granted, committed)) in granted.iter().zip(committed_by).enumerate() {
+        assert!(
+            committed <= *granted,
+            "instance {index}: {committed} > {granted}"
+        );
+    }
+
+    // Two instances shut down gracefully; the third crashes.
+    let mut reports = Vec::new();
+    for instance in instances.iter_mut().take(2) {
+        reports.push(instance.runtime.take().unwrap().shutdown().await);
+    }
+    for report in &reports {
+        assert_eq!(
+            report.lost_events(),
+            0,
+            "I25: a graceful shutdown loses no usage"
+        );
+        assert_eq!(report.abandoned(), 0, "no request held a lease at shutdown");
+        assert!(report.unfinished_accounts.is_empty());
+    }
+    // The crash is not silent: dropping a runtime says what it leaves behind.
+    let logs = Logs::default();
+    let crash_logged = {
+        let _capture = tracing::subscriber::set_default(
+            tracing_subscriber::fmt()
+                .with_writer(logs.clone())
+                .with_ansi(false)
+                .finish(),
+        );
+        drop(instances[2].runtime.take());
+        logs.text()
+    };
+    assert!(
+        crash_logged.contains("dropped without shutdown"),
+        "the crash is reported: {crash_logged}"
+    );
+
+    // Time passes beyond every lease's expiry and grace; reclaim settles the
+    // crashed instance's leases.
+    clock.advance(LEASE_TTL + GRACE + SignedDuration::from_secs(1));
+    let mut reclaimed = 0;
+    loop {
+        let batch = store.reclaim_expired_batch(clock.now(), 100).await.unwrap();
+        reclaimed += batch.reclaimed.len();
+        if !batch.more {
+            break;
+        }
+    }
+    let view = store.account(account, clock.now()).unwrap();
+    let billed: u64 = store
+        .usage(account)
+        .unwrap()
+        .iter()
+        .map(|e| e.units.get())
+        .sum();
+    assert!(
+        store.audit().unwrap().is_empty(),
+        "I14, I15: {:?}",
+        store.audit()
+    );
+    assert_eq!(view.leased, CostUnits::ZERO, "every lease settled");
+    // I14: every unit is either back in the balance or billed.
+    assert_eq!(view.balance.get() + billed, INITIAL);
+    // The graceful instances billed everything they committed; the crashed
+    // one lost at most what it committed.
+    assert!(billed >= committed_by[0] + committed_by[1]);
+    assert!(billed <= committed);
+    // Reclaim credits a crashed lease's remainder net of what was billed, so
+    // the charges the crashed instance committed but never delivered went
+    // back to the balance: lost revenue, never a double charge.
+    assert!(
+        reclaimed > 0,
+        "the crashed instance's leases were reclaimed"
+    );
+    assert_eq!(view.settled_unbilled, CostUnits::ZERO);
+}
+
+// ---- one instance -------------------------------------------------------------
+
+struct World {
+    clock: Arc<ManualClock>,
+    store: Arc<MemoryStore>,
+    account: AccountId,
+    principal: Principal,
+}
+
+fn world(balance: u64) -> World {
+    let start = Timestamp::from_second(1_700_000_000).unwrap();
+    let clock = Arc::new(ManualClock::new(start));
+    let store = Arc::new(
+        MemoryStore::new(GrantPolicy {
+            max_ttl: LEASE_TTL,
+            reclaim_grace: GRACE,
+            tail: TailSharing {
+                instances: 1,
+                min_grant: CostUnits(1),
+            },
+        })
+        .unwrap(),
+    );
+    let account = store
+        .create_account(
+            AccountSpec {
+                balance: CostUnits(balance),
+                mode: EnforcementMode::Strict,
+                status: AccountStatus::Active,
+                refill: None,
+            },
+            start,
+        )
+        .unwrap();
+    let principal = store
+        .issue_key(account, PermissionBits::ALL, start)
+        .unwrap()
+        .principal;
+    World {
+        clock,
+        store,
+        account,
+        principal,
+    }
+}
+
+impl World {
+    fn spawn_with(
+        &self,
+        allocator: Arc<dyn LeaseAllocator>,
+        config: InstanceRuntimeConfig,
+    ) -> (InstanceRuntime, RuntimeHandle) {
+        InstanceRuntime::spawn(
+            Arc::clone(&self.store) as _,
+            allocator,
+            Arc::clone(&self.store) as _,
+            Arc::clone(&self.clock) as Arc<dyn Clock>,
+            config,
+        )
+        .unwrap()
+    }
+
+    fn spawn(&self) -> (InstanceRuntime, RuntimeHandle) {
+        self.spawn_with(Arc::clone(&self.store) as _, config())
+    }
+
+    fn begin(&self, handle: &RuntimeHandle, units: u64) -> Result<CostUnits, DenyReason> {
+        let mut context = handle.begin(
+            self.principal,
+            PermissionBits::NONE,
+            CostUnits(units),
+            self.clock.now(),
+        )?;
+        context
+            .commit(self.clock.now())
+            .map_err(|_| DenyReason::FundingExpiredAtStart)
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_instance_is_ready_only_once_policy_and_funds_are_loaded_and_stops_admitting_at_shutdown()
+ {
+    let w = world(10_000);
+    let (runtime, handle) = w.spawn();
+    assert!(
+        !handle.readiness(),
+        "nothing is loaded before the tasks run"
+    );
+    tokio::time::sleep(ms(200)).await;
+    assert!(handle.readiness());
+    assert_eq!(w.begin(&handle, 5), Ok(CostUnits(5)));
+    let report = handle.report();
+    assert_eq!(report.accounts, 1);
+    assert_eq!(report.admission.admitted, 1);
+    handle.request_shutdown();
+    assert!(!handle.readiness(), "I25: not ready once shutdown began");
+    assert_eq!(w.begin(&handle, 5), Err(DenyReason::ShuttingDown));
+    let shutdown = runtime.shutdown().await;
+    assert_eq!(shutdown.lost_events(), 0);
+    assert_eq!(shutdown.released(), 1, "the one lease went back");
+    assert_eq!(shutdown.abandoned(), 0);
+    assert!(
+        shutdown.elapsed <= ms(3_000),
+        "inside the shutdown deadline"
+    );
+    let view = w.store.account(w.account, w.clock.now()).unwrap();
+    assert_eq!(
+        view.balance,
+        CostUnits(9_995),
+        "I14: exactly the one charge"
+    );
+    assert_eq!(view.leased, CostUnits::ZERO);
+    assert!(w.store.audit().unwrap().is_empty());
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_exhausted_account_serves_again_within_a_poll_interval_of_a_top_up() {
+    let w = world(30);
+    let (runtime, handle) = w.spawn();
+    tokio::time::sleep(ms(200)).await;
+    assert_eq!(w.begin(&handle, 30), Ok(CostUnits(30)));
+    // Let the refill task see the empty lease and the empty balance.
+    tokio::time::sleep(ms(300)).await;
+    assert!(matches!(
+        w.begin(&handle, 1),
+        Err(DenyReason::BalanceExhausted { period_end: None })
+    ));
+    assert!(
+        handle.readiness(),
+        "an account known to be empty does not make the instance unready"
+    );
+    w.store
+        .top_up(w.account, CostUnits(100), w.clock.now())
+        .unwrap();
+    // I28: the poll interval is the backstop for a top-up the instance was
+    // not told about.
+    tokio::time::sleep(config().leases.poll_interval + ms(10)).await;
+    assert_eq!(w.begin(&handle, 10), Ok(CostUnits(10)));
+    runtime.shutdown().await;
+    let view = w.store.account(w.account, w.clock.now()).unwrap();
+    assert_eq!(view.balance, CostUnits(90));
+    assert!(w.store.audit().unwrap().is_empty());
+}
+
+/// An allocator that misbehaves on purpose around a real store.
+struct Misbehaving {
+    store: Arc<MemoryStore>,
+    /// Acquires that panic before the store is asked.
+    panics_left: std::sync::atomic::AtomicU32,
+    /// Whether releases answer with an accounting refusal.
+    refuse_releases: bool,
+}
+
+#[async_trait]
+impl LeaseAllocator for Misbehaving {
+    async fn acquire(
+        &self,
+        account: AccountId,
+        requested: CostUnits,
+        ttl: SignedDuration,
+        now: Timestamp,
+    ) -> Result<Allocation, AllocateError> {
+        if self
+            .panics_left
+            .fetch_update(
+                std::sync::atomic::Ordering::SeqCst,
+                std::sync::atomic::Ordering::SeqCst,
+                |n| n.checked_sub(1),
+            )
+            .is_ok()
+        {
+            panic!("a bug in the allocator client");
+        }
+        self.store.acquire(account, requested, ttl, now).await
+    }
+
+    async fn release(
+        &self,
+        lease_id: LeaseId,
+        fencing_token: FencingToken,
+        unspent: CostUnits,
+        now: Timestamp,
+    ) -> Result<Released, AllocateError> {
+        if self.refuse_releases {
+            return Err(AllocateError::InvalidRelease);
+        }
+        self.store
+            .release(lease_id, fencing_token, unspent, now)
+            .await
+    }
+
+    async fn consolidate(
+        &self,
+        lease_id: LeaseId,
+        fencing_token: FencingToken,
+        unspent: CostUnits,
+        requested: CostUnits,
+        needed: CostUnits,
+        ttl: SignedDuration,
+        now: Timestamp,
+    ) -> Result<Allocation, AllocateError> {
+        self.store
+            .consolidate(
+                lease_id,
+                fencing_token,
+                unspent,
+                requested,
+                needed,
+                ttl,
+                now,
+            )
+            .await
+    }
+
+    async fn reclaim_expired_batch(
+        &self,
+        now: Timestamp,
+        limit: usize,
+    ) -> Result<ReclaimBatch, StoreError> {
+        self.store.reclaim_expired_batch(now, limit).await
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_lease_manager_that_dies_is_restarted_after_the_backoff() {
+    let w = world(10_000);
+    let allocator = Arc::new(Misbehaving {
+        store: Arc::clone(&w.store),
+        panics_left: std::sync::atomic::AtomicU32::new(1),
+        refuse_releases: false,
+    });
+    let (runtime, handle) = w.spawn_with(allocator, config());
+    tokio::time::sleep(ms(150)).await;
+    assert_eq!(
+        w.begin(&handle, 1),
+        Err(DenyReason::LeaseUnavailable),
+        "the first manager died"
+    );
+    // I29: restarted after the backoff, and the new manager funds the account.
+    tokio::time::sleep(config().manager_restart_backoff + ms(300)).await;
+    assert_eq!(w.begin(&handle, 1), Ok(CostUnits(1)));
+    assert_eq!(handle.report().manager_restarts, 1);
+    assert!(handle.readiness());
+    runtime.shutdown().await;
+    assert!(w.store.audit().unwrap().is_empty());
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_integrity_fault_takes_the_instance_out_of_service_for_good() {
+    let w = world(10_000);
+    let allocator = Arc::new(Misbehaving {
+        store: Arc::clone(&w.store),
+        panics_left: std::sync::atomic::AtomicU32::new(0),
+        refuse_releases: true,
+    });
+    let mut config = config();
+    // A tiny grant rotates at once, so a release happens early.
+    config.leases.target_grant = CostUnits(10);
+    config.leases.low_water = CostUnits(5);
+    let (runtime, handle) = w.spawn_with(allocator, config);
+    tokio::time::sleep(ms(200)).await;
+    assert!(handle.readiness());
+    for _ in 0..6 {
+        let _ = w.begin(&handle, 1);
+    }
+    tokio::time::sleep(ms(500)).await;
+    let report = handle.report();
+    assert!(
+        report.faulted,
+        "I15, I29: the refused release is an integrity fault"
+    );
+    assert!(!report.ready);
+    runtime.shutdown().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_account_with_no_usable_key_is_retired_after_the_linger() {
+    let w = world(10_000);
+    let (runtime, handle) = w.spawn();
+    tokio::time::sleep(ms(200)).await;
+    assert_eq!(w.begin(&handle, 7), Ok(CostUnits(7)));
+    let keys = w.store.list_keys(w.account).unwrap();
+    w.store.revoke_key(keys[0].key_id, w.clock.now()).unwrap();
+    // The revocation arrives with the next refresh; the linger starts then.
+    tokio::time::sleep(ms(1_100)).await;
+    assert_eq!(w.begin(&handle, 1), Err(DenyReason::KeyRevoked));
+    assert_eq!(handle.report().accounts, 1, "still lingering");
+    w.clock.advance(SignedDuration::from_secs(11));
+    tokio::time::sleep(ms(1_500)).await;
+    assert_eq!(handle.report().accounts, 0, "I29: retired after the linger");
+    let view = w.store.account(w.account, w.clock.now()).unwrap();
+    assert_eq!(view.leased, CostUnits::ZERO, "its lease went back");
+    assert_eq!(view.balance, CostUnits(9_993));
+    runtime.shutdown().await;
+    assert!(w.store.audit().unwrap().is_empty());
+}
+
+#[track_caller]
+fn check(edit: impl FnOnce(&mut InstanceRuntimeConfig), expected: Option<&str>) {
+    let mut config = config();
+    edit(&mut config);
+    let outcome = config.validate();
+    match expected {
+        None => assert_eq!(outcome, Ok(())),
+        Some(message) => assert_eq!(outcome.map_err(|e| e.to_string()), Err(message.to_owned())),
+    }
+}
+
+#[test]
+fn validate_names_the_first_broken_rule() {
+    check(|_| {}, None);
+    check(
+        |c| c.shutdown_deadline = ms(1_999),
+        Some(
+            "instance runtime: shutdown_deadline must cover usage.shutdown_drain_deadline plus leases.shutdown_release_deadline",
+        ),
+    );
+    check(
+        |c| c.snapshots.max_staleness = SignedDuration::from_secs(31),
+        Some("instance runtime: snapshots.max_staleness must equal snapshot_map.max_staleness"),
+    );
+    check(
+        |c| c.supervisor_interval = Duration::ZERO,
+        Some("instance runtime: supervisor_interval must be positive"),
+    );
+    check(
+        |c| {
+            c.account_linger = Duration::ZERO;
+            c.manager_restart_backoff = Duration::ZERO;
+        },
+        Some("instance runtime: account_linger must be positive"),
+    );
+    assert!(matches!(
+        {
+            let mut c = config();
+            c.leases.low_water = c.leases.target_grant;
+            c.validate()
+        },
+        Err(InstanceRuntimeConfigError::Leases(_))
+    ));
+}

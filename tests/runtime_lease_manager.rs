@@ -1,0 +1,1723 @@
+//! The lease manager on paused tokio time, against a scripted allocator that
+//! grants, refuses, fails, hangs or panics on cue and records every call, and
+//! against the memory store end to end: cold start, the low-water doorbell,
+//! rotation with quiescent release, consolidation, the per-variant handling
+//! of release refusals, fail-closed refusals, time bounds on every store call
+//! and on shutdown, and the ledger after a run (I2, I5, I6, I7, I14, I15,
+//! I17, I18, I22, I25, I26, I27, I28).
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use jiff::{SignedDuration, Timestamp};
+use tokio::sync::watch;
+use tokio::time::{Instant, sleep};
+use tollgate::admission::LeaseSlot;
+use tollgate::runtime::{
+    AccountLeaseConfig, LeaseHealth, LeaseManager, LeaseManagerConfig, LeaseManagerConfigError,
+    LeaseManagerReport, LeaseStats,
+};
+use tollgate::store::{
+    AccountSpec, AllocateError, Allocation, Clock, GrantPolicy, LeaseAllocator, ManualClock,
+    MemoryStore, ReclaimBatch, Released, StoreError, TailSharing, UsageSink,
+};
+use tollgate::{
+    AccountId, AccountStatus, BalanceExhaustion, BalanceShortfall, CommitFunding, CostUnits,
+    DenyReason, EnforcementMode, FencingToken, LeaseGrant, LeaseId, LocalLease, LocalSharding,
+    PolicyRevision, RequestId, Reservation,
+};
+
+const ACCOUNT: AccountId = AccountId(1);
+const TARGET: u64 = 100;
+const LOW_WATER: u64 = 20;
+const TTL: SignedDuration = SignedDuration::from_secs(60);
+const MARGIN: SignedDuration = SignedDuration::from_secs(5);
+const POLL: Duration = Duration::from_secs(10);
+const CALL_TIMEOUT: Duration = Duration::from_millis(500);
+const SHUTDOWN_DEADLINE: Duration = Duration::from_secs(3);
+
+fn config() -> LeaseManagerConfig {
+    LeaseManagerConfig {
+        account: ACCOUNT,
+        target_grant: CostUnits(TARGET),
+        low_water: CostUnits(LOW_WATER),
+        lease_ttl: TTL,
+        expiry_safety_margin: MARGIN,
+        poll_interval: POLL,
+        store_call_timeout: CALL_TIMEOUT,
+        shutdown_release_deadline: SHUTDOWN_DEADLINE,
+    }
+}
+
+fn start() -> Timestamp {
+    Timestamp::from_second(1_700_000_000).expect("a test instant is in range")
+}
+
+fn secs(n: u64) -> Duration {
+    Duration::from_secs(n)
+}
+
+fn ms(n: u64) -> Duration {
+    Duration::from_millis(n)
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+fn storage_error() -> AllocateError {
+    AllocateError::Storage(StoreError::new("scripted outage"))
+}
+
+/// One allocator call as the scripted allocator saw it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Call {
+    Acquire {
+        requested: u64,
+    },
+    Release {
+        lease: u64,
+        unspent: u64,
+    },
+    Consolidate {
+        lease: u64,
+        unspent: u64,
+        requested: u64,
+        needed: u64,
+    },
+}
+
+fn acquire() -> Call {
+    Call::Acquire { requested: TARGET }
+}
+
+fn release(lease: u64, unspent: u64) -> Call {
+    Call::Release { lease, unspent }
+}
+
+/// One planned answer.
+#[derive(Debug, Clone)]
+enum Reply {
+    /// Grant a new lease of this many units (the next lease id), or, for a
+    /// release, settle it.
+    Grant(u64),
+    /// Grant with funding evidence attached.
+    GrantShort(u64, BalanceShortfall),
+    Refuse(AllocateError),
+    /// Never answer: a wedged backend.
+    Hang,
+    Panic,
+    /// Install a lease with this id into the slot, as a concurrent
+    /// publisher would, then answer.
+    PublishThen(u64, Box<Reply>),
+}
+
+/// Answers from per-method scripts and records every call with the paused
+/// time it arrived at. When a script runs out: acquires and consolidations
+/// grant `TARGET` units, releases settle.
+struct Scripted {
+    acquire: Mutex<VecDeque<Reply>>,
+    consolidate: Mutex<VecDeque<Reply>>,
+    release: Mutex<HashMap<u64, VecDeque<Reply>>>,
+    next_lease: AtomicU64,
+    calls: Mutex<Vec<(Duration, Call)>>,
+    count: watch::Sender<usize>,
+    began: Instant,
+    slot: Mutex<Option<Arc<LeaseSlot>>>,
+}
+
+impl Scripted {
+    fn new() -> Arc<Self> {
+        Arc::new(Self {
+            acquire: Mutex::new(VecDeque::new()),
+            consolidate: Mutex::new(VecDeque::new()),
+            release: Mutex::new(HashMap::new()),
+            next_lease: AtomicU64::new(1),
+            calls: Mutex::new(Vec::new()),
+            count: watch::Sender::new(0),
+            began: Instant::now(),
+            slot: Mutex::new(None),
+        })
+    }
+
+    fn plan_acquires(&self, replies: impl IntoIterator<Item = Reply>) {
+        lock(&self.acquire).extend(replies);
+    }
+
+    fn plan_consolidations(&self, replies: impl IntoIterator<Item = Reply>) {
+        lock(&self.consolidate).extend(replies);
+    }
+
+    fn plan_releases(&self, lease: u64, replies: impl IntoIterator<Item = Reply>) {
+        lock(&self.release)
+            .entry(lease)
+            .or_default()
+            .extend(replies);
+    }
+
+    fn calls(&self) -> Vec<Call> {
+        lock(&self.calls)
+            .iter()
+            .map(|(_, call)| call.clone())
+            .collect()
+    }
+
+    /// Every call with the paused time since the allocator was made.
+    fn timed_calls(&self) -> Vec<(Duration, Call)> {
+        lock(&self.calls).clone()
+    }
+
+    /// Waits (letting paused time run) until `n` calls have arrived.
+    async fn calls_reach(&self, n: usize) {
+        let mut count = self.count.subscribe();
+        tokio::time::timeout(secs(3_600), count.wait_for(|seen| *seen >= n))
+            .await
+            .unwrap_or_else(|_| panic!("call {n} never came; calls: {:?}", self.calls()))
+            .expect("the allocator owns the sender");
+    }
+
+    fn record(&self, call: Call) {
+        lock(&self.calls).push((self.began.elapsed(), call));
+        self.count.send_modify(|count| *count += 1);
+    }
+
+    fn grant(&self, units: u64, ttl: SignedDuration, now: Timestamp) -> LeaseGrant {
+        let id = self.next_lease.fetch_add(1, Ordering::SeqCst);
+        LeaseGrant {
+            lease_id: LeaseId(id),
+            account_id: ACCOUNT,
+            fencing_token: FencingToken(id + 500),
+            units: CostUnits(units),
+            expires_at: now + ttl,
+        }
+    }
+
+    async fn allocation(
+        &self,
+        reply: Reply,
+        ttl: SignedDuration,
+        now: Timestamp,
+    ) -> Result<Allocation, AllocateError> {
+        match self.resolve(reply).await {
+            Reply::Grant(units) => Ok(Allocation {
+                grant: self.grant(units, ttl, now),
+                funding: None,
+            }),
+            Reply::GrantShort(units, funding) => Ok(Allocation {
+                grant: self.grant(units, ttl, now),
+                funding: Some(funding),
+            }),
+            Reply::Refuse(error) => Err(error),
+            other => unreachable!("resolved replies are answers, not {other:?}"),
+        }
+    }
+
+    /// Acts out hangs, panics and publications; returns the answer left.
+    async fn resolve(&self, reply: Reply) -> Reply {
+        match reply {
+            Reply::Hang => std::future::pending().await,
+            Reply::Panic => panic!("scripted allocator panic"),
+            Reply::PublishThen(lease, then) => {
+                let slot = lock(&self.slot).clone().expect("publish needs a slot");
+                let published = LocalLease::new(
+                    LeaseGrant {
+                        lease_id: LeaseId(lease),
+                        account_id: ACCOUNT,
+                        fencing_token: FencingToken(lease + 500),
+                        units: CostUnits(TARGET),
+                        expires_at: start() + TTL,
+                    },
+                    CostUnits(LOW_WATER),
+                );
+                assert!(
+                    slot.replace(Arc::new(published)).is_none(),
+                    "the scripts publish only into an emptied slot"
+                );
+                Box::pin(self.resolve(*then)).await
+            }
+            answer => answer,
+        }
+    }
+}
+
+#[async_trait]
+impl LeaseAllocator for Scripted {
+    async fn acquire(
+        &self,
+        _account: AccountId,
+        requested: CostUnits,
+        ttl: SignedDuration,
+        now: Timestamp,
+    ) -> Result<Allocation, AllocateError> {
+        self.record(Call::Acquire {
+            requested: requested.get(),
+        });
+        let reply = lock(&self.acquire)
+            .pop_front()
+            .unwrap_or(Reply::Grant(TARGET));
+        self.allocation(reply, ttl, now).await
+    }
+
+    async fn release(
+        &self,
+        lease_id: LeaseId,
+        _fencing_token: FencingToken,
+        unspent: CostUnits,
+        _now: Timestamp,
+    ) -> Result<Released, AllocateError> {
+        self.record(Call::Release {
+            lease: lease_id.get(),
+            unspent: unspent.get(),
+        });
+        let reply = lock(&self.release)
+            .get_mut(&lease_id.get())
+            .and_then(VecDeque::pop_front)
+            .unwrap_or(Reply::Grant(0));
+        match self.resolve(reply).await {
+            Reply::Grant(_) => Ok(Released { credited: unspent }),
+            Reply::Refuse(error) => Err(error),
+            other => unreachable!("a release answers a grant or a refusal, not {other:?}"),
+        }
+    }
+
+    async fn consolidate(
+        &self,
+        lease_id: LeaseId,
+        _fencing_token: FencingToken,
+        unspent: CostUnits,
+        requested: CostUnits,
+        needed: CostUnits,
+        ttl: SignedDuration,
+        now: Timestamp,
+    ) -> Result<Allocation, AllocateError> {
+        self.record(Call::Consolidate {
+            lease: lease_id.get(),
+            unspent: unspent.get(),
+            requested: requested.get(),
+            needed: needed.get(),
+        });
+        let reply = lock(&self.consolidate)
+            .pop_front()
+            .unwrap_or(Reply::Grant(TARGET));
+        self.allocation(reply, ttl, now).await
+    }
+
+    async fn reclaim_expired_batch(
+        &self,
+        _now: Timestamp,
+        _limit: usize,
+    ) -> Result<ReclaimBatch, StoreError> {
+        unreachable!("the lease manager never reclaims")
+    }
+}
+
+struct Harness {
+    allocator: Arc<Scripted>,
+    slot: Arc<LeaseSlot>,
+    clock: Arc<ManualClock>,
+    manager: Option<LeaseManager>,
+}
+
+impl Harness {
+    fn start(allocator: Arc<Scripted>) -> Self {
+        let slot = Arc::new(LeaseSlot::new(ACCOUNT, LocalSharding::Single));
+        *lock(&allocator.slot) = Some(Arc::clone(&slot));
+        let clock = Arc::new(ManualClock::new(start()));
+        let manager = LeaseManager::spawn(
+            Arc::clone(&allocator) as Arc<dyn LeaseAllocator>,
+            Arc::clone(&slot),
+            Arc::clone(&clock) as Arc<dyn Clock>,
+            config(),
+        )
+        .expect("the test configuration is valid");
+        Self {
+            allocator,
+            slot,
+            clock,
+            manager: Some(manager),
+        }
+    }
+
+    /// Starts, and waits for the cold-start acquire to be answered.
+    async fn started(allocator: Arc<Scripted>) -> Self {
+        let harness = Self::start(allocator);
+        harness.allocator.calls_reach(1).await;
+        settle().await;
+        harness
+    }
+
+    fn manager(&self) -> &LeaseManager {
+        self.manager.as_ref().expect("the manager is running")
+    }
+
+    async fn shutdown(&mut self) -> LeaseManagerReport {
+        self.manager
+            .take()
+            .expect("shut down once")
+            .shutdown()
+            .await
+    }
+
+    fn now(&self) -> Timestamp {
+        self.clock.now()
+    }
+
+    /// The serving lease's id and remaining units.
+    fn serving(&self) -> Option<(u64, u64)> {
+        self.slot
+            .load_observed()
+            .map(|lease| (lease.grant().lease_id.get(), lease.remaining().get()))
+    }
+
+    fn ready(&self) -> bool {
+        *self.manager().readiness().borrow()
+    }
+
+    fn stats(&self) -> LeaseStats {
+        self.manager().stats()
+    }
+
+    /// A pending reservation on the serving lease, as an admitted request
+    /// holds one.
+    #[track_caller]
+    fn reserve(&self, units: u64) -> Reservation {
+        let now = self.now();
+        self.slot
+            .with_lease(|lease| {
+                Reservation::reserve(lease.expect("a lease serves"), CostUnits(units), now)
+            })
+            .expect("the serving lease funds the reservation")
+    }
+
+    /// A request that runs: reserved, committed, done.
+    #[track_caller]
+    fn spend(&self, units: u64) {
+        let mut reservation = self.reserve(units);
+        reservation
+            .commit_owned(self.now(), CommitFunding::LeaseOnly)
+            .expect("commits inside the window");
+    }
+
+    /// A quote the serving lease cannot fund.
+    #[track_caller]
+    fn refused(&self, units: u64) {
+        let now = self.now();
+        let refusal = self
+            .slot
+            .with_lease(|lease| {
+                Reservation::reserve(lease.expect("a lease serves"), CostUnits(units), now)
+            })
+            .expect_err("the quote is more than the lease holds");
+        assert_eq!(refusal, DenyReason::LeaseExhausted);
+    }
+}
+
+/// Lets the manager task run whatever is ready, without moving paused time.
+async fn settle() {
+    for _ in 0..32 {
+        tokio::task::yield_now().await;
+    }
+}
+
+/// Lease 1 is drained to low water (keeping `held` of it reserved) so the
+/// manager rotates to lease 2 and parks lease 1.
+async fn rotate_once(h: &Harness, spent: u64) {
+    let before = h.allocator.calls().len();
+    h.spend(spent);
+    h.allocator.calls_reach(before + 1).await;
+    settle().await;
+}
+
+// ---------------------------------------------------------------- refill
+
+/// The first inspection runs at spawn: no poll interval passes before the
+/// cold slot is stocked.
+#[tokio::test(start_paused = true)]
+async fn a_cold_start_acquires_at_once_without_waiting_for_a_poll() {
+    let h = Harness::started(Scripted::new()).await;
+
+    assert_eq!(h.allocator.timed_calls(), [(Duration::ZERO, acquire())]);
+    assert_eq!(h.serving(), Some((1, 100)));
+    assert!(h.ready());
+    assert_eq!(h.manager().health(), LeaseHealth::Serving);
+    assert_eq!(h.manager().account(), ACCOUNT);
+    let stats = h.stats();
+    assert_eq!((stats.acquired, stats.acquired_units), (1, 100));
+
+    let lease = h.slot.load_observed().expect("installed");
+    assert_eq!(lease.low_water(), CostUnits(LOW_WATER));
+    // I2: the window closes a margin before the grant expires.
+    assert_eq!(lease.usable_until(), start() + TTL - MARGIN);
+    drop(lease);
+
+    sleep(POLL * 3).await;
+    assert_eq!(
+        h.allocator.calls(),
+        [acquire()],
+        "an idle lease costs no calls"
+    );
+}
+
+/// I7, I28: the debit that reaches low water rings the doorbell, and the
+/// replacement is acquired at that instant, not at the next poll.
+#[tokio::test(start_paused = true)]
+async fn a_debit_reaching_low_water_rings_for_a_replacement_before_the_poll() {
+    let h = Harness::started(Scripted::new()).await;
+
+    sleep(secs(1)).await;
+    h.spend(80);
+    h.allocator.calls_reach(2).await;
+    settle().await;
+
+    assert_eq!(
+        h.allocator.timed_calls(),
+        [(Duration::ZERO, acquire()), (secs(1), acquire())],
+        "the ring at 1s is answered at 1s; the poll would have come at 10s"
+    );
+    assert_eq!(h.serving(), Some((2, 100)));
+
+    // The superseded lease is quiescent, so the next poll returns its
+    // exact remainder (I6).
+    h.allocator.calls_reach(3).await;
+    assert_eq!(h.allocator.timed_calls()[2], (secs(11), release(1, 20)));
+    let stats = h.stats();
+    assert_eq!((stats.released, stats.released_units), (1, 20));
+}
+
+/// Expiry rings no doorbell: the poll notices it, parks the lease, returns
+/// its remainder while the allocator still holds it, then acquires (I2).
+#[tokio::test(start_paused = true)]
+async fn an_expired_lease_is_retired_at_the_next_poll_and_released_before_the_replacement() {
+    let h = Harness::started(Scripted::new()).await;
+    h.spend(30);
+    h.clock.advance(TTL - MARGIN);
+    assert_eq!(
+        h.manager().health(),
+        LeaseHealth::Unfunded,
+        "health reads the window live"
+    );
+
+    h.allocator.calls_reach(3).await;
+    settle().await;
+
+    assert_eq!(
+        h.allocator.timed_calls(),
+        [
+            (Duration::ZERO, acquire()),
+            (POLL, release(1, 70)),
+            (POLL, acquire()),
+        ]
+    );
+    assert_eq!(h.serving(), Some((2, 100)));
+    assert!(h.ready());
+}
+
+/// A replaced lease keeps serving the reservations taken on it; it is
+/// released only once the last one resolves, with exactly what is left
+/// (I6, I15, I26).
+#[tokio::test(start_paused = true)]
+async fn a_replaced_lease_serves_its_reservations_and_is_released_with_its_exact_remainder_after() {
+    let h = Harness::started(Scripted::new()).await;
+    let mut committing = h.reserve(30);
+    let cancelled = h.reserve(10);
+    rotate_once(&h, 45).await;
+    assert_eq!(h.serving(), Some((2, 100)), "rotated at low water");
+
+    // The request holding 30 starts executing after the rotation: its
+    // lease, though parked, still commits it.
+    committing
+        .commit_owned(h.now(), CommitFunding::LeaseOnly)
+        .expect("a parked lease inside its window still commits");
+    sleep(POLL * 3 + secs(1)).await;
+    assert_eq!(
+        h.allocator.calls(),
+        [acquire(), acquire()],
+        "I6: never released while a reservation holds it"
+    );
+    assert_eq!(h.stats().released, 0);
+
+    drop(committing);
+    drop(cancelled);
+    h.allocator.calls_reach(3).await;
+    // 100 granted, 45 + 30 committed, 10 released for zero.
+    assert_eq!(h.allocator.calls()[2], release(1, 25));
+    assert_eq!(h.stats().released_units, 25);
+}
+
+// --------------------------------------------------------- consolidation
+
+/// A refused quote rings; the lease's unspent units and the quote go to the
+/// allocator in one consolidation, and the larger grant serves (I18, I27).
+#[tokio::test(start_paused = true)]
+async fn a_refused_quote_folds_the_unspent_units_into_one_grant_large_enough_for_it() {
+    let allocator = Scripted::new();
+    allocator.plan_consolidations([Reply::Grant(150)]);
+    let h = Harness::started(allocator).await;
+    h.spend(70);
+    sleep(secs(1)).await;
+    h.refused(50);
+    h.refused(40);
+    h.allocator.calls_reach(2).await;
+    settle().await;
+
+    assert_eq!(
+        h.allocator.timed_calls(),
+        [
+            (Duration::ZERO, acquire()),
+            (
+                secs(1),
+                Call::Consolidate {
+                    lease: 1,
+                    unspent: 30,
+                    requested: TARGET,
+                    needed: 50,
+                }
+            ),
+        ]
+    );
+    assert_eq!(h.serving(), Some((2, 150)));
+    let stats = h.stats();
+    assert_eq!(stats.consolidated, 1);
+    assert_eq!((stats.acquired, stats.acquired_units), (2, 250));
+    assert_eq!((stats.released, stats.released_units), (1, 30));
+    h.spend(120);
+
+    sleep(POLL * 3).await;
+    assert_eq!(
+        h.allocator.calls().len(),
+        2,
+        "the folded lease was settled by the consolidation; it is never released"
+    );
+}
+
+/// I6, I27: a lease with a reservation in flight has no exact unspent count, so
+/// the fold waits; it goes back into the slot and serves meanwhile.
+#[tokio::test(start_paused = true)]
+async fn a_consolidation_waits_while_a_reservation_is_in_flight() {
+    let h = Harness::started(Scripted::new()).await;
+    let held = h.reserve(10);
+    h.refused(95);
+    settle().await;
+
+    assert_eq!(
+        h.allocator.calls(),
+        [acquire()],
+        "no call on an inexact count"
+    );
+    assert_eq!(h.stats().consolidations_deferred, 1);
+    assert_eq!(
+        h.serving(),
+        Some((1, 90)),
+        "the refused lease keeps serving"
+    );
+    h.spend(5);
+
+    sleep(POLL + secs(1)).await;
+    assert_eq!(
+        h.stats().consolidations_deferred,
+        2,
+        "tried again at the poll"
+    );
+
+    drop(held);
+    h.allocator.calls_reach(2).await;
+    assert_eq!(
+        h.allocator.timed_calls()[1],
+        (
+            secs(20),
+            Call::Consolidate {
+                lease: 1,
+                unspent: 95,
+                requested: TARGET,
+                needed: 95,
+            }
+        )
+    );
+}
+
+/// I18, I27: a domain refusal rolled the consolidation back, so the old lease is
+/// still active and ours: it goes back into the slot, the refusal's evidence
+/// is published, and the fold is tried again at the next poll.
+#[tokio::test(start_paused = true)]
+async fn a_domain_refusal_of_a_consolidation_puts_the_old_lease_back_and_publishes_evidence() {
+    let period_end = start() + SignedDuration::from_hours(1);
+    for error in [
+        AllocateError::BalanceInsufficient(BalanceShortfall {
+            remaining: CostUnits(7),
+            period_end: Some(period_end),
+        }),
+        AllocateError::BalanceExhausted(BalanceExhaustion { period_end: None }),
+        AllocateError::InsufficientBalance,
+        AllocateError::AccountInactive,
+        AllocateError::UnknownAccount,
+        AllocateError::InvalidTtl,
+    ] {
+        let allocator = Scripted::new();
+        allocator.plan_consolidations([Reply::Refuse(error.clone())]);
+        let h = Harness::started(allocator).await;
+        h.spend(70);
+        h.refused(50);
+        h.allocator.calls_reach(2).await;
+        settle().await;
+
+        assert_eq!(h.serving(), Some((1, 30)), "{error}: the lease is back");
+        assert_eq!(
+            h.slot.funding_evidence(h.now()),
+            error.evidence(),
+            "{error}"
+        );
+        assert!(h.ready(), "{error}: a refusal is not a fault");
+        assert_eq!(h.manager().health(), LeaseHealth::Serving, "{error}");
+        assert_eq!(h.stats().refused_for(&error), 1, "{error}");
+
+        h.allocator.calls_reach(3).await;
+        settle().await;
+        assert_eq!(
+            h.allocator.timed_calls(),
+            [
+                (Duration::ZERO, acquire()),
+                (
+                    Duration::ZERO,
+                    Call::Consolidate {
+                        lease: 1,
+                        unspent: 30,
+                        requested: TARGET,
+                        needed: 50,
+                    }
+                ),
+                (
+                    POLL,
+                    Call::Consolidate {
+                        lease: 1,
+                        unspent: 30,
+                        requested: TARGET,
+                        needed: 50,
+                    }
+                ),
+            ],
+            "{error}: the refusal mark stays, so the fold is retried by the poll"
+        );
+        assert_eq!(h.serving(), Some((2, 100)), "{error}");
+    }
+}
+
+/// One quote the account cannot fund must not starve the smaller ones: a
+/// refused fold of a lease that is also at low water is followed by an
+/// ordinary replacement.
+#[tokio::test(start_paused = true)]
+async fn a_refused_fold_of_a_draining_lease_is_followed_by_a_plain_replacement() {
+    let allocator = Scripted::new();
+    let shortfall = BalanceShortfall {
+        remaining: CostUnits(40),
+        period_end: None,
+    };
+    allocator.plan_consolidations([Reply::Refuse(AllocateError::BalanceInsufficient(shortfall))]);
+    let tail = BalanceShortfall {
+        remaining: CostUnits::ZERO,
+        period_end: None,
+    };
+    allocator.plan_acquires([Reply::Grant(TARGET), Reply::GrantShort(40, tail)]);
+    let h = Harness::started(allocator).await;
+    h.spend(85);
+    h.refused(50);
+    h.allocator.calls_reach(3).await;
+    settle().await;
+
+    assert_eq!(
+        h.allocator.calls(),
+        [
+            acquire(),
+            Call::Consolidate {
+                lease: 1,
+                unspent: 15,
+                requested: TARGET,
+                needed: 50,
+            },
+            acquire(),
+        ]
+    );
+    assert_eq!(h.serving(), Some((2, 40)));
+    assert_eq!(
+        h.slot.funding_evidence(h.now()),
+        Some(tail),
+        "the newest word on the account's funds"
+    );
+    h.allocator.calls_reach(4).await;
+    assert_eq!(h.allocator.calls()[3], release(1, 15));
+}
+
+/// A consolidation that may have committed: the old lease must not serve
+/// (its units may be credited back) nor be dropped (they may not). It is
+/// parked, and the next release pass finds out which (I27).
+#[tokio::test(start_paused = true)]
+async fn an_unanswered_consolidation_parks_the_old_lease_for_the_release_pass() {
+    struct Case {
+        reply: Reply,
+        release_answer: Reply,
+        /// How long after the call its end (answer or timeout) came.
+        answered_after: Duration,
+        released_units: u64,
+        timeouts: u64,
+    }
+    for case in [
+        // The store failed after committing: the release finds it settled.
+        Case {
+            reply: Reply::Refuse(storage_error()),
+            release_answer: Reply::Refuse(AllocateError::LeaseNotActive),
+            answered_after: Duration::ZERO,
+            released_units: 0,
+            timeouts: 0,
+        },
+        // The store hung before committing: the release settles it.
+        Case {
+            reply: Reply::Hang,
+            release_answer: Reply::Grant(0),
+            answered_after: CALL_TIMEOUT,
+            released_units: 30,
+            timeouts: 1,
+        },
+    ] {
+        let allocator = Scripted::new();
+        allocator.plan_consolidations([case.reply.clone()]);
+        allocator.plan_releases(1, [case.release_answer.clone()]);
+        let h = Harness::started(allocator).await;
+        h.spend(70);
+        sleep(secs(1)).await;
+        h.refused(50);
+        h.allocator.calls_reach(2).await;
+        sleep(case.answered_after).await;
+        settle().await;
+
+        assert_eq!(
+            h.serving(),
+            None,
+            "{case:?}: fails closed (I5)",
+            case = case.reply
+        );
+        assert!(!h.ready());
+        assert_eq!(h.manager().health(), LeaseHealth::Unfunded);
+        let stats = h.stats();
+        assert_eq!(stats.uncertain_acquires, 1);
+        assert_eq!(stats.acquire_timeouts, case.timeouts);
+
+        h.allocator.calls_reach(4).await;
+        settle().await;
+        let next_tick = secs(1) + case.answered_after + POLL;
+        assert_eq!(
+            h.allocator.timed_calls(),
+            [
+                (Duration::ZERO, acquire()),
+                (
+                    secs(1),
+                    Call::Consolidate {
+                        lease: 1,
+                        unspent: 30,
+                        requested: TARGET,
+                        needed: 50,
+                    }
+                ),
+                (next_tick, release(1, 30)),
+                (next_tick, acquire()),
+            ]
+        );
+        assert_eq!(h.serving(), Some((2, 100)));
+        let stats = h.stats();
+        assert_eq!(
+            (stats.released, stats.released_units),
+            (1, case.released_units)
+        );
+    }
+}
+
+/// A consolidation answered "not ours any more": the old lease is dropped
+/// (nothing to spend, nothing to claim) and a fresh lease is acquired at
+/// once. Fenced also empties the slot: a lease published there during the
+/// call is parked and released, never lost.
+#[tokio::test(start_paused = true)]
+async fn a_consolidation_of_a_lease_the_store_no_longer_holds_drops_it_and_acquires() {
+    for error in [
+        AllocateError::UnknownLease,
+        AllocateError::LeaseNotActive,
+        AllocateError::Fenced,
+    ] {
+        let allocator = Scripted::new();
+        allocator.plan_consolidations([Reply::PublishThen(
+            77,
+            Box::new(Reply::Refuse(error.clone())),
+        )]);
+        let h = Harness::started(allocator).await;
+        h.spend(70);
+        h.refused(50);
+        h.allocator.calls_reach(3).await;
+        settle().await;
+
+        assert_eq!(h.serving(), Some((2, 100)), "{error}");
+        assert_eq!(h.stats().released, 1, "{error}");
+        h.allocator.calls_reach(4).await;
+        assert_eq!(
+            h.allocator.timed_calls(),
+            [
+                (Duration::ZERO, acquire()),
+                (
+                    Duration::ZERO,
+                    Call::Consolidate {
+                        lease: 1,
+                        unspent: 30,
+                        requested: TARGET,
+                        needed: 50,
+                    }
+                ),
+                (Duration::ZERO, acquire()),
+                (POLL, release(77, 100)),
+            ],
+            "{error}: lease 1 is never claimed; the published lease is returned"
+        );
+    }
+}
+
+/// A consolidation refused as an over-claim is the same accounting fault as
+/// a refused release: the old lease does not serve again, readiness is
+/// withdrawn for good, and shutdown abandons the lease to TTL reclaim
+/// (I15, I18).
+#[tokio::test(start_paused = true)]
+async fn a_consolidation_refused_as_an_over_claim_faults_and_stops_spending() {
+    let allocator = Scripted::new();
+    allocator.plan_consolidations([Reply::Refuse(AllocateError::InvalidRelease)]);
+    let mut h = Harness::started(allocator).await;
+    h.spend(70);
+    h.refused(50);
+    h.allocator.calls_reach(2).await;
+    settle().await;
+
+    assert_eq!(h.manager().health(), LeaseHealth::Faulted);
+    assert!(!h.ready());
+    assert_eq!(h.serving(), None);
+    sleep(POLL * 3).await;
+    assert_eq!(
+        h.allocator.calls().len(),
+        2,
+        "nothing is acquired or claimed again"
+    );
+
+    let report = h.shutdown().await;
+    assert_eq!((report.released, report.abandoned), (0, 1));
+    assert_eq!(report.abandoned_units, 30);
+    assert_eq!(report.stats.refused_for(&AllocateError::InvalidRelease), 1);
+}
+
+// ------------------------------------------------------ release refusals
+
+/// I26: a release answered "settled already" drops the lease: it is not
+/// retried and nothing else changes.
+#[tokio::test(start_paused = true)]
+async fn a_parked_lease_the_store_already_settled_is_dropped() {
+    for error in [AllocateError::LeaseNotActive, AllocateError::UnknownLease] {
+        let allocator = Scripted::new();
+        allocator.plan_releases(1, [Reply::Refuse(error.clone())]);
+        let h = Harness::started(allocator).await;
+        rotate_once(&h, 80).await;
+        sleep(POLL * 4).await;
+
+        assert_eq!(
+            h.allocator.timed_calls(),
+            [
+                (Duration::ZERO, acquire()),
+                (Duration::ZERO, acquire()),
+                (POLL, release(1, 20)),
+            ],
+            "{error}: not retried"
+        );
+        let stats = h.stats();
+        assert_eq!((stats.released, stats.released_units), (1, 0), "{error}");
+        assert_eq!(stats.release_refused_for(&error), 1, "{error}");
+        assert_eq!(
+            h.serving(),
+            Some((2, 100)),
+            "{error}: the slot is untouched"
+        );
+        assert!(h.ready(), "{error}");
+    }
+}
+
+/// I26: a fenced release drops the lease and takes the serving lease out of the
+/// slot: it is parked and released (never dropped, it may still be ours), and
+/// a fresh grant takes its place.
+#[tokio::test(start_paused = true)]
+async fn a_fenced_release_drops_the_lease_and_replaces_the_serving_one_without_losing_it() {
+    let allocator = Scripted::new();
+    allocator.plan_releases(1, [Reply::Refuse(AllocateError::Fenced)]);
+    let h = Harness::started(allocator).await;
+    rotate_once(&h, 80).await;
+    h.spend(10);
+    h.allocator.calls_reach(5).await;
+    settle().await;
+
+    assert_eq!(
+        h.allocator.timed_calls(),
+        [
+            (Duration::ZERO, acquire()),
+            (Duration::ZERO, acquire()),
+            (POLL, release(1, 20)),
+            (POLL, release(2, 90)),
+            (POLL, acquire()),
+        ]
+    );
+    assert_eq!(h.serving(), Some((3, 100)));
+    assert!(h.ready());
+    let stats = h.stats();
+    assert_eq!(stats.release_refused_for(&AllocateError::Fenced), 1);
+    assert_eq!((stats.released, stats.released_units), (2, 90));
+    sleep(POLL * 2).await;
+    assert_eq!(h.allocator.calls().len(), 5, "lease 1 is not retried");
+}
+
+/// I22, I26: a release that failed may or may not have settled; it stays parked
+/// and the next pass asks again.
+#[tokio::test(start_paused = true)]
+async fn a_release_that_fails_with_a_storage_error_is_retried_on_the_next_pass() {
+    let allocator = Scripted::new();
+    allocator.plan_releases(1, [Reply::Refuse(storage_error())]);
+    let h = Harness::started(allocator).await;
+    rotate_once(&h, 80).await;
+    h.allocator.calls_reach(4).await;
+
+    assert_eq!(
+        h.allocator.timed_calls(),
+        [
+            (Duration::ZERO, acquire()),
+            (Duration::ZERO, acquire()),
+            (POLL, release(1, 20)),
+            (POLL * 2, release(1, 20)),
+        ]
+    );
+    settle().await;
+    let stats = h.stats();
+    assert_eq!(stats.release_refused_for(&storage_error()), 1);
+    assert_eq!((stats.released, stats.released_units), (1, 20));
+    assert!(h.ready(), "an outage is not a fault");
+}
+
+/// A release refused as an accounting fault withdraws readiness for good
+/// and stops spending: the slot is emptied, its lease returned, nothing is
+/// acquired again, and the refused lease is never claimed again; shutdown
+/// reports it abandoned (I5, I15, I26).
+#[tokio::test(start_paused = true)]
+async fn an_integrity_refusal_withdraws_readiness_for_good_and_stops_spending() {
+    for error in [
+        AllocateError::InvalidRelease,
+        AllocateError::BalanceOverflow,
+    ] {
+        let allocator = Scripted::new();
+        allocator.plan_releases(1, [Reply::Refuse(error.clone())]);
+        let mut h = Harness::started(allocator).await;
+        let mut readiness = h.manager().readiness();
+        rotate_once(&h, 80).await;
+        assert!(*readiness.borrow_and_update());
+        h.allocator.calls_reach(4).await;
+        settle().await;
+
+        assert_eq!(h.manager().health(), LeaseHealth::Faulted, "{error}");
+        assert!(!*readiness.borrow_and_update(), "{error}");
+        assert_eq!(h.serving(), None, "{error}: no more spending");
+        sleep(POLL * 5).await;
+        assert_eq!(
+            h.allocator.calls(),
+            [acquire(), acquire(), release(1, 20), release(2, 100)],
+            "{error}: the serving lease is returned; nothing is acquired or re-claimed"
+        );
+        assert!(
+            !readiness.has_changed().expect("the task runs"),
+            "{error}: for good"
+        );
+
+        let report = h.shutdown().await;
+        assert_eq!(
+            (report.released, report.abandoned, report.abandoned_units),
+            (0, 1, 20),
+            "{error}"
+        );
+        assert!(!report.task_died);
+        assert_eq!(report.stats.release_refused_for(&error), 1, "{error}");
+        assert_eq!(report.stats.abandoned, 1, "{error}");
+    }
+}
+
+// ----------------------------------------------------------- fail closed
+
+/// I5: with no lease to spend, a refusal leaves the slot empty (requests are
+/// denied) while every poll tries again; balance refusals publish their
+/// evidence, and a grant clears it.
+#[tokio::test(start_paused = true)]
+async fn a_refusal_with_an_empty_slot_keeps_it_empty_retries_each_poll_and_publishes_evidence() {
+    let period_end = start() + SignedDuration::from_hours(1);
+    let allocator = Scripted::new();
+    allocator.plan_acquires([
+        Reply::Refuse(AllocateError::BalanceExhausted(BalanceExhaustion {
+            period_end: Some(period_end),
+        })),
+        Reply::Refuse(AllocateError::BalanceInsufficient(BalanceShortfall {
+            remaining: CostUnits(3),
+            period_end: None,
+        })),
+        Reply::Refuse(AllocateError::AccountInactive),
+    ]);
+    let h = Harness::started(allocator).await;
+
+    assert_eq!(h.serving(), None);
+    assert!(!h.ready());
+    assert_eq!(h.manager().health(), LeaseHealth::Unfunded);
+    assert_eq!(
+        h.slot.funding_evidence(h.now()),
+        Some(BalanceShortfall {
+            remaining: CostUnits::ZERO,
+            period_end: Some(period_end),
+        })
+    );
+
+    h.allocator.calls_reach(2).await;
+    settle().await;
+    let three_left = Some(BalanceShortfall {
+        remaining: CostUnits(3),
+        period_end: None,
+    });
+    assert_eq!(h.slot.funding_evidence(h.now()), three_left);
+    assert_eq!(h.serving(), None);
+
+    h.allocator.calls_reach(3).await;
+    settle().await;
+    assert_eq!(
+        h.slot.funding_evidence(h.now()),
+        three_left,
+        "a refusal that says nothing about funds leaves the evidence alone"
+    );
+
+    h.allocator.calls_reach(4).await;
+    settle().await;
+    assert_eq!(
+        h.allocator.timed_calls(),
+        [
+            (Duration::ZERO, acquire()),
+            (POLL, acquire()),
+            (POLL * 2, acquire()),
+            (POLL * 3, acquire()),
+        ]
+    );
+    assert_eq!(h.serving(), Some((1, 100)));
+    assert_eq!(h.slot.funding_evidence(h.now()), None, "a grant clears it");
+    assert!(h.ready());
+    let stats = h.stats();
+    assert_eq!(
+        stats.refused_for(&AllocateError::BalanceExhausted(BalanceExhaustion {
+            period_end: None
+        })),
+        1
+    );
+    assert_eq!(stats.refused_for(&AllocateError::AccountInactive), 1);
+    assert_eq!(stats.refused.iter().sum::<u64>(), 3);
+    assert_eq!(stats.uncertain_acquires, 0, "domain refusals are certain");
+}
+
+// ------------------------------------------------------------ time bounds
+
+/// I22: a hung acquire is cut off after the store call timeout and the task
+/// goes on polling; a timeout and a storage error each leave the outcome
+/// uncertain.
+#[tokio::test(start_paused = true)]
+async fn a_hanging_allocator_is_cut_off_by_the_store_call_timeout_and_the_task_keeps_ticking() {
+    let allocator = Scripted::new();
+    allocator.plan_acquires([Reply::Hang, Reply::Refuse(storage_error())]);
+    let h = Harness::start(allocator);
+    h.allocator.calls_reach(3).await;
+    settle().await;
+
+    let second = CALL_TIMEOUT + POLL;
+    assert_eq!(
+        h.allocator.timed_calls(),
+        [
+            (Duration::ZERO, acquire()),
+            (second, acquire()),
+            (second + POLL, acquire()),
+        ]
+    );
+    assert_eq!(h.serving(), Some((1, 100)));
+    let stats = h.stats();
+    assert_eq!(stats.acquire_timeouts, 1);
+    assert_eq!(stats.refused_for(&storage_error()), 1);
+    assert_eq!(stats.uncertain_acquires, 2);
+}
+
+/// Parks leases 1, 2 and 3 behind reservations, rotating to lease 4, then
+/// lets the reservations go.
+async fn three_parked_leases(h: &Harness) {
+    let mut held = Vec::new();
+    for _ in 0..3 {
+        held.push(h.reserve(5));
+        rotate_once(h, 75).await;
+    }
+    assert_eq!(h.serving(), Some((4, 100)));
+    assert_eq!(h.allocator.calls().len(), 4);
+    drop(held);
+}
+
+/// I22: one release pass spends at most one store call timeout, however many
+/// parked leases hang, and the lease that spent it goes to the back.
+#[tokio::test(start_paused = true)]
+async fn a_release_pass_costs_one_call_timeout_however_many_parked_leases_hang() {
+    let allocator = Scripted::new();
+    for lease in 1..=3 {
+        allocator.plan_releases(lease, vec![Reply::Hang; 4]);
+    }
+    let h = Harness::started(allocator).await;
+    three_parked_leases(&h).await;
+    h.allocator.calls_reach(8).await;
+
+    let pass = CALL_TIMEOUT + POLL;
+    assert_eq!(
+        h.allocator.timed_calls()[4..],
+        [
+            (POLL, release(1, 25)),
+            (POLL + pass, release(2, 25)),
+            (POLL + pass * 2, release(3, 25)),
+            (POLL + pass * 3, release(1, 25)),
+        ],
+        "each pass is one timeout long and starts with the lease the last one did not reach"
+    );
+    settle().await;
+    assert_eq!(h.stats().release_timeouts, 3);
+}
+
+/// I22: a lease whose release eats the pass budget yields the front of the
+/// queue, so the leases behind it are released on the next pass.
+#[tokio::test(start_paused = true)]
+async fn a_lease_whose_release_eats_the_budget_goes_behind_the_others() {
+    let allocator = Scripted::new();
+    allocator.plan_releases(1, vec![Reply::Hang; 4]);
+    let h = Harness::started(allocator).await;
+    three_parked_leases(&h).await;
+    h.allocator.calls_reach(9).await;
+
+    let second_pass = POLL + CALL_TIMEOUT + POLL;
+    assert_eq!(
+        h.allocator.timed_calls()[4..],
+        [
+            (POLL, release(1, 25)),
+            (second_pass, release(2, 25)),
+            (second_pass, release(3, 25)),
+            (second_pass, release(1, 25)),
+            (second_pass + CALL_TIMEOUT + POLL, release(1, 25)),
+        ]
+    );
+    settle().await;
+    let stats = h.stats();
+    assert_eq!((stats.released, stats.released_units), (2, 50));
+}
+
+// --------------------------------------------------------------- shutdown
+
+/// I25: shutdown returns every quiescent lease at once and abandons, never
+/// releases, one a request still holds at the deadline.
+#[tokio::test(start_paused = true)]
+async fn shutdown_releases_quiescent_leases_and_abandons_a_held_one_at_the_deadline() {
+    let mut h = Harness::started(Scripted::new()).await;
+    let held = h.reserve(10);
+    rotate_once(&h, 75).await;
+    h.spend(5);
+    let counters = Arc::clone(h.manager().counters());
+    let mut readiness = h.manager().readiness();
+    let calls_before = h.allocator.calls().len();
+
+    let began = Instant::now();
+    let report = h.shutdown().await;
+
+    assert_eq!(
+        began.elapsed(),
+        SHUTDOWN_DEADLINE,
+        "bounded by the deadline"
+    );
+    assert_eq!(report.released, 1);
+    assert_eq!(report.released_units, 95);
+    assert_eq!(report.abandoned, 1);
+    assert_eq!(report.abandoned_units, 15, "100 - 75 spent - 10 still held");
+    assert!(!report.task_died);
+    assert_eq!(report.stats, counters.stats());
+    assert_eq!(report.stats.abandoned, 1);
+    assert_eq!(
+        h.allocator.calls()[calls_before..],
+        [release(2, 95)],
+        "the held lease is never released"
+    );
+    assert_eq!(h.serving(), None, "requests are denied once stopped");
+    assert!(!*readiness.borrow_and_update());
+    drop(held);
+}
+
+/// A lease whose last request ends inside the deadline is released then,
+/// with its exact remainder; shutdown returns as soon as nothing is left
+/// (I25, I26).
+#[tokio::test(start_paused = true)]
+async fn shutdown_waits_for_a_held_lease_to_quiesce_and_then_releases_it() {
+    let mut h = Harness::started(Scripted::new()).await;
+    let held = h.reserve(10);
+    rotate_once(&h, 75).await;
+    let calls_before = h.allocator.calls().len();
+    let ends_later = tokio::spawn(async move {
+        sleep(secs(1)).await;
+        drop(held);
+    });
+
+    let began = Instant::now();
+    let report = h.shutdown().await;
+    let elapsed = began.elapsed();
+    ends_later.await.expect("the request task ends");
+
+    assert!(
+        elapsed >= secs(1) && elapsed <= secs(1) + ms(10),
+        "released as the request let go, not at the deadline: {elapsed:?}"
+    );
+    let mut calls = h.allocator.calls()[calls_before..].to_vec();
+    calls.sort_by_key(|call| format!("{call:?}"));
+    assert_eq!(calls, [release(1, 25), release(2, 100)]);
+    assert_eq!((report.released, report.released_units), (2, 125));
+    assert_eq!((report.abandoned, report.abandoned_units), (0, 0));
+}
+
+/// I22, I25: a release that hangs at shutdown cannot stretch it past the
+/// deadline; the lease is abandoned to TTL reclaim and reported.
+#[tokio::test(start_paused = true)]
+async fn a_hung_release_cannot_stretch_shutdown_past_its_deadline() {
+    let allocator = Scripted::new();
+    allocator.plan_releases(1, vec![Reply::Hang; 8]);
+    let mut h = Harness::started(allocator).await;
+
+    let began = Instant::now();
+    let report = h.shutdown().await;
+
+    assert_eq!(began.elapsed(), SHUTDOWN_DEADLINE);
+    assert_eq!(h.allocator.calls(), [acquire(), release(1, 100)]);
+    assert_eq!((report.released, report.abandoned), (0, 1));
+    assert_eq!(report.abandoned_units, 100);
+    assert_eq!(report.stats.release_timeouts, 1);
+}
+
+/// Shutdown is acted on inside a hung acquire, not after its timeout; the
+/// grant that call may have made is counted uncertain.
+#[tokio::test(start_paused = true)]
+async fn shutdown_cuts_a_hanging_acquire_short_at_once() {
+    let allocator = Scripted::new();
+    allocator.plan_acquires([Reply::Hang]);
+    let mut h = Harness::started(allocator).await;
+
+    let began = Instant::now();
+    let report = h.shutdown().await;
+
+    assert_eq!(began.elapsed(), Duration::ZERO);
+    assert_eq!((report.released, report.abandoned), (0, 0));
+    assert!(!report.task_died);
+    assert_eq!(report.stats.uncertain_acquires, 1);
+    assert_eq!(report.stats.acquire_timeouts, 0);
+}
+
+/// Dropping the handle aborts the task: readiness falls, no further call is
+/// made, and the serving lease is left to its window and TTL reclaim.
+#[tokio::test(start_paused = true)]
+async fn dropping_the_handle_aborts_the_task() {
+    let mut h = Harness::started(Scripted::new()).await;
+    let readiness = h.manager().readiness();
+    assert!(*readiness.borrow());
+
+    drop(h.manager.take());
+    settle().await;
+
+    assert!(!*readiness.borrow(), "an aborted task withdraws readiness");
+    h.spend(90);
+    sleep(POLL * 5).await;
+    assert_eq!(h.allocator.calls(), [acquire()], "nothing runs any more");
+    assert_eq!(h.serving(), Some((1, 10)));
+}
+
+/// A task that dies says so: the report is flagged, and the grant request
+/// it died in is counted uncertain.
+#[tokio::test(start_paused = true)]
+async fn a_task_that_panics_is_reported_dead() {
+    let allocator = Scripted::new();
+    allocator.plan_acquires([Reply::Panic]);
+    let mut h = Harness::start(allocator);
+    h.allocator.calls_reach(1).await;
+    settle().await;
+
+    assert!(h.manager().is_finished());
+    assert_eq!(h.manager().health(), LeaseHealth::Stopped);
+    assert!(!h.ready());
+    let report = h.shutdown().await;
+    assert!(report.task_died);
+    assert_eq!((report.released, report.abandoned), (0, 0));
+    assert_eq!(report.stats.uncertain_acquires, 1);
+}
+
+// ------------------------------------------------------ stats and config
+
+/// I1: totals across accounts never wrap.
+#[test]
+fn lease_stats_add_field_by_field_and_refuse_to_wrap() {
+    let mut one = LeaseStats {
+        acquired: 2,
+        acquired_units: 200,
+        released: 1,
+        ..LeaseStats::default()
+    };
+    one.refused[AllocateError::Fenced.index()] = 3;
+    let mut other = LeaseStats {
+        acquired: 1,
+        abandoned: 4,
+        ..LeaseStats::default()
+    };
+    other.refused[AllocateError::Fenced.index()] = 1;
+
+    let sum = one.checked_add(&other).expect("small sums fit");
+    assert_eq!(
+        (
+            sum.acquired,
+            sum.acquired_units,
+            sum.released,
+            sum.abandoned
+        ),
+        (3, 200, 1, 4)
+    );
+    assert_eq!(sum.refused_for(&AllocateError::Fenced), 4);
+    assert_eq!(sum.refused_for(&AllocateError::UnknownLease), 0);
+
+    let full = LeaseStats {
+        acquired_units: u64::MAX,
+        ..LeaseStats::default()
+    };
+    assert_eq!(full.checked_add(&one), None);
+    let mut full = LeaseStats::default();
+    full.release_refused[0] = u64::MAX;
+    let mut one_more = LeaseStats::default();
+    one_more.release_refused[0] = 1;
+    assert_eq!(full.checked_add(&one_more), None);
+    assert_eq!(full.checked_add(&LeaseStats::default()), Some(full));
+}
+
+#[track_caller]
+fn check(
+    change: impl FnOnce(&mut LeaseManagerConfig),
+    expected: Result<(), LeaseManagerConfigError>,
+) {
+    let mut config = config();
+    change(&mut config);
+    assert_eq!(config.validate(), expected);
+    if let Err(broken) = expected {
+        assert!(broken.to_string().starts_with("lease manager: "));
+    }
+}
+
+/// I17: validation names the first broken rule, in field order.
+#[test]
+fn validate_names_the_first_broken_rule() {
+    use LeaseManagerConfigError as Broken;
+    check(|_| {}, Ok(()));
+    check(
+        |c| c.target_grant = CostUnits::ZERO,
+        Err(Broken::TargetGrantZero),
+    );
+    check(
+        |c| {
+            c.target_grant = CostUnits::ZERO;
+            c.lease_ttl = SignedDuration::ZERO;
+        },
+        Err(Broken::TargetGrantZero),
+    );
+    check(
+        |c| c.low_water = CostUnits(TARGET),
+        Err(Broken::LowWaterNotBelowTargetGrant),
+    );
+    check(|c| c.low_water = CostUnits(TARGET - 1), Ok(()));
+    check(
+        |c| c.lease_ttl = SignedDuration::ZERO,
+        Err(Broken::LeaseTtlNotPositive),
+    );
+    check(
+        |c| c.lease_ttl = SignedDuration::from_secs(-1),
+        Err(Broken::LeaseTtlNotPositive),
+    );
+    check(
+        |c| c.expiry_safety_margin = SignedDuration::from_nanos(-1),
+        Err(Broken::ExpirySafetyMarginNegative),
+    );
+    check(|c| c.expiry_safety_margin = SignedDuration::ZERO, Ok(()));
+    check(
+        |c| c.expiry_safety_margin = TTL,
+        Err(Broken::ExpirySafetyMarginNotBelowLeaseTtl),
+    );
+    check(
+        |c| c.poll_interval = Duration::ZERO,
+        Err(Broken::PollIntervalZero),
+    );
+    check(
+        |c| {
+            c.poll_interval = Duration::ZERO;
+            c.shutdown_release_deadline = Duration::ZERO;
+        },
+        Err(Broken::PollIntervalZero),
+    );
+    check(
+        |c| c.store_call_timeout = Duration::ZERO,
+        Err(Broken::StoreCallTimeoutZero),
+    );
+    check(
+        |c| c.shutdown_release_deadline = Duration::ZERO,
+        Err(Broken::ShutdownReleaseDeadlineZero),
+    );
+    assert_eq!(
+        Broken::LowWaterNotBelowTargetGrant.to_string(),
+        "lease manager: low_water must be below target_grant"
+    );
+}
+
+/// The per-instance settings give every account the same complete config.
+#[test]
+fn account_settings_complete_to_the_same_config_for_each_account() {
+    let full = config();
+    let shared = AccountLeaseConfig {
+        target_grant: full.target_grant,
+        low_water: full.low_water,
+        lease_ttl: full.lease_ttl,
+        expiry_safety_margin: full.expiry_safety_margin,
+        poll_interval: full.poll_interval,
+        store_call_timeout: full.store_call_timeout,
+        shutdown_release_deadline: full.shutdown_release_deadline,
+    };
+    assert_eq!(shared.for_account(ACCOUNT), full);
+    assert_eq!(shared.for_account(AccountId(9)).account, AccountId(9));
+    assert_eq!(shared.validate(), Ok(()));
+    let broken = AccountLeaseConfig {
+        low_water: CostUnits(TARGET),
+        ..shared
+    };
+    assert_eq!(
+        broken.validate(),
+        Err(LeaseManagerConfigError::LowWaterNotBelowTargetGrant)
+    );
+}
+
+/// I17: an invalid config starts nothing.
+#[tokio::test(start_paused = true)]
+async fn spawn_refuses_an_invalid_config_and_calls_nothing() {
+    let allocator = Scripted::new();
+    let refused = LeaseManager::spawn(
+        Arc::clone(&allocator) as Arc<dyn LeaseAllocator>,
+        Arc::new(LeaseSlot::new(ACCOUNT, LocalSharding::Single)),
+        Arc::new(ManualClock::new(start())),
+        LeaseManagerConfig {
+            poll_interval: Duration::ZERO,
+            ..config()
+        },
+    );
+    assert_eq!(
+        refused.err(),
+        Some(LeaseManagerConfigError::PollIntervalZero)
+    );
+    sleep(POLL).await;
+    assert!(allocator.calls().is_empty());
+}
+
+// ------------------------------------------------------- the memory store
+
+fn memory_store(balance: u64, now: Timestamp) -> (Arc<MemoryStore>, AccountId) {
+    let store = MemoryStore::new(GrantPolicy {
+        max_ttl: SignedDuration::from_hours(1),
+        reclaim_grace: SignedDuration::from_mins(1),
+        tail: TailSharing {
+            instances: 1,
+            min_grant: CostUnits(1),
+        },
+    })
+    .expect("the test policy is valid");
+    let account = store
+        .create_account(
+            AccountSpec {
+                balance: CostUnits(balance),
+                mode: EnforcementMode::Strict,
+                status: AccountStatus::Active,
+                refill: None,
+            },
+            now,
+        )
+        .expect("the account opens");
+    (Arc::new(store), account)
+}
+
+fn spawn_on(store: &Arc<MemoryStore>, account: AccountId) -> (LeaseManager, Arc<LeaseSlot>) {
+    let slot = Arc::new(LeaseSlot::new(
+        account,
+        LocalSharding::shards(4).expect("four shards"),
+    ));
+    let manager = LeaseManager::spawn(
+        Arc::clone(store) as Arc<dyn LeaseAllocator>,
+        Arc::clone(&slot),
+        Arc::new(ManualClock::new(start())),
+        LeaseManagerConfig {
+            account,
+            ..config()
+        },
+    )
+    .expect("the test configuration is valid");
+    (manager, slot)
+}
+
+/// Runs one request through the slot: reserve, commit, bill. Returns the
+/// units charged.
+async fn serve_request(
+    store: &MemoryStore,
+    slot: &LeaseSlot,
+    request: u128,
+    quote: u64,
+) -> Option<u64> {
+    let now = start();
+    let mut reservation = slot
+        .with_lease(|lease| lease.map(|lease| Reservation::reserve(lease, CostUnits(quote), now)))?
+        .ok()?;
+    reservation
+        .commit_owned(now, CommitFunding::LeaseOnly)
+        .expect("commits inside the window");
+    let event = reservation
+        .usage_event(RequestId(request), now, PolicyRevision::UNSTATED, None)
+        .expect("a committed reservation bills");
+    let outcomes = store
+        .ingest(&[event])
+        .await
+        .expect("the memory store answers");
+    assert_eq!(outcomes, [tollgate::store::IngestOutcome::Accepted]);
+    Some(quote)
+}
+
+/// I14, I15: a run with rotations, cancellations and a consolidation, then a
+/// graceful shutdown, leaves the books balanced: every unit is either spent
+/// and billed or back in the balance.
+#[tokio::test(start_paused = true)]
+async fn on_a_memory_store_spending_rotation_and_shutdown_leave_the_ledger_balanced() {
+    const INITIAL: u64 = 2_000;
+    let (store, account) = memory_store(INITIAL, start());
+    let (manager, slot) = spawn_on(&store, account);
+    settle().await;
+
+    let mut committed = 0;
+    let mut request = 0;
+    for round in 0..60_u64 {
+        request += 1;
+        let quote = 3 + round % 11;
+        if let Some(units) = serve_request(&store, &slot, request, quote).await {
+            committed += units;
+        }
+        // A request that leaves before execution pays nothing (I4).
+        let cancelled = slot.with_lease(|lease| {
+            lease.and_then(|lease| Reservation::reserve(lease, CostUnits(2), start()).ok())
+        });
+        drop(cancelled);
+        if round == 30 {
+            // More than any lease holds: refused, then folded (I18).
+            let refused = slot.with_lease(|lease| {
+                Reservation::reserve(lease.expect("a lease serves"), CostUnits(150), start())
+                    .map(|_| ())
+            });
+            assert_eq!(refused, Err(DenyReason::LeaseExhausted));
+            settle().await;
+            request += 1;
+            committed += serve_request(&store, &slot, request, 150)
+                .await
+                .expect("the folded grant funds the large quote");
+        }
+        settle().await;
+        if round % 20 == 19 {
+            sleep(POLL).await;
+        }
+    }
+    let report = manager.shutdown().await;
+
+    assert!(!report.task_died);
+    assert_eq!(report.abandoned, 0, "nothing was held at shutdown");
+    assert_eq!(report.stats.consolidated, 1);
+    assert!(report.stats.acquired >= 4, "it rotated: {:?}", report.stats);
+    assert_eq!(
+        report.stats.acquired_units - report.stats.released_units,
+        committed,
+        "granted minus credited back is exactly what was spent"
+    );
+    assert_eq!(store.audit().expect("the store answers"), []);
+    let view = store.account(account, start()).expect("the account exists");
+    assert_eq!(view.balance.get() + committed, INITIAL);
+    assert_eq!(view.leased, CostUnits::ZERO, "every lease was settled");
+    assert_eq!(
+        view.settled_unbilled,
+        CostUnits::ZERO,
+        "every charge was billed"
+    );
+    assert_eq!(
+        slot.load_observed().map(|lease| lease.grant().lease_id),
+        None
+    );
+}
+
+/// Near the end of a balance the store shrinks grants and says what is
+/// left; the manager publishes that word, returns a parked lease's remainder
+/// before asking for the next grant (so the tail is granted again), and
+/// keeps the empty balance's refusal as evidence (I14, I23).
+#[tokio::test(start_paused = true)]
+async fn on_a_memory_store_the_tail_of_a_balance_is_regranted_and_its_evidence_published() {
+    let (store, account) = memory_store(150, start());
+    let (manager, slot) = spawn_on(&store, account);
+    settle().await;
+    let serving_units = || slot.load_observed().map(|lease| lease.grant().units.get());
+    let nothing_left = Some(BalanceShortfall {
+        remaining: CostUnits::ZERO,
+        period_end: None,
+    });
+    assert_eq!(
+        slot.funding_evidence(start()),
+        Some(BalanceShortfall {
+            remaining: CostUnits(50),
+            period_end: None,
+        }),
+        "the first grant left 50, less than another request"
+    );
+
+    assert_eq!(serve_request(&store, &slot, 1, 80).await, Some(80));
+    settle().await;
+    assert_eq!(serving_units(), Some(50), "the tail grant is what is left");
+    assert_eq!(slot.funding_evidence(start()), nothing_left);
+
+    assert_eq!(serve_request(&store, &slot, 2, 50).await, Some(50));
+    settle().await;
+    assert_eq!(
+        serving_units(),
+        Some(20),
+        "lease 1's 20 units went back before the acquire, which granted them again"
+    );
+    let stats = manager.stats();
+    assert_eq!((stats.released, stats.released_units), (1, 20));
+
+    assert_eq!(serve_request(&store, &slot, 3, 20).await, Some(20));
+    settle().await;
+    let exhausted = AllocateError::BalanceExhausted(BalanceExhaustion { period_end: None });
+    assert_eq!(manager.stats().refused_for(&exhausted), 1);
+    assert_eq!(slot.funding_evidence(start()), nothing_left);
+    assert_eq!(
+        serve_request(&store, &slot, 4, 1).await,
+        None,
+        "nothing is left to spend"
+    );
+
+    let report = manager.shutdown().await;
+    assert_eq!((report.released, report.released_units), (1, 0));
+    assert_eq!(report.abandoned, 0);
+    assert_eq!(report.stats.released, 3);
+    assert_eq!(store.audit().expect("the store answers"), []);
+    let view = store.account(account, start()).expect("the account exists");
+    assert_eq!(view.balance, CostUnits::ZERO, "150 granted, 150 spent");
+    assert_eq!(view.leased, CostUnits::ZERO);
+    assert_eq!(view.settled_unbilled, CostUnits::ZERO);
+}

@@ -1,0 +1,485 @@
+//! The reclaimer on paused tokio time with a manual clock moved in
+//! lockstep: the grace, batches that say more, exact counts, outages and
+//! hangs, concurrent reclaimers and shutdown — against a scripted allocator
+//! and end to end on the memory store, audited after every scenario (I14,
+//! I15, I19, I22).
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use jiff::{SignedDuration, Timestamp};
+use tokio::time::Instant;
+use tollgate::runtime::{ReclaimStats, Reclaimer, ReclaimerConfig, ReclaimerConfigError};
+use tollgate::store::{
+    AccountSpec, AllocateError, Allocation, Clock, GrantPolicy, IngestOutcome, LeaseAllocator,
+    ManualClock, MemoryStore, ReclaimBatch, ReclaimedLease, Released, StoreError, TailSharing,
+    UsageSink,
+};
+use tollgate::{
+    AccountId, AccountStatus, CostUnits, EnforcementMode, FencingToken, LeaseGrant, LeaseId,
+    PolicyRevision, RequestId, UsageEvent, UsageSource,
+};
+
+const GRACE: SignedDuration = SignedDuration::from_secs(2);
+const TTL: SignedDuration = SignedDuration::from_secs(5);
+
+fn start() -> Timestamp {
+    Timestamp::from_second(1_700_000_000).expect("a test instant is in range")
+}
+
+fn config(interval_secs: u64, batch_limit: usize, timeout_secs: u64) -> ReclaimerConfig {
+    ReclaimerConfig {
+        interval: Duration::from_secs(interval_secs),
+        batch_limit,
+        store_call_timeout: Duration::from_secs(timeout_secs),
+    }
+}
+
+/// Lets every task that is ready run until it waits again.
+async fn settle() {
+    for _ in 0..16 {
+        tokio::task::yield_now().await;
+    }
+}
+
+/// Moves the manual clock and tokio's time forward together, one second at
+/// a time, letting the reclaimers act at each second.
+async fn run_for(clock: &ManualClock, seconds: u64) {
+    for _ in 0..seconds {
+        clock.advance(SignedDuration::from_secs(1));
+        tokio::time::advance(Duration::from_secs(1)).await;
+        settle().await;
+    }
+}
+
+fn stats(passes: u64, reclaimed_leases: u64, reclaimed_units: u64) -> ReclaimStats {
+    ReclaimStats {
+        passes,
+        reclaimed_leases,
+        reclaimed_units,
+        ..ReclaimStats::default()
+    }
+}
+
+/// One planned answer to `reclaim_expired_batch`.
+#[derive(Debug, Clone)]
+enum Answer {
+    /// These leases (id, units credited), and whether more are due.
+    Batch(Vec<(u64, u64)>, bool),
+    Fail,
+    Hang,
+}
+
+/// An allocator whose reclaim answers from a script (then: nothing due) and
+/// records each call's `now` (seconds after `start()`) and limit.
+#[derive(Debug, Default)]
+struct ScriptedAllocator {
+    script: Mutex<VecDeque<Answer>>,
+    calls: Mutex<Vec<(i64, usize)>>,
+}
+
+impl ScriptedAllocator {
+    fn new(script: impl IntoIterator<Item = Answer>) -> Arc<Self> {
+        Arc::new(Self {
+            script: Mutex::new(script.into_iter().collect()),
+            calls: Mutex::new(Vec::new()),
+        })
+    }
+
+    fn calls(&self) -> Vec<(i64, usize)> {
+        lock(&self.calls).clone()
+    }
+}
+
+#[async_trait]
+impl LeaseAllocator for ScriptedAllocator {
+    async fn acquire(
+        &self,
+        _account: AccountId,
+        _requested: CostUnits,
+        _ttl: SignedDuration,
+        _now: Timestamp,
+    ) -> Result<Allocation, AllocateError> {
+        unreachable!("the reclaimer only reclaims")
+    }
+
+    async fn release(
+        &self,
+        _lease_id: LeaseId,
+        _fencing_token: FencingToken,
+        _unspent: CostUnits,
+        _now: Timestamp,
+    ) -> Result<Released, AllocateError> {
+        unreachable!("the reclaimer only reclaims")
+    }
+
+    async fn consolidate(
+        &self,
+        _lease_id: LeaseId,
+        _fencing_token: FencingToken,
+        _unspent: CostUnits,
+        _requested: CostUnits,
+        _needed: CostUnits,
+        _ttl: SignedDuration,
+        _now: Timestamp,
+    ) -> Result<Allocation, AllocateError> {
+        unreachable!("the reclaimer only reclaims")
+    }
+
+    async fn reclaim_expired_batch(
+        &self,
+        now: Timestamp,
+        limit: usize,
+    ) -> Result<ReclaimBatch, StoreError> {
+        lock(&self.calls).push((now.duration_since(start()).as_secs(), limit));
+        let answer = lock(&self.script)
+            .pop_front()
+            .unwrap_or(Answer::Batch(Vec::new(), false));
+        match answer {
+            Answer::Batch(leases, more) => Ok(ReclaimBatch {
+                reclaimed: leases
+                    .into_iter()
+                    .map(|(lease, units)| ReclaimedLease {
+                        lease_id: LeaseId(lease),
+                        account_id: AccountId(1),
+                        credited: CostUnits(units),
+                    })
+                    .collect(),
+                more,
+            }),
+            Answer::Fail => Err(StoreError::new("scripted outage")),
+            Answer::Hang => std::future::pending().await,
+        }
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+fn spawn(
+    allocator: Arc<dyn LeaseAllocator>,
+    clock: &Arc<ManualClock>,
+    config: ReclaimerConfig,
+) -> Reclaimer {
+    Reclaimer::spawn(allocator, Arc::clone(clock) as _, config)
+        .expect("the test configuration is valid")
+}
+
+fn store() -> Arc<MemoryStore> {
+    Arc::new(
+        MemoryStore::new(GrantPolicy {
+            max_ttl: SignedDuration::from_secs(60),
+            reclaim_grace: GRACE,
+            tail: TailSharing {
+                instances: 1,
+                min_grant: CostUnits(1),
+            },
+        })
+        .expect("the test policy is valid"),
+    )
+}
+
+fn open_account(store: &MemoryStore, balance: u64) -> AccountId {
+    store
+        .create_account(
+            AccountSpec {
+                balance: CostUnits(balance),
+                mode: EnforcementMode::Strict,
+                status: AccountStatus::Active,
+                refill: None,
+            },
+            start(),
+        )
+        .expect("opening an account succeeds")
+}
+
+/// Grants a lease of `units` living `TTL` from `start()`: expired at
+/// start + 5s, reclaimable at start + 7s.
+async fn lease(store: &MemoryStore, account: AccountId, units: u64) -> LeaseGrant {
+    store
+        .acquire(account, CostUnits(units), TTL, start())
+        .await
+        .expect("the account can fund the lease")
+        .grant
+}
+
+/// Bills `units` against `grant`, as an instance would before it crashed.
+async fn bill(store: &MemoryStore, request: u128, grant: &LeaseGrant, units: u64) {
+    let event = UsageEvent {
+        request_id: RequestId(request),
+        account_id: grant.account_id,
+        source: UsageSource::Leased {
+            lease_id: grant.lease_id,
+            fencing_token: grant.fencing_token,
+        },
+        units: CostUnits(units),
+        at: start(),
+        policy_revision: PolicyRevision::UNSTATED,
+        key_id: None,
+    };
+    assert_eq!(
+        store.ingest(&[event]).await,
+        Ok(vec![IngestOutcome::Accepted])
+    );
+}
+
+#[track_caller]
+fn balance(store: &MemoryStore, account: AccountId) -> u64 {
+    store
+        .account(account, start())
+        .expect("the account exists")
+        .balance
+        .get()
+}
+
+#[track_caller]
+fn audited(store: &MemoryStore) {
+    assert_eq!(
+        store.audit().expect("the store answers"),
+        vec![],
+        "I14, I15: the books balance"
+    );
+}
+
+/// I19: a lease is reclaimed only once `expires_at + reclaim_grace` has
+/// passed, crediting its grant net of billed usage; the first pass runs at
+/// once and one runs every interval.
+#[tokio::test(start_paused = true)]
+async fn an_expired_lease_is_reclaimed_only_once_its_grace_has_passed() {
+    let store = store();
+    let clock = Arc::new(ManualClock::new(start()));
+    let account = open_account(&store, 100);
+    let grant = lease(&store, account, 30).await;
+    bill(&store, 1, &grant, 4).await;
+    let reclaimer = spawn(store.clone(), &clock, config(1, 10, 1));
+    settle().await;
+    assert_eq!(
+        reclaimer.stats(),
+        stats(1, 0, 0),
+        "the first pass ran at once"
+    );
+
+    run_for(&clock, 6).await;
+    assert_eq!(
+        reclaimer.stats(),
+        stats(7, 0, 0),
+        "expired, but within the grace"
+    );
+    assert_eq!(balance(&store, account), 70);
+
+    run_for(&clock, 1).await;
+    assert_eq!(reclaimer.stats(), stats(8, 1, 26), "30 granted, 4 billed");
+    assert_eq!(balance(&store, account), 96);
+    let view = store.account(account, clock.now()).expect("exists");
+    assert_eq!(
+        (view.leased, view.settled_unbilled),
+        (CostUnits::ZERO, CostUnits::ZERO)
+    );
+    audited(&store);
+
+    run_for(&clock, 3).await;
+    assert_eq!(reclaimer.stats(), stats(11, 1, 26), "settled once");
+    assert_eq!(reclaimer.shutdown().await, stats(11, 1, 26));
+}
+
+/// While a batch says more leases are due, the reclaimer asks again at once,
+/// within the same instant, instead of waiting an interval; units are
+/// counted exactly.
+#[tokio::test(start_paused = true)]
+async fn a_batch_that_says_more_is_followed_at_once_not_after_an_interval() {
+    let allocator = ScriptedAllocator::new([
+        Answer::Batch(vec![(1, 10), (2, 20), (3, 30)], true),
+        Answer::Batch(vec![(4, 5)], true),
+        Answer::Batch(vec![(5, 7)], false),
+    ]);
+    let clock = Arc::new(ManualClock::new(start()));
+    let reclaimer = spawn(allocator.clone(), &clock, config(10, 3, 1));
+    settle().await;
+    assert_eq!(allocator.calls(), vec![(0, 3), (0, 3), (0, 3)]);
+    assert_eq!(reclaimer.stats(), stats(1, 5, 72));
+
+    run_for(&clock, 9).await;
+    assert_eq!(allocator.calls().len(), 3);
+    run_for(&clock, 1).await;
+    assert_eq!(allocator.calls(), vec![(0, 3), (0, 3), (0, 3), (10, 3)]);
+    assert_eq!(reclaimer.shutdown().await, stats(2, 5, 72));
+}
+
+/// I19: every due lease is settled in one pass of several batches, and the
+/// ledger balances afterwards.
+#[tokio::test(start_paused = true)]
+async fn every_due_lease_is_settled_in_one_pass_of_several_batches() {
+    let store = store();
+    let clock = Arc::new(ManualClock::new(start()));
+    let account = open_account(&store, 1_000);
+    for units in (1..=7).map(|n| n * 10) {
+        lease(&store, account, units).await;
+    }
+    assert_eq!(balance(&store, account), 720);
+    let reclaimer = spawn(store.clone(), &clock, config(10, 3, 1));
+    settle().await;
+    assert_eq!(reclaimer.stats(), stats(1, 0, 0));
+
+    run_for(&clock, 10).await;
+    assert_eq!(reclaimer.stats(), stats(2, 7, 280));
+    assert_eq!(balance(&store, account), 1_000);
+    audited(&store);
+    reclaimer.shutdown().await;
+}
+
+/// I22: a storage error and a hang (cut off by `store_call_timeout`) are
+/// counted and end their pass; the next pass comes at the next interval. A
+/// store that says more is due but settles nothing is not asked again at
+/// once.
+#[tokio::test(start_paused = true)]
+async fn storage_errors_and_hangs_are_counted_and_never_fatal() {
+    let allocator = ScriptedAllocator::new([
+        Answer::Fail,
+        Answer::Hang,
+        Answer::Batch(vec![(1, 9)], false),
+        Answer::Batch(Vec::new(), true),
+    ]);
+    let clock = Arc::new(ManualClock::new(start()));
+    let reclaimer = spawn(allocator.clone(), &clock, config(5, 4, 1));
+    settle().await;
+    assert_eq!(
+        reclaimer.stats(),
+        ReclaimStats {
+            errors: 1,
+            ..ReclaimStats::default()
+        }
+    );
+
+    run_for(&clock, 5).await;
+    assert_eq!(reclaimer.stats().timeouts, 0, "the call at t=5 hangs");
+    run_for(&clock, 1).await;
+    assert_eq!(reclaimer.stats().timeouts, 1, "cut off at t=6");
+
+    run_for(&clock, 4).await;
+    assert_eq!(
+        reclaimer.stats(),
+        ReclaimStats {
+            errors: 1,
+            timeouts: 1,
+            ..stats(1, 1, 9)
+        }
+    );
+
+    run_for(&clock, 5).await;
+    assert_eq!(allocator.calls(), vec![(0, 4), (5, 4), (10, 4), (15, 4)]);
+    assert_eq!(
+        reclaimer.shutdown().await,
+        ReclaimStats {
+            errors: 2,
+            timeouts: 1,
+            ..stats(1, 1, 9)
+        }
+    );
+}
+
+/// I19: two reclaimers on one store settle each lease exactly once: their
+/// counts add up to the leases that expired, and the ledger balances.
+#[tokio::test(start_paused = true)]
+async fn two_reclaimers_on_one_store_settle_each_lease_once() {
+    let store = store();
+    let clock = Arc::new(ManualClock::new(start()));
+    let accounts = [open_account(&store, 1_000), open_account(&store, 1_000)];
+    let mut grants = Vec::new();
+    for account in accounts {
+        for units in 1..=10 {
+            grants.push(lease(&store, account, units).await);
+        }
+    }
+    bill(&store, 1, &grants[0], 1).await;
+    bill(&store, 2, &grants[19], 6).await;
+    let first = spawn(store.clone(), &clock, config(1, 3, 1));
+    let second = spawn(store.clone(), &clock, config(1, 3, 1));
+
+    run_for(&clock, 8).await;
+    let (first, second) = (first.shutdown().await, second.shutdown().await);
+    assert_eq!(
+        first.reclaimed_leases + second.reclaimed_leases,
+        20,
+        "I19: each expired lease settled once"
+    );
+    assert_eq!(
+        first.reclaimed_units + second.reclaimed_units,
+        110 - 1 - 6,
+        "granted minus billed"
+    );
+    assert_eq!((first.errors, second.errors), (0, 0));
+    assert_eq!(balance(&store, accounts[0]), 999);
+    assert_eq!(balance(&store, accounts[1]), 994);
+    audited(&store);
+}
+
+/// Shutdown returns at once even while a reclaim call hangs, and the task
+/// lets go of the allocator.
+#[tokio::test(start_paused = true)]
+async fn shutdown_is_prompt_while_a_reclaim_call_hangs() {
+    let allocator = ScriptedAllocator::new([Answer::Hang]);
+    let clock = Arc::new(ManualClock::new(start()));
+    let reclaimer = spawn(allocator.clone(), &clock, config(1, 3, 60));
+    settle().await;
+    run_for(&clock, 1).await;
+    assert_eq!(allocator.calls(), vec![(0, 3)], "still hanging");
+
+    let begun = Instant::now();
+    assert_eq!(reclaimer.shutdown().await, ReclaimStats::default());
+    assert_eq!(begun.elapsed(), Duration::ZERO);
+    assert_eq!(Arc::strong_count(&allocator), 1);
+}
+
+/// Dropping the handle aborts the task.
+#[tokio::test(start_paused = true)]
+async fn dropping_the_reclaimer_aborts_its_task() {
+    let allocator = ScriptedAllocator::new([]);
+    let clock = Arc::new(ManualClock::new(start()));
+    let reclaimer = spawn(allocator.clone(), &clock, config(1, 3, 1));
+    settle().await;
+    assert_eq!(allocator.calls().len(), 1);
+    drop(reclaimer);
+    settle().await;
+    assert_eq!(Arc::strong_count(&allocator), 1, "the task is gone");
+    run_for(&clock, 3).await;
+    assert_eq!(allocator.calls().len(), 1, "no pass after the abort");
+}
+
+/// A configuration and the first rule it breaks, if any.
+#[track_caller]
+fn check(config: ReclaimerConfig, expected: Result<(), ReclaimerConfigError>) {
+    assert_eq!(config.validate(), expected, "{config:?}");
+}
+
+/// I17: every rule is checked, in field order, and the first one broken is
+/// named; an invalid configuration starts nothing.
+#[tokio::test(start_paused = true)]
+async fn every_configuration_rule_is_checked_in_field_order() {
+    use ReclaimerConfigError as Broken;
+    check(config(1, 1, 1), Ok(()));
+    check(config(0, 0, 0), Err(Broken::IntervalZero));
+    check(config(1, 0, 0), Err(Broken::BatchLimitZero));
+    check(config(1, 1, 0), Err(Broken::StoreCallTimeoutZero));
+    for broken in [
+        Broken::IntervalZero,
+        Broken::BatchLimitZero,
+        Broken::StoreCallTimeoutZero,
+    ] {
+        let message = broken.to_string();
+        assert!(message.starts_with("reclaimer: "), "{message}");
+        assert_eq!(message, message.to_lowercase(), "lowercase: {message}");
+    }
+
+    let allocator = ScriptedAllocator::new([]);
+    let refused = Reclaimer::spawn(
+        allocator.clone(),
+        Arc::new(ManualClock::new(start())),
+        config(1, 0, 1),
+    );
+    assert_eq!(refused.map(|_| ()).unwrap_err(), Broken::BatchLimitZero);
+    settle().await;
+    assert_eq!(allocator.calls(), vec![]);
+}
