@@ -544,6 +544,7 @@ async fn a_lease_manager_that_dies_is_restarted_after_the_backoff() {
         Err(DenyReason::LeaseUnavailable),
         "the first manager died"
     );
+    assert!(!handle.readiness(), "not ready while a plane is dead");
     // I29: restarted after the backoff, and the new manager funds the account.
     tokio::time::sleep(config().manager_restart_backoff + ms(300)).await;
     assert_eq!(w.begin(&handle, 1), Ok(CostUnits(1)));

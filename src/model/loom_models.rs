@@ -18,6 +18,8 @@
 
 use std::sync::Arc;
 
+use CancelOutcome::ZeroCharged;
+use CommitError::AlreadyReleased;
 use jiff::{SignedDuration, Timestamp};
 use loom::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use loom::thread;
@@ -137,7 +139,7 @@ fn a_commit_and_a_cancel_racing_on_one_leased_reservation_settle_it_exactly_once
                 assert_eq!(event.units, TWO);
                 TWO.get()
             }
-            (Err(CommitError::AlreadyReleased), CancelOutcome::ZeroCharged) => {
+            (Err(AlreadyReleased), ZeroCharged) => {
                 // I3, I4: the cancel won and charged nothing.
                 assert!(reservation.is_released() && !reservation.is_committed());
                 assert_eq!(event, None, "I8: a released reservation yields no event");
@@ -211,7 +213,7 @@ fn an_elastic_fallback_commit_racing_a_cancel_keeps_exactly_one_funding_term() {
                 let event = event.expect("I8: a committed reservation yields a usage event");
                 assert_eq!(event.source, UsageSource::Overage);
             }
-            (Err(CommitError::AlreadyReleased), CancelOutcome::ZeroCharged) => {
+            (Err(AlreadyReleased), ZeroCharged) => {
                 assert!(reservation.is_released());
                 // I10: a lost claim strands no overage.
                 assert_eq!(overage.spent(), CostUnits::ZERO, "I10: no overage stranded");

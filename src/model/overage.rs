@@ -118,7 +118,7 @@ impl AccountOverage {
     /// # Errors
     ///
     /// As [`try_debit`](Self::try_debit).
-    pub fn debit_tentatively(
+    pub fn debit_before_claim(
         &self,
         units: CostUnits,
         cap: CostUnits,
@@ -316,15 +316,15 @@ mod tests {
     #[test]
     fn a_tentative_debit_returns_its_units_unless_its_claim_wins() {
         let o = overage();
-        drop(o.debit_tentatively(CostUnits(40), CAP).unwrap());
+        drop(o.debit_before_claim(CostUnits(40), CAP).unwrap());
         assert_eq!(o.spent(), CostUnits::ZERO, "dropped unpublished: returned");
 
-        let lost = o.debit_tentatively(CostUnits(40), CAP).unwrap();
+        let lost = o.debit_before_claim(CostUnits(40), CAP).unwrap();
         assert_eq!(o.spent(), CostUnits(40));
         assert_eq!(lost.publish_commit(|| Err::<(), _>(())), Err(()));
         assert_eq!(o.spent(), CostUnits::ZERO, "a lost claim returns the debit");
 
-        let won = o.debit_tentatively(CostUnits(40), CAP).unwrap();
+        let won = o.debit_before_claim(CostUnits(40), CAP).unwrap();
         won.publish_commit(|| Ok::<_, ()>(())).unwrap();
         assert_eq!(o.spent(), CostUnits(40));
         assert_eq!(o.committed(), CostUnits(40));

@@ -84,10 +84,13 @@ impl<'a> CommitFunding<'a> {
     /// The commit funding an enforcement mode allows.
     #[inline]
     #[must_use]
-    pub fn from_mode(mode: EnforcementMode, overage: &'a AccountOverage) -> Self {
+    pub fn from_mode(mode: EnforcementMode, counter: &'a AccountOverage) -> Self {
         match mode.overage_cap() {
             None => Self::LeaseOnly,
-            Some(cap) => Self::OverageFallback { overage, cap },
+            Some(cap) => Self::OverageFallback {
+                overage: counter,
+                cap,
+            },
         }
     }
 }
@@ -372,25 +375,25 @@ impl Reservation {
         funding: CommitFunding<'_>,
     ) -> Result<CostUnits, CommitError> {
         let CommitFunding::OverageFallback { overage, cap } = funding else {
-            return self.release_for_zero(DenyReason::FundingExpiredAtStart);
+            return self.release_denied(DenyReason::FundingExpiredAtStart);
         };
         if overage.account_id() != debit.grant().account_id {
             debug_assert!(
                 false,
                 "the overage fallback must use the reservation's account"
             );
-            return self.release_for_zero(DenyReason::FundingExpiredAtStart);
+            return self.release_denied(DenyReason::FundingExpiredAtStart);
         }
         // Not required for correctness (the claim below decides), but it
         // spares a debit that would be handed straight back.
         if self.phase.load(Ordering::Acquire) != PENDING_LEASE {
-            return self.release_for_zero(DenyReason::FundingExpiredAtStart);
+            return self.release_denied(DenyReason::FundingExpiredAtStart);
         }
         // The overage is funded before the claim, so a won claim never names
         // units the counter does not hold (I3, I10).
-        let tentative = match overage.debit_tentatively(self.units, cap) {
+        let tentative = match overage.debit_before_claim(self.units, cap) {
             Ok(tentative) => tentative,
-            Err(refusal) => return self.release_for_zero(refusal),
+            Err(refusal) => return self.release_denied(refusal),
         };
         match tentative.publish_commit(|| self.transition(PENDING_LEASE, COMMITTED_OVERAGE)) {
             Ok(_) => {
@@ -405,7 +408,7 @@ impl Reservation {
     }
 
     #[cold]
-    fn release_for_zero(&self, reason: DenyReason) -> Result<CostUnits, CommitError> {
+    fn release_denied(&self, reason: DenyReason) -> Result<CostUnits, CommitError> {
         match self.release() {
             Ok(()) => Err(CommitError::Denied(reason)),
             Err(phase) => Err(Self::lost_to(phase)),
@@ -529,6 +532,8 @@ mod tests {
 
     use super::*;
     use crate::model::{FencingToken, LeaseGrant, LeaseId, Retry};
+    use CancelOutcome::ZeroCharged;
+    use CommitError::AlreadyReleased;
 
     const ACCOUNT: AccountId = AccountId(1);
     const CAP: CostUnits = CostUnits(100);
@@ -1112,11 +1117,11 @@ mod tests {
             );
             drop(r);
             match outcome {
-                (Ok(units), CancelOutcome::AlreadyCommitted { units: seen }) => {
-                    assert_eq!(units, seen);
+                (Ok(charged), CancelOutcome::AlreadyCommitted { units: reported }) => {
+                    assert_eq!(charged, reported);
                     assert_eq!(l.remaining(), CostUnits(90));
                 }
-                (Err(CommitError::AlreadyReleased), CancelOutcome::ZeroCharged) => {
+                (Err(AlreadyReleased), ZeroCharged) => {
                     assert_eq!(l.remaining(), CostUnits(100));
                 }
                 other => panic!("I3: both or neither won: {other:?}"),
@@ -1141,7 +1146,7 @@ mod tests {
                     assert_eq!(o.spent(), CostUnits(10));
                     assert_eq!(event(&r, 1_000).unwrap().source, UsageSource::Overage);
                 }
-                (Err(CommitError::AlreadyReleased), CancelOutcome::ZeroCharged) => {
+                (Err(AlreadyReleased), ZeroCharged) => {
                     assert_eq!(o.spent(), CostUnits::ZERO, "I10: the lost debit came back");
                     assert_eq!(event(&r, 1_000), None);
                 }
@@ -1214,7 +1219,7 @@ mod tests {
                 (Ok(_), CancelOutcome::AlreadyCommitted { .. }) => {
                     assert_eq!(l.remaining(), CostUnits(90));
                 }
-                (Err(CommitError::AlreadyReleased), CancelOutcome::ZeroCharged) => {
+                (Err(AlreadyReleased), ZeroCharged) => {
                     assert_eq!(l.remaining(), CostUnits(100));
                 }
                 other => panic!("I3: both or neither won: {other:?}"),
@@ -1244,7 +1249,7 @@ mod tests {
                 (Ok(_), CancelOutcome::AlreadyCommitted { .. }) => {
                     assert_eq!(o.spent(), CostUnits(10));
                 }
-                (Err(CommitError::AlreadyReleased), CancelOutcome::ZeroCharged) => {
+                (Err(AlreadyReleased), ZeroCharged) => {
                     assert_eq!(o.spent(), CostUnits::ZERO);
                 }
                 other => panic!("I3: both or neither won: {other:?}"),
@@ -1252,28 +1257,31 @@ mod tests {
         }
     }
 
+    /// A cap that one reservation fills exactly.
+    const WHOLE_CAP: CostUnits = CostUnits(10);
+
     #[test]
     fn an_overage_commit_racing_cancel_leaves_the_right_refusal_behind() {
         for _ in 0..500 {
             let o = overage();
-            let r = Reservation::reserve_overage(&o, CostUnits(10), CostUnits(10)).unwrap();
+            let pending = Reservation::reserve_overage(&o, WHOLE_CAP, WHOLE_CAP).unwrap();
             let outcome = race(
-                || r.commit_at_execution_start(at(0), CommitFunding::LeaseOnly),
-                || r.cancel(),
+                || pending.commit_at_execution_start(at(0), CommitFunding::LeaseOnly),
+                || pending.cancel(),
             );
             match outcome {
                 (Ok(_), CancelOutcome::AlreadyCommitted { .. }) => {
                     assert_eq!(o.spent(), CostUnits(10));
                     // I11: committed occupancy is exhaustion, never "soon".
                     let refused =
-                        Reservation::reserve_overage(&o, CostUnits(1), CostUnits(10)).unwrap_err();
+                        Reservation::reserve_overage(&o, CostUnits(1), WHOLE_CAP).unwrap_err();
                     assert!(matches!(refused, DenyReason::OverageCapExhausted { .. }));
                     assert_eq!(refused.retry(), Retry::Never);
                 }
-                (Err(CommitError::AlreadyReleased), CancelOutcome::ZeroCharged) => {
+                (Err(AlreadyReleased), ZeroCharged) => {
                     assert_eq!(o.spent(), CostUnits::ZERO);
                     drop(
-                        Reservation::reserve_overage(&o, CostUnits(10), CostUnits(10))
+                        Reservation::reserve_overage(&o, WHOLE_CAP, WHOLE_CAP)
                             .expect("a cancelled overage is reusable at once"),
                     );
                 }

@@ -322,7 +322,7 @@ impl InstanceRuntime {
         sink: Arc<dyn UsageSink>,
         clock: Arc<dyn Clock>,
         config: InstanceRuntimeConfig,
-    ) -> Result<(Self, RuntimeHandle), InstanceRuntimeConfigError> {
+    ) -> Result<(InstanceRuntime, RuntimeHandle), InstanceRuntimeConfigError> {
         use InstanceRuntimeConfigError as E;
         config.validate()?;
         let ids = RequestIds::random().map_err(|_| E::Randomness)?;
@@ -626,13 +626,11 @@ impl RuntimeHandle {
         let leases = accounts.iter().try_fold(planes.retired, |sum, account| {
             sum.checked_add(&account.stats)
         });
-        let mut hottest: Vec<(AccountId, u64)> = accounts
-            .iter()
-            .filter(|account| account.contended_exchanges > 0)
-            .map(|account| (account.account, account.contended_exchanges))
-            .collect();
-        hottest.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
-        hottest.truncate(5);
+        let hottest = hottest_accounts(
+            accounts
+                .iter()
+                .map(|account| (account.account, account.contended_exchanges)),
+        );
         RuntimeReport {
             ready,
             admitting,
@@ -768,6 +766,19 @@ impl Shared {
     }
 }
 
+/// How many accounts a report ranks by contention.
+const HOTTEST_REPORTED: usize = 5;
+
+/// The accounts whose debits lost the most races, hottest first, ties by
+/// account id; accounts with none are left out. Sharding those accounts'
+/// leases is what takes the heat off.
+fn hottest_accounts(contention: impl Iterator<Item = (AccountId, u64)>) -> Vec<(AccountId, u64)> {
+    let mut hottest: Vec<(AccountId, u64)> = contention.filter(|(_, lost)| *lost > 0).collect();
+    hottest.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+    hottest.truncate(HOTTEST_REPORTED);
+    hottest
+}
+
 /// The supervisor task.
 async fn supervise(shared: Arc<Shared>, mut bindings: watch::Receiver<Arc<AccountBindings>>) {
     let mut shutdown = shared.shutdown.subscribe();
@@ -800,5 +811,39 @@ async fn supervise(shared: Arc<Shared>, mut bindings: watch::Receiver<Arc<Accoun
             }
             _ = shutdown.changed() => return,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_contention_ranking_lists_the_hottest_five_first() {
+        let ranked = hottest_accounts(
+            [
+                (1, 5),
+                (2, 0),
+                (3, 90),
+                (4, 5),
+                (5, 12),
+                (6, 7),
+                (7, 1),
+                (8, 3),
+            ]
+            .into_iter()
+            .map(|(account, lost)| (AccountId(account), lost)),
+        );
+        assert_eq!(
+            ranked,
+            vec![
+                (AccountId(3), 90),
+                (AccountId(5), 12),
+                (AccountId(6), 7),
+                (AccountId(1), 5),
+                (AccountId(4), 5),
+            ]
+        );
+        assert!(hottest_accounts(std::iter::once((AccountId(9), 0))).is_empty());
     }
 }
