@@ -230,7 +230,9 @@ impl RequestContext {
             // I26: the committed charge rides with its event, keeping the
             // lease that funded it from being released before the event is
             // written.
-            (Some(permit), Some(event), Some(charge)) => permit.record_holding(event, charge),
+            (Some(permit), Some(event), Some(charge)) => {
+                permit.record_holding(event, charge.into_hold());
+            }
             _ => debug_assert!(
                 false,
                 "I8: a first successful commit has a place and an event"

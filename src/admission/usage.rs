@@ -19,7 +19,7 @@ use atomic_waker::AtomicWaker;
 use crossbeam_queue::ArrayQueue;
 
 use crate::model::sharding::split_evenly;
-use crate::model::{CachePadded, DenyReason, LocalSharding, Locality, Reservation, UsageEvent};
+use crate::model::{CachePadded, DenyReason, LeaseHold, LocalSharding, Locality, UsageEvent};
 
 /// Hands usage events to the writer. Cheap to clone; every clone feeds the
 /// same queue.
@@ -54,19 +54,20 @@ pub(crate) struct UsageQueue {
     /// For each event the writer has taken and not yet released, in the
     /// order taken: the stripe it came from and the charge it holds. Only
     /// the writer touches it, never the request path.
-    taken: Mutex<VecDeque<(usize, Option<Reservation>)>>,
+    taken: Mutex<VecDeque<(usize, Option<LeaseHold>)>>,
 }
 
-/// One recorded event, and the committed charge that produced it.
+/// One recorded event, and the hold of the committed charge that produced
+/// it.
 ///
-/// The charge travels with its event and is dropped only when the event
-/// leaves the process. Until then it holds a view of the lease that funded
-/// it, so the lease is not quiescent and cannot be released while usage
-/// naming it is still on its way to the sink (I26): its release then claims
-/// an exact remainder with every charge against it already billed.
+/// The hold travels with its event and is dropped only when the event
+/// leaves the process. Until then it keeps a view of the lease that funded
+/// the charge, so the lease is not quiescent and cannot be released while
+/// usage naming it is still on its way to the sink (I26): its release then
+/// claims an exact remainder with every charge against it already billed.
 struct Recorded {
     event: UsageEvent,
-    hold: Option<Reservation>,
+    hold: Option<LeaseHold>,
 }
 
 struct Stripe {
@@ -231,14 +232,12 @@ impl UsagePermit {
         self.record_entry(Recorded { event, hold: None });
     }
 
-    /// Queues `event` with the committed charge that produced it; the charge
-    /// is dropped when the event leaves the process (see [`Recorded`]).
+    /// Queues `event` with the hold of the committed charge that produced
+    /// it; the hold is dropped when the event leaves the process (see
+    /// [`Recorded`]).
     #[inline]
-    pub(crate) fn record_holding(self, event: UsageEvent, charge: Reservation) {
-        self.record_entry(Recorded {
-            event,
-            hold: Some(charge),
-        });
+    pub(crate) fn record_holding(self, event: UsageEvent, hold: Option<LeaseHold>) {
+        self.record_entry(Recorded { event, hold });
     }
 
     #[inline]
@@ -358,7 +357,7 @@ impl UsageQueue {
             .sum()
     }
 
-    fn lock_taken(&self) -> std::sync::MutexGuard<'_, VecDeque<(usize, Option<Reservation>)>> {
+    fn lock_taken(&self) -> std::sync::MutexGuard<'_, VecDeque<(usize, Option<LeaseHold>)>> {
         // A list of entries cannot be left half-written by a panic.
         self.taken.lock().unwrap_or_else(PoisonError::into_inner)
     }

@@ -90,6 +90,13 @@ pub struct LeaseDebit {
     units: CostUnits,
 }
 
+/// What keeps a lease from being quiescent after a charge against it
+/// committed: the view of the shard that funded it. Dropping it lets the
+/// lease quiesce (I26).
+pub(crate) struct LeaseHold {
+    _view: Arc<CachePadded<Shard>>,
+}
+
 /// The grant and its local usability window, copied into every shard so a
 /// debit can answer for its lease without touching the lease's shared lines.
 #[derive(Debug, Clone, Copy)]
@@ -526,6 +533,11 @@ impl LeaseDebit {
 
     pub(crate) fn terms(&self) -> &LeaseTerms {
         &self.shard.terms
+    }
+
+    /// Keeps only the view of the shard, for a charge that has committed.
+    pub(crate) fn into_hold(self) -> LeaseHold {
+        LeaseHold { _view: self.shard }
     }
 
     #[inline]

@@ -37,6 +37,7 @@ mod usage;
 pub use deny::{DenyReason, Retry};
 pub use funding::{BalanceExhaustion, BalanceShortfall};
 pub use ids::{AccountId, FencingToken, KeyId, LeaseId, PolicyRevision, Principal, RequestId};
+pub(crate) use lease::LeaseHold;
 pub use lease::{LeaseDebit, LeaseGrant, LocalLease, RefillSignal, RefillVerdict};
 pub use overage::{AccountOverage, TentativeOverage};
 pub use reservation::{

@@ -20,7 +20,7 @@ use jiff::Timestamp;
 
 use crate::model::{
     AccountId, AccountOverage, CostUnits, DenyReason, EnforcementMode, KeyId, LeaseDebit,
-    LocalLease, Locality, PolicyRevision, RequestId, UsageEvent, UsageSource,
+    LeaseHold, LocalLease, Locality, PolicyRevision, RequestId, UsageEvent, UsageSource,
 };
 use crate::sync::{AtomicBool, AtomicU8, Ordering, with_exclusive};
 
@@ -121,6 +121,9 @@ pub struct Reservation {
 enum Funding {
     Lease(LeaseDebit),
     Overage(Arc<AccountOverage>),
+    /// A committed charge whose lease view was handed on with its usage
+    /// event; nothing is left to refund.
+    HandedOn,
 }
 
 impl Funding {
@@ -128,7 +131,7 @@ impl Funding {
     /// value every transition compares against cannot drift.
     const fn pending(&self) -> u8 {
         match self {
-            Self::Lease(_) => PENDING_LEASE,
+            Self::Lease(_) | Self::HandedOn => PENDING_LEASE,
             Self::Overage(_) => PENDING_OVERAGE,
         }
     }
@@ -204,6 +207,9 @@ impl Reservation {
         match &self.funding {
             Funding::Lease(debit) => debit.grant().account_id,
             Funding::Overage(overage) => overage.account_id(),
+            // `into_hold` consumes the reservation, so no caller can ask; the
+            // account is still named by the usage event the hold rides with.
+            Funding::HandedOn => AccountId(0),
         }
     }
 
@@ -260,6 +266,8 @@ impl Reservation {
             Funding::Overage(overage) => overage.publish_claim(self.units, || {
                 self.transition(PENDING_OVERAGE, COMMITTED_OVERAGE)
             }),
+            // Handed on only after it committed.
+            Funding::HandedOn => Err(COMMITTED_LEASE),
         };
         match claimed {
             Ok(_) => Ok(self.units),
@@ -431,6 +439,23 @@ impl Reservation {
         match &self.funding {
             Funding::Lease(debit) => debit.refund(),
             Funding::Overage(overage) => overage.credit(self.units),
+            // Only committed charges are handed on; they refund nothing.
+            Funding::HandedOn => {}
+        }
+    }
+
+    /// Consumes a committed charge, keeping only what must outlive it until
+    /// its usage event leaves the process: the view of the lease that funded
+    /// it (I26). An overage charge holds no lease.
+    ///
+    /// # Panics
+    ///
+    /// In debug builds, when the charge is not committed.
+    pub(crate) fn into_hold(mut self) -> Option<LeaseHold> {
+        debug_assert!(self.is_committed(), "only a committed charge is handed on");
+        match std::mem::replace(&mut self.funding, Funding::HandedOn) {
+            Funding::Lease(debit) => Some(debit.into_hold()),
+            Funding::Overage(_) | Funding::HandedOn => None,
         }
     }
 
