@@ -73,6 +73,7 @@ fn engine(sharding: LocalSharding, queue_capacity: u64) -> AdmissionEngine {
         principal: Principal(principal),
         account_id: AccountId(1),
         key_id: Some(KeyId(principal)),
+        key_hash: None,
         permissions: PermissionBits::ALL,
         key_status: KeyStatus::Active,
         account_status: AccountStatus::Active,

@@ -25,10 +25,10 @@ mod sync;
 pub use model::{
     AccountId, AccountOverage, AccountStatus, BalanceExhaustion, BalanceShortfall, CancelHandle,
     CancelOutcome, CommitError, CommitFunding, CostUnits, DenyReason, EnforcementMode,
-    FencingToken, KeyId, KeyStatus, LeaseDebit, LeaseGrant, LeaseId, LocalLease, LocalSharding,
-    Locality, PermissionBits, PolicyRevision, Principal, PrincipalSnapshot, RefillSignal,
-    RefillVerdict, RequestId, Reservation, Retry, ShardOccupancy, SharedCharge, UsageEvent,
-    UsageSource,
+    FencingToken, KeyHash, KeyId, KeyStatus, LeaseDebit, LeaseGrant, LeaseId, LocalLease,
+    LocalSharding, Locality, PermissionBits, PolicyRevision, Principal, PrincipalSnapshot,
+    RefillSignal, RefillVerdict, RequestId, Reservation, Retry, ShardOccupancy, SharedCharge,
+    UsageEvent, UsageSource,
 };
 
 /// Compiles and runs the README's examples as doctests, so the first code a

@@ -48,6 +48,7 @@ fn warm_engine(
         principal: ALICE,
         account_id: ACCOUNT,
         key_id: Some(KeyId(1)),
+        key_hash: None,
         permissions: PermissionBits::ALL,
         key_status: KeyStatus::Active,
         account_status: AccountStatus::Active,

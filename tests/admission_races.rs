@@ -40,6 +40,7 @@ fn run(sharding: LocalSharding) {
             principal: *principal,
             account_id: AccountId(1),
             key_id: Some(KeyId(principal.get())),
+            key_hash: None,
             permissions: PermissionBits::ALL,
             key_status: KeyStatus::Active,
             account_status: AccountStatus::Active,

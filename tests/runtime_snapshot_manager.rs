@@ -68,6 +68,7 @@ fn active(principal: u64, account: AccountId) -> PrincipalSnapshot {
         principal: Principal(principal),
         account_id: account,
         key_id: None,
+        key_hash: None,
         permissions: PermissionBits::ALL,
         key_status: KeyStatus::Active,
         account_status: AccountStatus::Active,

@@ -10,7 +10,7 @@ use crate::admission::snapshot_map::Entry;
 use crate::admission::{ArcSwapSnapshotMap, LeaseSlot, RequestIds, UsagePermit, UsageRecorder};
 use crate::model::{
     AccountId, AccountOverage, AccountStatus, BalanceShortfall, CachePadded, CommitError,
-    CommitFunding, CostUnits, DenyReason, KeyId, KeyStatus, LocalSharding, Locality,
+    CommitFunding, CostUnits, DenyReason, KeyHash, KeyId, KeyStatus, LocalSharding, Locality,
     PermissionBits, PolicyRevision, Principal, PrincipalSnapshot, RequestId, Reservation,
 };
 
@@ -87,6 +87,32 @@ impl AdmissionEngine {
         let admitted = self
             .snapshots
             .with_entry(principal, |entry| self.admit(entry, required, quote, now));
+        match &admitted {
+            Ok(context) => self.counters.admitted(context.admitted_as_overage()),
+            Err(reason) => self.counters.denied(*reason),
+        }
+        admitted
+    }
+
+    /// [`begin`](Self::begin) for the principal whose API key hashes to
+    /// `key`: how the HTTP layer admits, one lookup for both the key and the
+    /// policy.
+    ///
+    /// # Errors
+    ///
+    /// [`DenyReason::UnknownPrincipal`] for a key no published principal
+    /// has, then as [`begin`](Self::begin).
+    #[inline]
+    pub fn begin_by_key(
+        &self,
+        key: &KeyHash,
+        required: PermissionBits,
+        quote: CostUnits,
+        now: Timestamp,
+    ) -> Result<RequestContext, DenyReason> {
+        let admitted = self
+            .snapshots
+            .with_entry_by_key(key, |entry| self.admit(entry, required, quote, now));
         match &admitted {
             Ok(context) => self.counters.admitted(context.admitted_as_overage()),
             Err(reason) => self.counters.denied(*reason),
@@ -474,6 +500,7 @@ mod tests {
             principal: ALICE,
             account_id: ACCOUNT,
             key_id: Some(KeyId(77)),
+            key_hash: None,
             permissions,
             key_status: KeyStatus::Active,
             account_status: AccountStatus::Active,
@@ -762,6 +789,43 @@ mod tests {
         );
         // The delivered event still holds its place until the writer frees it.
         assert_eq!(f.recorder.available(), 3);
+    }
+
+    #[test]
+    fn a_request_is_admitted_by_the_hash_of_its_key() {
+        let f = fixture(4);
+        let key = KeyHash::of(b"tg_example_key");
+        let mut keyed = snapshot(EnforcementMode::Strict, READ);
+        keyed.key_hash = Some(key);
+        f.map.publish([keyed]);
+        let lease = f.lease(10);
+        assert_eq!(f.map.principal_for_key(&key), Some(ALICE));
+        let context = f
+            .engine
+            .begin_by_key(&key, READ, CostUnits(3), at(0))
+            .unwrap();
+        assert_eq!(context.principal(), ALICE);
+        assert_eq!(lease.remaining(), CostUnits(7));
+        denied(
+            f.engine
+                .begin_by_key(&KeyHash::of(b"tg_guess"), READ, CostUnits(1), at(0)),
+            DenyReason::UnknownPrincipal,
+        );
+        keyed.key_status = KeyStatus::Revoked;
+        f.map.publish([keyed]);
+        denied(
+            f.engine.begin_by_key(&key, READ, CostUnits(1), at(0)),
+            DenyReason::KeyRevoked,
+        );
+        // A principal the source disowns takes its key with it.
+        f.map.mark_unknown([ALICE]);
+        assert_eq!(f.map.principal_for_key(&key), None);
+        denied(
+            f.engine.begin_by_key(&key, READ, CostUnits(1), at(0)),
+            DenyReason::UnknownPrincipal,
+        );
+        let stats = f.engine.counters().read();
+        assert_eq!((stats.admitted, stats.denied_total()), (1, 3));
     }
 
     #[test]

@@ -11,7 +11,7 @@ use jiff::{SignedDuration, Timestamp};
 use rustc_hash::FxBuildHasher;
 
 use crate::admission::{LeaseSlot, SlotRegistry};
-use crate::model::{DenyReason, Principal, PrincipalSnapshot};
+use crate::model::{DenyReason, KeyHash, Principal, PrincipalSnapshot};
 
 /// How the snapshot map bounds what it holds and trusts. No defaults (I17).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -101,6 +101,9 @@ pub struct ArcSwapSnapshotMap {
 struct Published {
     entries: HashMap<Principal, Entry, FxBuildHasher>,
     unknown: HashSet<Principal, FxBuildHasher>,
+    /// Principals by the hash of their API key. Keys are SHA-256 digests, so
+    /// a caller cannot choose which bucket its guesses land in.
+    by_key: HashMap<KeyHash, Principal, FxBuildHasher>,
 }
 
 #[derive(Clone)]
@@ -176,6 +179,41 @@ impl ArcSwapSnapshotMap {
                 Err(DenyReason::SnapshotUnavailable)
             }
         })
+    }
+
+    /// Runs `f` on the entry of the principal whose API key hashes to
+    /// `hash`: the HTTP layer's read.
+    ///
+    /// # Errors
+    ///
+    /// [`DenyReason::UnknownPrincipal`] for a key no published principal
+    /// has. A key issued since the last refresh is known after the next one.
+    #[allow(
+        clippy::inline_always,
+        reason = "inlined so the admitted context is built in place, not copied out of a call"
+    )]
+    #[inline(always)]
+    pub(crate) fn with_entry_by_key<R>(
+        &self,
+        hash: &KeyHash,
+        f: impl FnOnce(&Entry) -> Result<R, DenyReason>,
+    ) -> Result<R, DenyReason> {
+        self.with_published(|published| {
+            match published
+                .by_key
+                .get(hash)
+                .and_then(|principal| published.entries.get(principal))
+            {
+                Some(entry) => f(entry),
+                None => Err(DenyReason::UnknownPrincipal),
+            }
+        })
+    }
+
+    /// The principal whose API key hashes to `hash`, if one is published.
+    #[must_use]
+    pub fn principal_for_key(&self, hash: &KeyHash) -> Option<Principal> {
+        self.published.load().by_key.get(hash).copied()
     }
 
     /// Runs `f` on the current generation. An arc-swap load takes no lock
@@ -275,10 +313,15 @@ impl ArcSwapSnapshotMap {
             let mut next = Published {
                 entries: current.entries.clone(),
                 unknown: current.unknown.clone(),
+                by_key: current.by_key.clone(),
             };
             for entry in &fresh {
-                next.unknown.remove(&entry.snapshot.principal);
-                next.entries.insert(entry.snapshot.principal, entry.clone());
+                let principal = entry.snapshot.principal;
+                next.unknown.remove(&principal);
+                if let Some(hash) = entry.snapshot.key_hash {
+                    next.by_key.insert(hash, principal);
+                }
+                next.entries.insert(principal, entry.clone());
             }
             next
         });
@@ -309,9 +352,14 @@ impl ArcSwapSnapshotMap {
             let mut next = Published {
                 entries: current.entries.clone(),
                 unknown: current.unknown.clone(),
+                by_key: current.by_key.clone(),
             };
             for principal in &added {
-                next.entries.remove(principal);
+                if let Some(entry) = next.entries.remove(principal)
+                    && let Some(hash) = entry.snapshot.key_hash
+                {
+                    next.by_key.remove(&hash);
+                }
                 next.unknown.insert(*principal);
             }
             for principal in &evicted {

@@ -26,6 +26,7 @@
 mod deny;
 mod funding;
 mod ids;
+mod key_hash;
 mod lease;
 mod overage;
 mod reservation;
@@ -37,6 +38,7 @@ mod usage;
 pub use deny::{DenyReason, Retry};
 pub use funding::{BalanceExhaustion, BalanceShortfall};
 pub use ids::{AccountId, FencingToken, KeyId, LeaseId, PolicyRevision, Principal, RequestId};
+pub use key_hash::KeyHash;
 pub(crate) use lease::LeaseHold;
 pub use lease::{LeaseDebit, LeaseGrant, LocalLease, RefillSignal, RefillVerdict};
 pub use overage::{AccountOverage, TentativeOverage};

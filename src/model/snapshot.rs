@@ -2,7 +2,9 @@
 
 use jiff::Timestamp;
 
-use crate::model::{AccountId, CostUnits, KeyId, PermissionBits, PolicyRevision, Principal};
+use crate::model::{
+    AccountId, CostUnits, KeyHash, KeyId, PermissionBits, PolicyRevision, Principal,
+};
 
 /// How an account may spend beyond its leases.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -59,6 +61,9 @@ pub struct PrincipalSnapshot {
     pub account_id: AccountId,
     /// The key's identity, recorded on usage events.
     pub key_id: Option<KeyId>,
+    /// The hash of the principal's API key, by which the HTTP layer finds
+    /// it; `None` for principals identified some other way.
+    pub key_hash: Option<KeyHash>,
     /// What the principal may do.
     pub permissions: PermissionBits,
     /// Whether the key may be used.

@@ -33,8 +33,8 @@ use crate::admission::{
     SnapshotMapConfig, SnapshotMapConfigError, UsageRecorder,
 };
 use crate::model::{
-    AccountId, BalanceShortfall, CostUnits, DenyReason, LocalSharding, PermissionBits, Principal,
-    ShardOccupancy,
+    AccountId, BalanceShortfall, CostUnits, DenyReason, KeyHash, LocalSharding, PermissionBits,
+    Principal, ShardOccupancy,
 };
 use crate::runtime::{
     AccountBindings, AccountLeaseConfig, LeaseHealth, LeaseManager, LeaseManagerConfigError,
@@ -514,6 +514,27 @@ impl RuntimeHandle {
             return Err(DenyReason::ShuttingDown);
         }
         self.shared.engine.begin(principal, required, quote, now)
+    }
+
+    /// Admits a request by the hash of the API key it presented (see
+    /// [`AdmissionEngine::begin_by_key`]), or denies it with
+    /// [`DenyReason::ShuttingDown`] once shutdown has begun.
+    ///
+    /// # Errors
+    ///
+    /// Why the request was not admitted.
+    #[inline]
+    pub fn begin_by_key(
+        &self,
+        key: &KeyHash,
+        required: PermissionBits,
+        quote: CostUnits,
+        now: Timestamp,
+    ) -> Result<RequestContext, DenyReason> {
+        if !self.shared.admitting.load(Ordering::Acquire) {
+            return Err(DenyReason::ShuttingDown);
+        }
+        self.shared.engine.begin_by_key(key, required, quote, now)
     }
 
     /// The admission engine, for its counters and snapshot map.

@@ -2,7 +2,7 @@
 
 use std::fmt::{self, Write as _};
 
-use sha2::{Digest, Sha256};
+use crate::model::KeyHash;
 
 /// A freshly generated API key, in plaintext.
 ///
@@ -11,10 +11,6 @@ use sha2::{Digest, Sha256};
 /// a key cannot leak through a log line.
 #[derive(Clone, PartialEq, Eq)]
 pub struct ApiKey(String);
-
-/// The SHA-256 digest of a key's exact bytes: how stores find a principal.
-#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct KeyHash(pub [u8; 32]);
 
 /// The short, visible start of a key (`tg_` and eight characters), kept so
 /// an operator can tell keys apart without the store holding the secret.
@@ -69,30 +65,6 @@ impl fmt::Debug for ApiKey {
     }
 }
 
-impl KeyHash {
-    /// The hash of a presented credential's exact bytes. The HTTP layer and
-    /// every store hash the same way, so a key resolves wherever it is
-    /// checked.
-    #[must_use]
-    pub fn of(credential: &[u8]) -> Self {
-        Self(Sha256::digest(credential).into())
-    }
-
-    /// The digest as lowercase hex.
-    #[must_use]
-    pub fn to_hex(&self) -> String {
-        let mut hex = String::with_capacity(64);
-        push_hex(&mut hex, &self.0);
-        hex
-    }
-}
-
-impl fmt::Debug for KeyHash {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "KeyHash({})", &self.to_hex()[..12])
-    }
-}
-
 impl KeyPrefix {
     /// The prefix text.
     #[must_use]
@@ -135,14 +107,5 @@ mod tests {
         let shown = format!("{key:?}");
         assert!(!shown.contains(&key.expose()[11..]), "{shown}");
         assert!(shown.contains(key.prefix().as_str()));
-    }
-
-    #[test]
-    fn the_hash_is_sha256() {
-        // The SHA-256 of "abc", from FIPS 180-2.
-        assert_eq!(
-            KeyHash::of(b"abc").to_hex(),
-            "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
-        );
     }
 }

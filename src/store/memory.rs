@@ -1008,6 +1008,7 @@ impl Ledger {
             principal: principal_of(key_id),
             account_id: record.account_id,
             key_id: Some(key_id),
+            key_hash: Some(record.hash),
             permissions: record.permissions,
             key_status: record.status,
             account_status: account.status,

@@ -44,8 +44,9 @@ use crate::model::{
     Principal, PrincipalSnapshot, UsageEvent,
 };
 
+pub use crate::model::KeyHash;
 pub use clock::{Clock, ManualClock, SystemClock};
-pub use keys::{ApiKey, KeyHash, KeyPrefix};
+pub use keys::{ApiKey, KeyPrefix};
 pub use memory::{
     AccountSpec, AccountView, AdminError, IssuedKey, KeyInfo, LedgerViolation, MemoryStore,
     RefillSchedule,
