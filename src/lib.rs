@@ -17,6 +17,7 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod admission;
+pub mod layer;
 pub mod model;
 pub mod runtime;
 pub mod store;

@@ -1,0 +1,123 @@
+//! The layer's response body: the inner body, or a rendered denial.
+
+use std::fmt;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use http_body::{Body, Frame, SizeHint};
+use pin_project_lite::pin_project;
+
+/// The bytes of a rendered denial: what a [`DenyRenderer`](super::DenyRenderer)
+/// puts in its response.
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct DenyBody(Vec<u8>);
+
+impl DenyBody {
+    /// A body holding `bytes`.
+    pub fn new(bytes: impl Into<Vec<u8>>) -> Self {
+        Self(bytes.into())
+    }
+
+    /// The body's bytes.
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+impl fmt::Debug for DenyBody {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("DenyBody")
+            .field(&String::from_utf8_lossy(&self.0))
+            .finish()
+    }
+}
+
+pin_project! {
+    /// The body of every response a [`Tollgate`](super::Tollgate) returns:
+    /// the inner service's body untouched, or a denial's bytes as one data
+    /// frame of the inner body's data type (which must convert from a
+    /// `Vec<u8>`, as `Bytes` does).
+    pub struct TollgateBody<B> {
+        #[pin]
+        kind: Kind<B>,
+    }
+}
+
+pin_project! {
+    #[project = KindProj]
+    enum Kind<B> {
+        Inner { #[pin] body: B },
+        Denial { bytes: Option<Vec<u8>> },
+    }
+}
+
+impl<B> TollgateBody<B> {
+    /// Wraps the inner service's body.
+    pub fn inner(body: B) -> Self {
+        Self {
+            kind: Kind::Inner { body },
+        }
+    }
+
+    /// A denial's body.
+    pub fn denial(body: DenyBody) -> Self {
+        let bytes = (!body.0.is_empty()).then_some(body.0);
+        Self {
+            kind: Kind::Denial { bytes },
+        }
+    }
+
+    /// Whether this body is a denial rendered by the layer.
+    pub fn is_denial(&self) -> bool {
+        matches!(self.kind, Kind::Denial { .. })
+    }
+}
+
+impl<B> Body for TollgateBody<B>
+where
+    B: Body,
+    B::Data: From<Vec<u8>>,
+{
+    type Data = B::Data;
+    type Error = B::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
+        match self.project().kind.project() {
+            KindProj::Inner { body } => body.poll_frame(cx),
+            KindProj::Denial { bytes } => {
+                Poll::Ready(bytes.take().map(|bytes| Ok(Frame::data(bytes.into()))))
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match &self.kind {
+            Kind::Inner { body } => body.is_end_stream(),
+            Kind::Denial { bytes } => bytes.is_none(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match &self.kind {
+            Kind::Inner { body } => body.size_hint(),
+            Kind::Denial { bytes } => {
+                SizeHint::with_exact(bytes.as_ref().map_or(0, |bytes| bytes.len() as u64))
+            }
+        }
+    }
+}
+
+impl<B> fmt::Debug for TollgateBody<B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.kind {
+            Kind::Inner { .. } => f.write_str("TollgateBody::Inner"),
+            Kind::Denial { bytes } => f
+                .debug_struct("TollgateBody::Denial")
+                .field("len", &bytes.as_ref().map_or(0, Vec::len))
+                .finish(),
+        }
+    }
+}

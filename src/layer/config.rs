@@ -1,0 +1,164 @@
+//! The layer, its builder and the state every clone shares.
+
+use std::fmt;
+use std::sync::Arc;
+
+use tower_layer::Layer;
+
+use super::credential::{BearerOrApiKey, KeyExtractor};
+use super::deny::{DenyRenderer, ProblemJson};
+use super::service::Tollgate;
+use crate::runtime::RuntimeHandle;
+use crate::{CostUnits, PermissionBits, PolicyRevision};
+
+/// What a request costs and which permissions it needs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Price {
+    /// The units reserved at admission and charged at commit.
+    pub units: CostUnits,
+    /// Every permission bit the key must hold.
+    pub required: PermissionBits,
+}
+
+/// The first rule a [`TollgateBuilder`] breaks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum LayerConfigError {
+    /// No pricing function was given: what a request costs decides what is
+    /// spent, so it has no default.
+    MissingPricing,
+}
+
+impl fmt::Display for LayerConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::MissingPricing => f.write_str("no pricing function was given"),
+        }
+    }
+}
+
+impl std::error::Error for LayerConfigError {}
+
+type PriceFn = dyn Fn(&http::request::Parts) -> Price + Send + Sync + 'static;
+
+/// What every clone of a layer and its services shares.
+pub(super) struct Shared {
+    pub(super) handle: RuntimeHandle,
+    pub(super) price: Box<PriceFn>,
+    pub(super) extractor: Box<dyn KeyExtractor>,
+    pub(super) renderer: Box<dyn DenyRenderer>,
+    pub(super) policy_revision: Option<PolicyRevision>,
+}
+
+impl fmt::Debug for Shared {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Shared")
+            .field("handle", &self.handle)
+            .field("policy_revision", &self.policy_revision)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Meters every request of the services it wraps against prepaid balances.
+///
+/// Cheap to clone; every clone, and every [`Tollgate`] service built from
+/// any clone, draws on the same runtime and the same leases. See the
+/// [module docs](super) for the request path.
+#[derive(Clone, Debug)]
+#[must_use]
+pub struct TollgateLayer {
+    shared: Arc<Shared>,
+}
+
+impl TollgateLayer {
+    /// Starts a builder over `handle`. Pricing must be given with
+    /// [`TollgateBuilder::price`] before [`TollgateBuilder::build`].
+    pub fn builder(handle: RuntimeHandle) -> TollgateBuilder {
+        TollgateBuilder {
+            handle,
+            price: None,
+            extractor: Box::new(BearerOrApiKey),
+            renderer: Box::new(ProblemJson),
+            policy_revision: None,
+        }
+    }
+}
+
+impl<S> Layer<S> for TollgateLayer {
+    type Service = Tollgate<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        Tollgate::new(inner, Arc::clone(&self.shared))
+    }
+}
+
+/// Configures a [`TollgateLayer`]. Pricing has no default; the key
+/// extractor defaults to [`BearerOrApiKey`] and the renderer to
+/// [`ProblemJson`].
+#[must_use]
+pub struct TollgateBuilder {
+    handle: RuntimeHandle,
+    price: Option<Box<PriceFn>>,
+    extractor: Box<dyn KeyExtractor>,
+    renderer: Box<dyn DenyRenderer>,
+    policy_revision: Option<PolicyRevision>,
+}
+
+impl TollgateBuilder {
+    /// Prices each request from its method, URI, headers and extensions.
+    /// Called once per request, after the key is identified.
+    pub fn price<F>(mut self, price: F) -> Self
+    where
+        F: Fn(&http::request::Parts) -> Price + Send + Sync + 'static,
+    {
+        self.price = Some(Box::new(price));
+        self
+    }
+
+    /// Finds the key in the request headers (default: [`BearerOrApiKey`]).
+    pub fn identify(mut self, extractor: impl KeyExtractor) -> Self {
+        self.extractor = Box::new(extractor);
+        self
+    }
+
+    /// Renders denials (default: [`ProblemJson`]).
+    pub fn deny_renderer(mut self, renderer: impl DenyRenderer) -> Self {
+        self.renderer = Box::new(renderer);
+        self
+    }
+
+    /// Stamps every usage event with the pricing policy's revision instead
+    /// of the snapshot's.
+    pub fn policy_revision(mut self, revision: PolicyRevision) -> Self {
+        self.policy_revision = Some(revision);
+        self
+    }
+
+    /// The layer.
+    ///
+    /// # Errors
+    ///
+    /// [`LayerConfigError::MissingPricing`] when no pricing was given.
+    pub fn build(self) -> Result<TollgateLayer, LayerConfigError> {
+        let price = self.price.ok_or(LayerConfigError::MissingPricing)?;
+        Ok(TollgateLayer {
+            shared: Arc::new(Shared {
+                handle: self.handle,
+                price,
+                extractor: self.extractor,
+                renderer: self.renderer,
+                policy_revision: self.policy_revision,
+            }),
+        })
+    }
+}
+
+impl fmt::Debug for TollgateBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TollgateBuilder")
+            .field("handle", &self.handle)
+            .field("price", &self.price.as_ref().map(|_| "fn"))
+            .field("policy_revision", &self.policy_revision)
+            .finish_non_exhaustive()
+    }
+}

@@ -1,0 +1,93 @@
+//! The HTTP surface: a tower [`Layer`](tower_layer::Layer) that meters every
+//! request against a prepaid balance.
+//!
+//! [`TollgateLayer`] wraps a service in a [`Tollgate`]. For each request the
+//! service, inside `call`:
+//!
+//! 1. identifies the caller with a [`KeyExtractor`] (by default
+//!    [`BearerOrApiKey`]) and hashes the presented key with
+//!    [`KeyHash::of`](crate::KeyHash::of), exactly as the stores do; the
+//!    plaintext key is never logged or kept;
+//! 2. prices the request from its [`http::request::Parts`] with the pricing
+//!    function given to [`TollgateBuilder::price`];
+//! 3. reserves the price through
+//!    [`RuntimeHandle::begin_by_key`](crate::runtime::RuntimeHandle::begin_by_key),
+//!    and on success inserts an [`Admitted`] value into the request's
+//!    extensions and calls the inner service; on denial it answers with the
+//!    [`DenyRenderer`]'s response (by default [`ProblemJson`], RFC 9457)
+//!    without calling the inner service. A denial is a response, never a
+//!    service error, so an `Infallible` router stays `Infallible`.
+//!
+//! # The default commit point
+//!
+//! The charge is committed when the [`ResponseFuture`] is first polled, just
+//! before it polls the inner service's future. That is exact when nothing
+//! queues between the layer and the handler: put buffers, concurrency limits
+//! and load shedding *outside* `TollgateLayer`, so a request waiting in them
+//! has not been admitted yet. A future dropped before its first poll (the
+//! client left before the handler started) drops its reservation, which
+//! releases it for zero (I4). If the commit itself fails (the lease's window
+//! closed before the start, the instance is shutting down) the denial is
+//! rendered and the inner future is dropped without being polled (I2, I9).
+//!
+//! Time comes from the runtime's clock
+//! ([`RuntimeHandle::clock`](crate::runtime::RuntimeHandle::clock)), read once
+//! at admission and once at commit.
+//!
+//! # Clones share one budget
+//!
+//! Every clone of a [`TollgateLayer`] and of the [`Tollgate`] services it
+//! builds holds the same `Arc` to one shared state and one runtime handle,
+//! so all of them draw down the same leases. There is no per-clone budget.
+//!
+//! # Response bodies
+//!
+//! The service's response body is [`TollgateBody<B>`]: either the inner
+//! service's body `B`, untouched, or a rendered denial. Its data type is
+//! `B::Data` (denials are converted from a `Vec<u8>`), so with axum's body it
+//! is `Bytes`, and the layer works with `axum::Router::layer` as tower-http's
+//! middleware does.
+//!
+//! # Headers
+//!
+//! Admitted responses carry `x-tollgate-request-id`, the id that keys the
+//! request's usage event (I8). A denial carries it too when the request had
+//! been admitted and the commit failed; a denial at admission has no request
+//! id, because the runtime assigns one only to admitted requests.
+//!
+//! # Example
+//!
+//! ```no_run
+//! # fn example(handle: tollgate::runtime::RuntimeHandle) {
+//! use tollgate::layer::{Price, TollgateLayer};
+//! use tollgate::{CostUnits, PermissionBits};
+//!
+//! let layer = TollgateLayer::builder(handle)
+//!     .price(|parts: &http::request::Parts| Price {
+//!         units: if parts.method == http::Method::POST { CostUnits(5) } else { CostUnits(1) },
+//!         required: PermissionBits::bit(0),
+//!     })
+//!     .build()
+//!     .expect("pricing was given");
+//! # let _ = layer;
+//! # }
+//! ```
+
+mod body;
+mod config;
+mod credential;
+mod deny;
+mod future;
+mod service;
+
+pub use body::{DenyBody, TollgateBody};
+pub use config::{LayerConfigError, Price, TollgateBuilder, TollgateLayer};
+pub use credential::{BearerOrApiKey, KeyExtractor, MAX_KEY_BYTES};
+pub use deny::{DenyRenderer, ProblemJson, deny_status};
+pub use future::ResponseFuture;
+pub use service::{Admitted, REQUEST_ID_HEADER, Tollgate};
+
+#[cfg(feature = "axum")]
+mod ops;
+#[cfg(feature = "axum")]
+pub use ops::{ops_router, publish_metrics};

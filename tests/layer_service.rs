@@ -1,0 +1,581 @@
+//! The tollgate tower layer over a real instance runtime on the memory
+//! store, driven with `ServiceExt::oneshot` and `service_fn` inner services:
+//! admission, the commit at first poll, every deny path's status and
+//! headers, hostile credentials, and clones sharing one lease (I2, I3, I4,
+//! I5, I8, I9, I20, I25).
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use http::header::{AUTHORIZATION, CACHE_CONTROL, CONTENT_TYPE, RETRY_AFTER, WWW_AUTHENTICATE};
+use http::{HeaderMap, HeaderValue, Request, Response, StatusCode};
+use http_body_util::BodyExt;
+use jiff::{SignedDuration, Timestamp};
+use proptest::prelude::*;
+use tollgate::admission::SnapshotMapConfig;
+use tollgate::layer::{
+    Admitted, BearerOrApiKey, DenyBody, KeyExtractor, LayerConfigError, MAX_KEY_BYTES, Price,
+    REQUEST_ID_HEADER, TollgateBody, TollgateLayer,
+};
+use tollgate::runtime::{
+    AccountLeaseConfig, InstanceRuntime, InstanceRuntimeConfig, PrincipalSelection, RuntimeHandle,
+    SnapshotManagerConfig, UsageWriterConfig,
+};
+use tollgate::store::{AccountSpec, Clock, GrantPolicy, ManualClock, MemoryStore, TailSharing};
+use tollgate::{
+    AccountId, AccountStatus, CostUnits, EnforcementMode, LocalSharding, PermissionBits,
+    PolicyRevision,
+};
+use tower::{Layer, Service, ServiceExt, service_fn};
+
+const PRICE: u64 = 7;
+const INITIAL: u64 = 10_000;
+const READ: PermissionBits = PermissionBits::bit(0);
+const WRITE: PermissionBits = PermissionBits::bit(1);
+const REVISION: PolicyRevision = PolicyRevision(42);
+const LEASE_TTL: SignedDuration = SignedDuration::from_secs(60);
+
+fn ms(n: u64) -> Duration {
+    Duration::from_millis(n)
+}
+
+fn config() -> InstanceRuntimeConfig {
+    InstanceRuntimeConfig {
+        snapshot_map: SnapshotMapConfig {
+            max_staleness: SignedDuration::from_secs(30),
+            negative_capacity: 64,
+            history_depth: 2,
+            lookup_queue_capacity: 64,
+        },
+        snapshots: SnapshotManagerConfig {
+            principals: PrincipalSelection::All { page_size: 100 },
+            refresh_interval: ms(1_000),
+            retry_backoff: ms(200),
+            fetch_timeout: ms(500),
+            enumeration_timeout: ms(500),
+            max_staleness: SignedDuration::from_secs(30),
+        },
+        leases: AccountLeaseConfig {
+            target_grant: CostUnits(500),
+            low_water: CostUnits(100),
+            lease_ttl: LEASE_TTL,
+            expiry_safety_margin: SignedDuration::from_secs(5),
+            poll_interval: ms(100),
+            store_call_timeout: ms(200),
+            shutdown_release_deadline: ms(1_000),
+        },
+        sharding: LocalSharding::shards(2).unwrap(),
+        usage: UsageWriterConfig {
+            queue_capacity: 4_096,
+            max_batch: 256,
+            flush_interval: ms(50),
+            retry_backoff: ms(50),
+            ingest_timeout: ms(200),
+            shutdown_drain_deadline: ms(1_000),
+        },
+        reclaimer: None,
+        supervisor_interval: ms(100),
+        account_linger: ms(10_000),
+        manager_restart_backoff: ms(200),
+        shutdown_deadline: ms(3_000),
+    }
+}
+
+struct World {
+    clock: Arc<ManualClock>,
+    store: Arc<MemoryStore>,
+    account: AccountId,
+    /// The plaintext key, holding `READ` only.
+    key: String,
+    runtime: Option<InstanceRuntime>,
+    handle: RuntimeHandle,
+}
+
+/// A store with one account of `balance` units and one `READ` key, and a
+/// runtime over it that has had time to load its snapshots and lease.
+async fn world(balance: u64) -> World {
+    let start = Timestamp::from_second(1_700_000_000).unwrap();
+    let clock = Arc::new(ManualClock::new(start));
+    let store = Arc::new(
+        MemoryStore::new(GrantPolicy {
+            max_ttl: LEASE_TTL,
+            reclaim_grace: SignedDuration::from_secs(10),
+            tail: TailSharing {
+                instances: 1,
+                min_grant: CostUnits(1),
+            },
+        })
+        .unwrap(),
+    );
+    let account = store
+        .create_account(
+            AccountSpec {
+                balance: CostUnits(balance),
+                mode: EnforcementMode::Strict,
+                status: AccountStatus::Active,
+                refill: None,
+            },
+            start,
+        )
+        .unwrap();
+    let key = store
+        .issue_key(account, READ, start)
+        .unwrap()
+        .key
+        .expose()
+        .to_owned();
+    let (runtime, handle) = InstanceRuntime::spawn(
+        Arc::clone(&store) as _,
+        Arc::clone(&store) as _,
+        Arc::clone(&store) as _,
+        Arc::clone(&clock) as Arc<dyn Clock>,
+        config(),
+    )
+    .unwrap();
+    // Paused time: the snapshot and lease tasks run to completion.
+    tokio::time::sleep(ms(200)).await;
+    World {
+        clock,
+        store,
+        account,
+        key,
+        runtime: Some(runtime),
+        handle,
+    }
+}
+
+impl World {
+    /// `PRICE` units per request; `/write` needs `WRITE`, anything else
+    /// `READ`.
+    fn layer(&self) -> TollgateLayer {
+        TollgateLayer::builder(self.handle.clone())
+            .price(|parts: &http::request::Parts| Price {
+                units: CostUnits(PRICE),
+                required: if parts.uri.path() == "/write" {
+                    WRITE
+                } else {
+                    READ
+                },
+            })
+            .policy_revision(REVISION)
+            .build()
+            .unwrap()
+    }
+
+    /// Units left on the account's serving lease (a quiescent reading).
+    fn remaining(&self) -> u64 {
+        let reports = self.handle.account_reports();
+        assert_eq!(reports.len(), 1, "one account is served");
+        reports[0]
+            .remaining
+            .expect("the account holds a lease")
+            .get()
+    }
+
+    fn bearer(&self, path: &str) -> Request<String> {
+        request(
+            path,
+            &[(AUTHORIZATION, format!("Bearer {}", self.key).as_bytes())],
+        )
+    }
+
+    /// Shuts the runtime down and returns the units of every usage event.
+    async fn shutdown_and_usage(&mut self) -> Vec<u64> {
+        let report = self.runtime.take().unwrap().shutdown().await;
+        assert_eq!(report.lost_events(), 0, "I25: no usage lost at shutdown");
+        assert_eq!(report.abandoned(), 0);
+        let events = self.store.usage(self.account).unwrap();
+        assert!(
+            events.iter().all(|event| event.policy_revision == REVISION),
+            "every event carries the layer's policy revision"
+        );
+        events.iter().map(|event| event.units.get()).collect()
+    }
+}
+
+fn request(path: &str, headers: &[(http::HeaderName, &[u8])]) -> Request<String> {
+    let mut request = Request::builder().uri(path).body(String::new()).unwrap();
+    for (name, value) in headers {
+        request
+            .headers_mut()
+            .append(name.clone(), HeaderValue::from_bytes(value).unwrap());
+    }
+    request
+}
+
+/// An inner service that answers with what admission told it.
+async fn echo_admission(request: Request<String>) -> Result<Response<String>, Infallible> {
+    let admitted = request
+        .extensions()
+        .get::<Admitted>()
+        .copied()
+        .expect("an admitted request carries Admitted");
+    Ok(Response::new(format!(
+        "{} {} {}",
+        admitted.units.get(),
+        admitted.account_id,
+        admitted.request_id
+    )))
+}
+
+struct Answer {
+    status: StatusCode,
+    headers: HeaderMap,
+    body: String,
+}
+
+async fn answer(response: Response<TollgateBody<String>>) -> Answer {
+    let (parts, body) = response.into_parts();
+    let bytes = body.collect().await.unwrap().to_bytes();
+    Answer {
+        status: parts.status,
+        headers: parts.headers,
+        body: String::from_utf8(bytes.to_vec()).unwrap(),
+    }
+}
+
+async fn send(w: &World, request: Request<String>) -> Answer {
+    let service = w.layer().layer(service_fn(echo_admission));
+    answer(service.oneshot(request).await.unwrap()).await
+}
+
+#[track_caller]
+fn check_denial(answer: &Answer, status: StatusCode, code: &str) {
+    assert_eq!(answer.status, status, "{}", answer.body);
+    assert_eq!(answer.headers[CONTENT_TYPE], "application/problem+json");
+    assert!(
+        answer.body.contains(&format!("\"code\":\"{code}\"")),
+        "{}",
+        answer.body
+    );
+    assert!(
+        answer
+            .body
+            .contains(&format!("\"status\":{}", status.as_u16())),
+        "{}",
+        answer.body
+    );
+    assert!(answer.body.contains("\"type\":\"about:blank\""));
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_admitted_request_reaches_the_handler_and_is_charged_its_price_exactly_once() {
+    let mut w = world(INITIAL).await;
+    let before = w.remaining();
+    let answer = send(&w, w.bearer("/read")).await;
+    assert_eq!(answer.status, StatusCode::OK);
+    assert!(
+        answer
+            .body
+            .starts_with(&format!("{PRICE} {} req_", w.account)),
+        "the handler saw Admitted: {}",
+        answer.body
+    );
+    let request_id = answer.headers[REQUEST_ID_HEADER].to_str().unwrap();
+    assert!(answer.body.ends_with(request_id), "one id in both places");
+    assert_eq!(
+        w.remaining(),
+        before - PRICE,
+        "I6: the lease paid the price"
+    );
+    assert_eq!(w.handle.counters().admitted, 1);
+
+    for _ in 1..5 {
+        assert_eq!(send(&w, w.bearer("/read")).await.status, StatusCode::OK);
+    }
+    let units = w.shutdown_and_usage().await;
+    assert_eq!(
+        units,
+        vec![PRICE; 5],
+        "I8: one event of the price per request"
+    );
+    let view = w.store.account(w.account, w.clock.now()).unwrap();
+    assert_eq!(view.balance, CostUnits(INITIAL - 5 * PRICE));
+    assert_eq!(view.leased, CostUnits::ZERO);
+    assert!(w.store.audit().unwrap().is_empty());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_future_dropped_before_its_first_poll_charges_nothing() {
+    let mut w = world(INITIAL).await;
+    let before = w.remaining();
+    let handler_ran = Arc::new(AtomicBool::new(false));
+    let ran = Arc::clone(&handler_ran);
+    let mut service = w.layer().layer(service_fn(move |request: Request<String>| {
+        let ran = Arc::clone(&ran);
+        async move {
+            ran.store(true, Ordering::SeqCst);
+            echo_admission(request).await
+        }
+    }));
+    let future = service.ready().await.unwrap().call(w.bearer("/read"));
+    assert_eq!(
+        w.remaining(),
+        before - PRICE,
+        "admission reserved the price"
+    );
+    drop(future);
+    assert_eq!(
+        w.remaining(),
+        before,
+        "I4: dropping before the handler started returns the units"
+    );
+    assert!(!handler_ran.load(Ordering::SeqCst));
+    assert_eq!(
+        w.shutdown_and_usage().await,
+        Vec::<u64>::new(),
+        "I8: no event"
+    );
+    let view = w.store.account(w.account, w.clock.now()).unwrap();
+    assert_eq!(view.balance, CostUnits(INITIAL));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_lease_that_expires_between_admission_and_start_denies_without_running_the_handler() {
+    let mut w = world(INITIAL).await;
+    let handler_ran = Arc::new(AtomicBool::new(false));
+    let ran = Arc::clone(&handler_ran);
+    let mut service = w.layer().layer(service_fn(move |request: Request<String>| {
+        let ran = Arc::clone(&ran);
+        async move {
+            ran.store(true, Ordering::SeqCst);
+            echo_admission(request).await
+        }
+    }));
+    let future = service.ready().await.unwrap().call(w.bearer("/read"));
+    // The lease's usable window closes before the first poll.
+    w.clock.advance(LEASE_TTL);
+    let answer = answer(future.await.unwrap()).await;
+    check_denial(
+        &answer,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "funding_expired_at_start",
+    );
+    assert_eq!(answer.headers[RETRY_AFTER], "1");
+    assert!(
+        answer.headers.contains_key(REQUEST_ID_HEADER),
+        "an admitted request's denial names its id"
+    );
+    assert!(
+        !handler_ran.load(Ordering::SeqCst),
+        "I2, I9: the handler never starts on expired funding"
+    );
+    assert_eq!(
+        w.shutdown_and_usage().await,
+        Vec::<u64>::new(),
+        "I8: no event"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn two_clones_of_the_service_draw_down_one_lease() {
+    let w = world(INITIAL).await;
+    let before = w.remaining();
+    let service = w.layer().layer(service_fn(echo_admission));
+    let clone = service.clone();
+    assert_eq!(
+        answer(service.oneshot(w.bearer("/read")).await.unwrap())
+            .await
+            .status,
+        StatusCode::OK
+    );
+    assert_eq!(
+        answer(clone.oneshot(w.bearer("/read")).await.unwrap())
+            .await
+            .status,
+        StatusCode::OK
+    );
+    assert_eq!(
+        w.remaining(),
+        before - 2 * PRICE,
+        "both clones spent from the same lease"
+    );
+    assert_eq!(w.handle.counters().admitted, 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn requests_without_a_usable_key_get_401_with_a_bearer_challenge() {
+    let w = world(INITIAL).await;
+    let oversized = format!("Bearer {}", "k".repeat(MAX_KEY_BYTES + 1));
+    let cases: Vec<(Request<String>, &str)> = vec![
+        (request("/read", &[]), "missing_credential"),
+        (
+            request("/read", &[(AUTHORIZATION, b"Basic dXNlcjpwYXNz")]),
+            "malformed_credential",
+        ),
+        (
+            request("/read", &[(AUTHORIZATION, b"Bearer ")]),
+            "malformed_credential",
+        ),
+        (
+            request("/read", &[(AUTHORIZATION, oversized.as_bytes())]),
+            "malformed_credential",
+        ),
+        (
+            request("/read", &[(AUTHORIZATION, b"Bearer tg_\xff\xfe\x80")]),
+            "malformed_credential",
+        ),
+        (
+            request(
+                "/read",
+                &[
+                    (AUTHORIZATION, format!("Bearer {}", w.key).as_bytes()),
+                    (AUTHORIZATION, b"Bearer tg_other"),
+                ],
+            ),
+            "malformed_credential",
+        ),
+        (
+            request("/read", &[(AUTHORIZATION, b"Bearer tg_not_a_real_key")]),
+            "unknown_principal",
+        ),
+        (
+            request(
+                "/read",
+                &[(http::HeaderName::from_static("x-api-key"), b"tg_nope")],
+            ),
+            "unknown_principal",
+        ),
+    ];
+    for (request, code) in cases {
+        let answer = send(&w, request).await;
+        check_denial(&answer, StatusCode::UNAUTHORIZED, code);
+        assert_eq!(
+            answer.headers[WWW_AUTHENTICATE],
+            "Bearer realm=\"tollgate\""
+        );
+        assert!(
+            !answer.headers.contains_key(REQUEST_ID_HEADER),
+            "no request id before admission"
+        );
+    }
+    assert_eq!(w.handle.counters().admitted, 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_api_key_header_is_accepted_when_there_is_no_authorization() {
+    let w = world(INITIAL).await;
+    let answer = send(
+        &w,
+        request(
+            "/read",
+            &[(http::HeaderName::from_static("x-api-key"), w.key.as_bytes())],
+        ),
+    )
+    .await;
+    assert_eq!(answer.status, StatusCode::OK, "{}", answer.body);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_key_without_the_route_permission_gets_403_and_pays_nothing() {
+    let w = world(INITIAL).await;
+    let before = w.remaining();
+    let answer = send(&w, w.bearer("/write")).await;
+    check_denial(&answer, StatusCode::FORBIDDEN, "permission_denied");
+    assert_eq!(w.remaining(), before);
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_account_with_no_balance_gets_402_that_is_not_cached() {
+    let w = world(0).await;
+    let answer = send(&w, w.bearer("/read")).await;
+    check_denial(&answer, StatusCode::PAYMENT_REQUIRED, "balance_exhausted");
+    assert_eq!(answer.headers[CACHE_CONTROL], "no-store");
+    assert!(
+        !answer.headers.contains_key(RETRY_AFTER),
+        "no refill schedule, so no date to retry at"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_shutting_down_instance_answers_503_with_retry_after() {
+    let mut w = world(INITIAL).await;
+    w.handle.request_shutdown();
+    let answer = send(&w, w.bearer("/read")).await;
+    check_denial(&answer, StatusCode::SERVICE_UNAVAILABLE, "shutting_down");
+    assert_eq!(answer.headers[RETRY_AFTER], "1");
+    assert_eq!(w.shutdown_and_usage().await, Vec::<u64>::new());
+}
+
+#[tokio::test(start_paused = true)]
+async fn building_a_layer_without_pricing_is_a_named_error() {
+    let w = world(INITIAL).await;
+    let error = TollgateLayer::builder(w.handle.clone())
+        .build()
+        .unwrap_err();
+    assert_eq!(error, LayerConfigError::MissingPricing);
+    assert_eq!(error.to_string(), "no pricing function was given");
+}
+
+/// Reads the key from `x-custom-key` only.
+struct CustomHeader;
+
+impl KeyExtractor for CustomHeader {
+    fn extract<'a>(&self, headers: &'a HeaderMap) -> Result<&'a [u8], tollgate::DenyReason> {
+        headers
+            .get("x-custom-key")
+            .map(HeaderValue::as_bytes)
+            .ok_or(tollgate::DenyReason::MissingCredential)
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_custom_extractor_and_a_closure_renderer_replace_the_defaults() {
+    let w = world(INITIAL).await;
+    let layer = TollgateLayer::builder(w.handle.clone())
+        .price(|_: &http::request::Parts| Price {
+            units: CostUnits(PRICE),
+            required: READ,
+        })
+        .identify(CustomHeader)
+        .deny_renderer(
+            |reason: tollgate::DenyReason, _: Option<tollgate::RequestId>| {
+                let mut response = Response::new(DenyBody::new(reason.code()));
+                *response.status_mut() = StatusCode::IM_A_TEAPOT;
+                response
+            },
+        )
+        .build()
+        .unwrap();
+    let service = layer.layer(service_fn(echo_admission));
+    let denied = answer(service.clone().oneshot(w.bearer("/read")).await.unwrap()).await;
+    assert_eq!(denied.status, StatusCode::IM_A_TEAPOT);
+    assert_eq!(
+        denied.body, "missing_credential",
+        "Authorization is not read"
+    );
+    let admitted = request(
+        "/read",
+        &[(
+            http::HeaderName::from_static("x-custom-key"),
+            w.key.as_bytes(),
+        )],
+    );
+    let answer = answer(service.oneshot(admitted).await.unwrap()).await;
+    assert_eq!(answer.status, StatusCode::OK, "{}", answer.body);
+}
+
+proptest! {
+    #[test]
+    fn extracting_a_key_from_arbitrary_headers_never_panics_and_yields_only_visible_ascii(
+        headers in prop::collection::vec((0_u8..3, prop::collection::vec(any::<u8>(), 0..300)), 0..4)
+    ) {
+        let mut map = HeaderMap::new();
+        for (name, value) in &headers {
+            let name = match name {
+                0 => AUTHORIZATION,
+                1 => http::HeaderName::from_static("x-api-key"),
+                _ => http::HeaderName::from_static("x-other"),
+            };
+            if let Ok(value) = HeaderValue::from_bytes(value) {
+                map.append(name, value);
+            }
+        }
+        if let Ok(key) = BearerOrApiKey.extract(&map) {
+            prop_assert!(!key.is_empty() && key.len() <= MAX_KEY_BYTES);
+            prop_assert!(key.iter().all(|byte| (0x21..=0x7E).contains(byte)));
+        }
+    }
+}
