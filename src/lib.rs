@@ -10,6 +10,13 @@
 //! it:
 //!
 //! - [`model`]: the pure accounting types and their atomics. No tokio, no I/O.
+//! - [`store`]: the ports the system talks to (allocator, usage sink,
+//!   snapshot source) and the embedded [`MemoryStore`](store::MemoryStore).
+//! - [`admission`]: the request path — snapshot map, lease slots, the
+//!   admission engine and the usage queue.
+//! - [`runtime`]: the background planes and the
+//!   [`InstanceRuntime`](runtime::InstanceRuntime) that supervises them.
+//! - [`layer`]: the tower layer, denials, and the ops router.
 //!
 //! The numbered rules the code enforces live in `INVARIANTS.md` at the root of
 //! the repository; comments and tests cite them as `I<n>`.
