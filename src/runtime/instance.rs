@@ -202,6 +202,8 @@ struct Shared {
     shutdown: watch::Sender<bool>,
     snapshots_ready: watch::Receiver<bool>,
     restarts: AtomicU64,
+    /// Grants held by lease managers that died, left to TTL reclaim.
+    unrecovered: Arc<AtomicU64>,
     planes: Mutex<Planes>,
 }
 
@@ -267,6 +269,8 @@ pub struct RuntimeReport {
     pub accounts: usize,
     /// Lease managers restarted after dying.
     pub manager_restarts: u64,
+    /// Grants held by lease managers that died; they settle at TTL reclaim.
+    pub unrecovered_grants: u64,
     /// The accounts whose debits contend most, hottest first (at most five).
     pub hottest_accounts: Vec<(AccountId, u64)>,
 }
@@ -359,6 +363,7 @@ impl InstanceRuntime {
             faulted: AtomicBool::new(false),
             shutdown: watch::Sender::new(false),
             restarts: AtomicU64::new(0),
+            unrecovered: Arc::new(AtomicU64::new(0)),
             planes: Mutex::new(Planes {
                 writer: Some(writer),
                 snapshots: Some(snapshots),
@@ -672,6 +677,7 @@ impl RuntimeHandle {
             reclaimer: planes.reclaimer.as_ref().map(Reclaimer::stats),
             accounts: planes.accounts.len(),
             manager_restarts: shared.restarts.load(Ordering::Relaxed),
+            unrecovered_grants: shared.unrecovered.load(Ordering::Relaxed),
             hottest_accounts: hottest,
         }
     }
@@ -760,6 +766,13 @@ impl Shared {
             *retired = retired.checked_add(&dead.stats()).unwrap_or(*retired);
             tracing::error!(%account, "lease manager died; restarting after backoff");
             managed.restart_at = Some(now + self.config.manager_restart_backoff);
+            // The dead task's report counts the grants it held and can no
+            // longer return; they settle at TTL reclaim (I29).
+            let unrecovered = Arc::clone(&self.unrecovered);
+            tokio::spawn(async move {
+                let report = dead.shutdown().await;
+                unrecovered.fetch_add(report.abandoned, Ordering::Relaxed);
+            });
             return;
         }
         if managed.restart_at.is_some_and(|at| now < at) {
