@@ -362,6 +362,12 @@ async fn a_lease_that_expires_between_admission_and_start_denies_without_running
         !handler_ran.load(Ordering::SeqCst),
         "I2, I9: the handler never starts on expired funding"
     );
+    let counters = w.handle.counters();
+    assert_eq!(counters.admitted, 1, "admitted, then refused at start");
+    assert_eq!(
+        counters.denied_for(tollgate::DenyReason::FundingExpiredAtStart),
+        1
+    );
     assert_eq!(
         w.shutdown_and_usage().await,
         Vec::<u64>::new(),
@@ -451,7 +457,21 @@ async fn requests_without_a_usable_key_get_401_with_a_bearer_challenge() {
             "no request id before admission"
         );
     }
-    assert_eq!(w.handle.counters().admitted, 0);
+    let counters = w.handle.counters();
+    assert_eq!(counters.admitted, 0);
+    // Refusals the layer decides itself are counted with the engine's.
+    assert_eq!(
+        counters.denied_for(tollgate::DenyReason::MissingCredential),
+        1
+    );
+    assert_eq!(
+        counters.denied_for(tollgate::DenyReason::MalformedCredential),
+        5
+    );
+    assert_eq!(
+        counters.denied_for(tollgate::DenyReason::UnknownPrincipal),
+        2
+    );
 }
 
 #[tokio::test(start_paused = true)]

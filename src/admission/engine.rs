@@ -413,8 +413,10 @@ impl AdmissionCounters {
         }
     }
 
+    /// Counts a denial decided outside the engine: a credential the HTTP
+    /// layer refused before admission, or a commit refused at handler start.
     #[cold]
-    fn denied(&self, reason: DenyReason) {
+    pub(crate) fn denied(&self, reason: DenyReason) {
         self.stripe().denied[reason.index()].fetch_add(1, Ordering::Relaxed);
     }
 

@@ -142,6 +142,7 @@ fn commit(
                 }
             };
             tracing::debug!(%request_id, outcome = reason.code(), "tollgate commit refused");
+            shared.handle.engine().counters().denied(reason);
             Some(reason)
         }
     }

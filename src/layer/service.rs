@@ -84,6 +84,9 @@ where
             Ok(key) => KeyHash::of(key),
             Err(reason) => {
                 log_denial(&parts, reason);
+                // Counted with the engine's denials, so every refusal shows
+                // under its code in the metrics.
+                shared.handle.engine().counters().denied(reason);
                 return ResponseFuture::denied(shared, reason, None);
             }
         };
