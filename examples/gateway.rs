@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
-use axum::extract::{Extension, State};
+use axum::extract::State;
 use axum::http::{Method, request::Parts};
 use axum::routing::{get, post};
 use clap::Parser;
@@ -115,18 +115,18 @@ fn price(parts: &Parts) -> Price {
     }
 }
 
-async fn read(Extension(admitted): Extension<Admitted>) -> String {
+async fn read(admitted: Admitted) -> String {
     format!(
         "read ok: charged {} to {} (request {})\n",
         admitted.units, admitted.account_id, admitted.request_id
     )
 }
 
-async fn write(Extension(admitted): Extension<Admitted>) -> String {
+async fn write(admitted: Admitted) -> String {
     format!("write ok: charged {}\n", admitted.units)
 }
 
-async fn slow(Extension(admitted): Extension<Admitted>) -> String {
+async fn slow(admitted: Admitted) -> String {
     tokio::time::sleep(Duration::from_secs(2)).await;
     format!("slow ok: charged {}\n", admitted.units)
 }

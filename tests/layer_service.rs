@@ -599,3 +599,39 @@ proptest! {
         }
     }
 }
+
+#[tokio::test(start_paused = true)]
+async fn an_axum_handler_reads_its_admission_and_a_route_outside_the_layer_is_a_500() {
+    use axum::body::Body;
+    use axum::routing::get;
+
+    async fn charged(admitted: Admitted) -> String {
+        format!("{} {}", admitted.units.get(), admitted.request_id)
+    }
+    let w = world(INITIAL).await;
+    let metered = axum::Router::new()
+        .route("/read", get(charged))
+        .layer(w.layer());
+    let bearer = w.bearer("/read");
+    let (parts, _) = bearer.into_parts();
+    let response = metered
+        .oneshot(Request::from_parts(parts, Body::empty()))
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    let id = response.headers()[REQUEST_ID_HEADER]
+        .to_str()
+        .unwrap()
+        .to_owned();
+    let body = response.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(String::from_utf8_lossy(&body), format!("7 {id}"));
+
+    let unmetered = axum::Router::new().route("/read", get(charged));
+    let response = unmetered
+        .oneshot(Request::get("/read").body(Body::empty()).unwrap())
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::INTERNAL_SERVER_ERROR);
+    let body = response.into_body().collect().await.unwrap().to_bytes();
+    assert!(String::from_utf8_lossy(&body).contains("not behind a TollgateLayer"));
+}

@@ -88,6 +88,10 @@ pub use future::ResponseFuture;
 pub use service::{Admitted, REQUEST_ID_HEADER, Tollgate};
 
 #[cfg(feature = "axum")]
+mod extract;
+#[cfg(feature = "axum")]
+pub use extract::MissingAdmission;
+#[cfg(feature = "axum")]
 mod ops;
 #[cfg(feature = "axum")]
 pub use ops::{ops_router, publish_metrics};
