@@ -650,3 +650,35 @@ fn validate_names_the_first_broken_rule() {
         Err(InstanceRuntimeConfigError::Leases(_))
     ));
 }
+
+/// A clock that admits to reading up to ten seconds behind.
+#[derive(Debug)]
+struct LaggingClock(ManualClock);
+
+impl Clock for LaggingClock {
+    fn now(&self) -> Timestamp {
+        self.0.now()
+    }
+
+    fn staleness_bound(&self) -> Duration {
+        Duration::from_secs(10)
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_clock_that_lags_more_than_the_safety_margin_is_refused() {
+    let w = world(100);
+    let lagging = Arc::new(LaggingClock(ManualClock::new(w.clock.now())));
+    let refused = InstanceRuntime::spawn(
+        Arc::clone(&w.store) as _,
+        Arc::clone(&w.store) as _,
+        Arc::clone(&w.store) as _,
+        lagging as Arc<dyn Clock>,
+        config(),
+    );
+    // I2: a five-second margin cannot cover a clock ten seconds behind.
+    assert_eq!(
+        refused.err(),
+        Some(InstanceRuntimeConfigError::SafetyMarginBelowClockStaleness)
+    );
+}

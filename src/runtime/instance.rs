@@ -102,6 +102,9 @@ pub enum InstanceRuntimeConfigError {
     PhaseBudgetsExceedShutdownDeadline,
     /// The operating system supplied no randomness for request ids.
     Randomness,
+    /// `leases.expiry_safety_margin` must exceed how far behind the clock
+    /// may read (I2).
+    SafetyMarginBelowClockStaleness,
 }
 
 impl fmt::Display for InstanceRuntimeConfigError {
@@ -126,6 +129,9 @@ impl fmt::Display for InstanceRuntimeConfigError {
                 "instance runtime: shutdown_deadline must cover usage.shutdown_drain_deadline plus leases.shutdown_release_deadline",
             ),
             Self::Randomness => f.write_str("instance runtime: no randomness for request ids"),
+            Self::SafetyMarginBelowClockStaleness => f.write_str(
+                "instance runtime: leases.expiry_safety_margin must exceed the clock's staleness bound",
+            ),
         }
     }
 }
@@ -329,6 +335,14 @@ impl InstanceRuntime {
     ) -> Result<(InstanceRuntime, RuntimeHandle), InstanceRuntimeConfigError> {
         use InstanceRuntimeConfigError as E;
         config.validate()?;
+        // I2: the margin closes a lease's window early enough that a clock
+        // reading behind the true time still commits inside it.
+        let margin = config.leases.expiry_safety_margin;
+        let staleness = jiff::SignedDuration::try_from(clock.staleness_bound())
+            .unwrap_or(jiff::SignedDuration::MAX);
+        if margin <= staleness {
+            return Err(E::SafetyMarginBelowClockStaleness);
+        }
         let ids = RequestIds::random().map_err(|_| E::Randomness)?;
         let registry = Arc::new(SlotRegistry::new(config.sharding));
         let map = Arc::new(

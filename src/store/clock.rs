@@ -2,7 +2,9 @@
 //! (I13); the runtime reads one of these and passes the instant along.
 
 use std::fmt;
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use jiff::{SignedDuration, Timestamp};
 
@@ -10,6 +12,13 @@ use jiff::{SignedDuration, Timestamp};
 pub trait Clock: Send + Sync + fmt::Debug {
     /// The current instant.
     fn now(&self) -> Timestamp;
+
+    /// How far behind the true time [`now`](Self::now) may read. Leases'
+    /// safety margins must exceed it, or a request could commit against a
+    /// lease the allocator already treats as expired (I2).
+    fn staleness_bound(&self) -> Duration {
+        Duration::ZERO
+    }
 }
 
 /// The system's wall clock.
@@ -19,6 +28,96 @@ pub struct SystemClock;
 impl Clock for SystemClock {
     fn now(&self) -> Timestamp {
         Timestamp::now()
+    }
+}
+
+/// A clock for the request path: a timestamp refreshed by a background
+/// ticker and read with one atomic load, instead of a system call per
+/// request (reading the system clock costs about as much as a whole
+/// admission).
+///
+/// It reads at most two ticks behind ([`staleness_bound`](Clock::staleness_bound)),
+/// which the runtime checks against the leases' safety margin. Dropping the
+/// last handle stops the ticker.
+pub struct CoarseClock {
+    nanos: Arc<AtomicI64>,
+    tick: Duration,
+    ticker: tokio::task::JoinHandle<()>,
+}
+
+/// Why a [`CoarseClock`] could not start.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum CoarseClockError {
+    /// The tick must be positive.
+    TickZero,
+}
+
+impl fmt::Display for CoarseClockError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("coarse clock: tick must be positive")
+    }
+}
+
+impl std::error::Error for CoarseClockError {}
+
+impl CoarseClock {
+    /// Starts a clock refreshed every `tick`. Call inside a tokio runtime.
+    ///
+    /// # Errors
+    ///
+    /// [`CoarseClockError::TickZero`].
+    pub fn start(tick: Duration) -> Result<Self, CoarseClockError> {
+        if tick.is_zero() {
+            return Err(CoarseClockError::TickZero);
+        }
+        let nanos = Arc::new(AtomicI64::new(system_nanos()));
+        let written = Arc::clone(&nanos);
+        let ticker = tokio::spawn(async move {
+            let mut interval = tokio::time::interval(tick);
+            interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+            loop {
+                interval.tick().await;
+                written.store(system_nanos(), Ordering::Relaxed);
+            }
+        });
+        Ok(Self {
+            nanos,
+            tick,
+            ticker,
+        })
+    }
+}
+
+fn system_nanos() -> i64 {
+    // Saturates in the year 2262; jiff's range is wider than an i64.
+    i64::try_from(Timestamp::now().as_nanosecond()).unwrap_or(i64::MAX)
+}
+
+impl Clock for CoarseClock {
+    #[inline]
+    fn now(&self) -> Timestamp {
+        Timestamp::from_nanosecond(i128::from(self.nanos.load(Ordering::Relaxed)))
+            .unwrap_or(Timestamp::MAX)
+    }
+
+    fn staleness_bound(&self) -> Duration {
+        self.tick.saturating_mul(2)
+    }
+}
+
+impl Drop for CoarseClock {
+    fn drop(&mut self) {
+        self.ticker.abort();
+    }
+}
+
+impl fmt::Debug for CoarseClock {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CoarseClock")
+            .field("tick", &self.tick)
+            .field("now", &self.now())
+            .finish_non_exhaustive()
     }
 }
 
@@ -72,6 +171,24 @@ impl Clock for ManualClock {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn a_coarse_clock_follows_the_system_clock_within_its_bound() {
+        assert_eq!(
+            CoarseClock::start(Duration::ZERO).unwrap_err(),
+            CoarseClockError::TickZero
+        );
+        let clock = CoarseClock::start(Duration::from_millis(1)).unwrap();
+        assert_eq!(clock.staleness_bound(), Duration::from_millis(2));
+        let first = clock.now();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let later = clock.now();
+        assert!(later > first, "the ticker moves it forward");
+        assert!(
+            later <= Timestamp::now(),
+            "it never reads ahead of the system clock"
+        );
+    }
 
     #[test]
     fn a_manual_clock_moves_only_when_told() {

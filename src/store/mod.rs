@@ -45,7 +45,7 @@ use crate::model::{
 };
 
 pub use crate::model::KeyHash;
-pub use clock::{Clock, ManualClock, SystemClock};
+pub use clock::{Clock, CoarseClock, CoarseClockError, ManualClock, SystemClock};
 pub use keys::{ApiKey, KeyPrefix};
 pub use memory::{
     AccountSpec, AccountView, AdminError, IssuedKey, KeyInfo, LedgerViolation, MemoryStore,
