@@ -30,7 +30,7 @@ use tollgate::store::{AccountSpec, Clock, CoarseClock, GrantPolicy, MemoryStore,
 use tollgate::{
     AccountId, AccountStatus, CostUnits, EnforcementMode, LocalSharding, PermissionBits,
 };
-use tower::limit::ConcurrencyLimitLayer;
+use tower::limit::GlobalConcurrencyLimitLayer;
 
 /// The permission a key needs to read.
 const READ: PermissionBits = PermissionBits::bit(0);
@@ -214,8 +214,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .route("/v1/slow", get(slow))
         .layer(tollgate)
         // Outside tollgate: a request waiting here is not admitted yet, so
-        // one abandoned while it waits costs nothing.
-        .layer(ConcurrencyLimitLayer::new(1));
+        // one abandoned while it waits costs nothing. Global, because axum
+        // applies a layer to each route separately and a per-route limit
+        // would not make requests wait for one another.
+        .layer(GlobalConcurrencyLimitLayer::new(1));
     let app = Router::new()
         .merge(metered)
         .route("/admin/accounts", get(accounts).with_state(demo))
