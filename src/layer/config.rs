@@ -48,6 +48,9 @@ pub(super) struct Shared {
     pub(super) extractor: Box<dyn KeyExtractor>,
     pub(super) renderer: Box<dyn DenyRenderer>,
     pub(super) policy_revision: Option<PolicyRevision>,
+    /// Whether the charge is committed by a commit point inside the inner
+    /// service rather than at the response future's first poll.
+    pub(super) deferred: bool,
 }
 
 impl fmt::Debug for Shared {
@@ -55,6 +58,7 @@ impl fmt::Debug for Shared {
         f.debug_struct("Shared")
             .field("handle", &self.handle)
             .field("policy_revision", &self.policy_revision)
+            .field("deferred", &self.deferred)
             .finish_non_exhaustive()
     }
 }
@@ -80,6 +84,7 @@ impl TollgateLayer {
             extractor: Box::new(BearerOrApiKey),
             renderer: Box::new(ProblemJson),
             policy_revision: None,
+            deferred: false,
         }
     }
 }
@@ -102,6 +107,7 @@ pub struct TollgateBuilder {
     extractor: Box<dyn KeyExtractor>,
     renderer: Box<dyn DenyRenderer>,
     policy_revision: Option<PolicyRevision>,
+    deferred: bool,
 }
 
 impl TollgateBuilder {
@@ -134,6 +140,23 @@ impl TollgateBuilder {
         self
     }
 
+    /// Defers the commit from the response future's first poll to a commit
+    /// point inside the inner service: a [`CommitMarkerLayer`] placed
+    /// innermost, or a [`Charged`](super::Charged) extractor (feature
+    /// `axum`).
+    ///
+    /// Admission still reserves in the layer, so a request waiting in a
+    /// limit, timeout or queue *inside* the layer holds its reservation;
+    /// it is charged in full when it reaches the commit point (I3), and
+    /// released for zero if it ends before that (I4). A route with no
+    /// commit point therefore runs free: put one on every route.
+    ///
+    /// [`CommitMarkerLayer`]: super::CommitMarkerLayer
+    pub fn commit_in_handler(mut self) -> Self {
+        self.deferred = true;
+        self
+    }
+
     /// The layer.
     ///
     /// # Errors
@@ -148,6 +171,7 @@ impl TollgateBuilder {
                 extractor: self.extractor,
                 renderer: self.renderer,
                 policy_revision: self.policy_revision,
+                deferred: self.deferred,
             }),
         })
     }
@@ -159,6 +183,7 @@ impl fmt::Debug for TollgateBuilder {
             .field("handle", &self.handle)
             .field("price", &self.price.as_ref().map(|_| "fn"))
             .field("policy_revision", &self.policy_revision)
+            .field("deferred", &self.deferred)
             .finish_non_exhaustive()
     }
 }

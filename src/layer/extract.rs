@@ -2,12 +2,77 @@
 
 use std::fmt;
 
-use axum::extract::FromRequestParts;
+use axum::extract::{FromRequest, FromRequestParts, Request};
 use axum::response::{IntoResponse, Response};
 use http::StatusCode;
 use http::request::Parts;
 
+use super::body::DenyBody;
+use super::deferred::PendingCharge;
 use super::service::Admitted;
+
+/// Runs the extractor `T`, then commits the request's deferred charge: the
+/// commit point for a handler whose work starts only once its input is
+/// valid.
+///
+/// With [`TollgateBuilder::commit_in_handler`](super::TollgateBuilder::commit_in_handler),
+/// a request whose `T` rejects never starts its handler, so its charge is
+/// released for zero when the request ends (I4); a request whose `T`
+/// succeeds is charged in full before the handler body runs (I3). If the
+/// commit is refused the rejection renders the layer's denial. Without a
+/// pending charge (the layer commits at first poll, or a
+/// [`CommitMarkerLayer`](super::CommitMarkerLayer) already committed) it
+/// is `T` alone.
+///
+/// ```no_run
+/// use tollgate::layer::Charged;
+///
+/// async fn handler(Charged(body): Charged<String>) -> String {
+///     body
+/// }
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Charged<T>(pub T);
+
+/// Why a [`Charged`] extractor refused the request.
+#[derive(Debug)]
+pub enum ChargedRejection<R> {
+    /// The inner extractor rejected; nothing was charged.
+    Inner(R),
+    /// The inner extractor succeeded but the commit was refused; the
+    /// layer's rendered denial.
+    Denied(http::Response<DenyBody>),
+}
+
+impl<R: IntoResponse> IntoResponse for ChargedRejection<R> {
+    fn into_response(self) -> Response {
+        match self {
+            Self::Inner(rejection) => rejection.into_response(),
+            Self::Denied(denial) => {
+                denial.map(|body| axum::body::Body::from(body.as_bytes().to_vec()))
+            }
+        }
+    }
+}
+
+impl<S, T> FromRequest<S> for Charged<T>
+where
+    S: Send + Sync,
+    T: FromRequest<S>,
+{
+    type Rejection = ChargedRejection<T::Rejection>;
+
+    async fn from_request(request: Request, state: &S) -> Result<Self, Self::Rejection> {
+        let pending = request.extensions().get::<PendingCharge>().cloned();
+        let value = T::from_request(request, state)
+            .await
+            .map_err(ChargedRejection::Inner)?;
+        if let Some(denial) = pending.and_then(|PendingCharge(cell)| cell.commit()) {
+            return Err(ChargedRejection::Denied(denial));
+        }
+        Ok(Self(value))
+    }
+}
 
 /// The rejection when a handler asks for [`Admitted`] but no tollgate layer
 /// admitted the request: the route is not behind the layer. It is a server

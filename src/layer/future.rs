@@ -11,6 +11,7 @@ use pin_project_lite::pin_project;
 
 use super::body::{DenyBody, TollgateBody};
 use super::config::Shared;
+use super::deferred::{ChargeCell, ReleaseOnDrop};
 use super::service::REQUEST_ID_HEADER;
 use crate::admission::RequestContext;
 use crate::{CommitError, DenyReason, RequestId};
@@ -22,6 +23,11 @@ pin_project! {
     /// before polling the inner future (the default commit point); dropped
     /// before that poll, it drops the reservation, which charges zero (I4).
     /// Nothing on this path is boxed.
+    ///
+    /// In deferred mode
+    /// ([`TollgateBuilder::commit_in_handler`](super::TollgateBuilder::commit_in_handler))
+    /// it only polls the inner future; a charge no commit point took by the
+    /// time it completes or is dropped is released for zero (I4).
     pub struct ResponseFuture<F> {
         #[pin]
         state: State<F>,
@@ -40,6 +46,13 @@ pin_project! {
             shared: Arc<Shared>,
             request_id: RequestId,
         },
+        Deferred {
+            #[pin]
+            future: F,
+            // Dropped when the request ends: releases an uncommitted charge.
+            guard: Option<ReleaseOnDrop>,
+            request_id: RequestId,
+        },
         Denied {
             response: Option<Response<DenyBody>>,
         },
@@ -54,6 +67,16 @@ impl<F> ResponseFuture<F> {
                 future,
                 context: Some(context),
                 shared,
+                request_id,
+            },
+        }
+    }
+
+    pub(super) fn deferred(future: F, cell: Arc<ChargeCell>, request_id: RequestId) -> Self {
+        Self {
+            state: State::Deferred {
+                future,
+                guard: Some(ReleaseOnDrop(cell)),
                 request_id,
             },
         }
@@ -90,6 +113,19 @@ where
                 .take()
                 .and_then(|context| commit(context, shared, *request_id))
                 .map(|reason| render(shared, reason, Some(*request_id))),
+            StateProj::Deferred {
+                future,
+                guard,
+                request_id,
+            } => {
+                let result = ready!(future.poll(cx));
+                // I4: the request is over; a charge no commit point took is
+                // released for zero.
+                drop(guard.take());
+                let mut response = result?;
+                insert_request_id(&mut response, *request_id);
+                return Poll::Ready(Ok(response.map(TollgateBody::inner)));
+            }
             StateProj::Denied { response } => {
                 let response = response
                     .take()
@@ -118,7 +154,7 @@ where
 
 /// Commits `context` at the runtime's current time; returns why not, if
 /// the commit was refused.
-fn commit(
+pub(super) fn commit(
     mut context: RequestContext,
     shared: &Shared,
     request_id: RequestId,
@@ -148,7 +184,7 @@ fn commit(
     }
 }
 
-fn render(
+pub(super) fn render(
     shared: &Shared,
     reason: DenyReason,
     request_id: Option<RequestId>,
@@ -177,6 +213,10 @@ impl<F> fmt::Debug for ResponseFuture<F> {
                 .debug_struct("ResponseFuture::Admitted")
                 .field("request_id", request_id)
                 .field("committed", &context.is_none())
+                .finish_non_exhaustive(),
+            State::Deferred { request_id, .. } => f
+                .debug_struct("ResponseFuture::Deferred")
+                .field("request_id", request_id)
                 .finish_non_exhaustive(),
             State::Denied { response } => f
                 .debug_struct("ResponseFuture::Denied")

@@ -30,9 +30,38 @@
 //! closed before the start, the instance is shutting down) the denial is
 //! rendered and the inner future is dropped without being polled (I2, I9).
 //!
+//! # The deferred commit point
+//!
+//! When a limit, timeout or queue must sit *inside* the layer, or the
+//! handler should be charged only once its input is valid, build the layer
+//! with [`TollgateBuilder::commit_in_handler`]. Admission still reserves in
+//! the layer; the response future no longer commits, and the request
+//! carries its pending charge to a commit point further in:
+//!
+//! ```text
+//! request ──► TollgateLayer (admit: reserve) ──► limit / timeout / queue ──► CommitMarkerLayer (commit) ──► handler
+//!                                                                          or Charged<T> (commit after T)
+//! ```
+//!
+//! - [`CommitMarkerLayer`], placed innermost, commits as the request
+//!   reaches the route: a request waiting in the limit holds its
+//!   reservation and is charged in full once it gets through (I3), or
+//!   nothing if its client leaves first (I4). With axum's `Router::layer`,
+//!   later calls are outer: `.layer(CommitMarkerLayer::new())` first,
+//!   then the limit, then the tollgate layer.
+//! - [`Charged<T>`](Charged) (feature `axum`) commits after the extractor
+//!   `T` succeeds, so a request rejected for bad input pays nothing.
+//!
+//! A refused commit answers with the layer's denial and the handler does
+//! not run (I2, I9). A charge that no commit point took by the time the
+//! request ends is released for zero, so in deferred mode every metered
+//! route needs a commit point. Use the default (first poll) when nothing
+//! queues between the layer and the handler; use the deferred mode when
+//! something must.
+//!
 //! Time comes from the runtime's clock
 //! ([`RuntimeHandle::clock`](crate::runtime::RuntimeHandle::clock)), read once
-//! at admission and once at commit.
+//! at admission and once at commit (wherever the commit point is).
 //!
 //! # Clones share one budget
 //!
@@ -76,6 +105,7 @@
 mod body;
 mod config;
 mod credential;
+mod deferred;
 mod deny;
 mod future;
 mod service;
@@ -83,6 +113,7 @@ mod service;
 pub use body::{DenyBody, TollgateBody};
 pub use config::{LayerConfigError, Price, TollgateBuilder, TollgateLayer};
 pub use credential::{BearerOrApiKey, KeyExtractor, MAX_KEY_BYTES};
+pub use deferred::{CommitMarker, CommitMarkerFuture, CommitMarkerLayer};
 pub use deny::{DenyRenderer, ProblemJson, deny_status};
 pub use future::ResponseFuture;
 pub use service::{Admitted, REQUEST_ID_HEADER, Tollgate};
@@ -90,7 +121,7 @@ pub use service::{Admitted, REQUEST_ID_HEADER, Tollgate};
 #[cfg(feature = "axum")]
 mod extract;
 #[cfg(feature = "axum")]
-pub use extract::MissingAdmission;
+pub use extract::{Charged, ChargedRejection, MissingAdmission};
 #[cfg(feature = "axum")]
 mod ops;
 #[cfg(feature = "axum")]

@@ -9,6 +9,7 @@ use tower_service::Service;
 
 use super::body::TollgateBody;
 use super::config::Shared;
+use super::deferred::{ChargeCell, PendingCharge};
 use super::future::ResponseFuture;
 use crate::{AccountId, CostUnits, KeyHash, KeyId, RequestId};
 
@@ -116,6 +117,13 @@ where
                     "tollgate admission",
                 );
                 parts.extensions.insert(admitted);
+                if shared.deferred {
+                    let request_id = context.request_id();
+                    let cell = Arc::new(ChargeCell::new(context, Arc::clone(shared)));
+                    parts.extensions.insert(PendingCharge(Arc::clone(&cell)));
+                    let future = self.inner.call(Request::from_parts(parts, body));
+                    return ResponseFuture::deferred(future, cell, request_id);
+                }
                 let future = self.inner.call(Request::from_parts(parts, body));
                 ResponseFuture::admitted(future, context, Arc::clone(shared))
             }

@@ -1,0 +1,211 @@
+//! The deferred commit point: the charge cell the outer layer leaves in the
+//! request, and the [`CommitMarkerLayer`] that commits it innermost.
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::task::{Context, Poll};
+
+use http::{Request, Response};
+use pin_project_lite::pin_project;
+use tower_layer::Layer;
+use tower_service::Service;
+
+use super::body::{DenyBody, TollgateBody};
+use super::config::Shared;
+use super::future::{commit, render};
+use crate::RequestId;
+use crate::admission::RequestContext;
+
+/// The admitted request's uncommitted charge, shared between the outer
+/// [`Tollgate`](super::Tollgate) future and whichever commit point the
+/// request reaches first.
+pub(super) struct ChargeCell {
+    context: Mutex<Option<RequestContext>>,
+    shared: Arc<Shared>,
+    request_id: RequestId,
+}
+
+impl ChargeCell {
+    pub(super) fn new(context: RequestContext, shared: Arc<Shared>) -> Self {
+        let request_id = context.request_id();
+        Self {
+            context: Mutex::new(Some(context)),
+            shared,
+            request_id,
+        }
+    }
+
+    fn take(&self) -> Option<RequestContext> {
+        self.context
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()
+    }
+
+    /// Commits the charge at the runtime's current time, if it is still
+    /// pending. Returns the rendered denial if the commit was refused;
+    /// `None` when it committed now, or was resolved before.
+    pub(super) fn commit(&self) -> Option<Response<DenyBody>> {
+        let context = self.take()?;
+        commit(context, &self.shared, self.request_id)
+            .map(|reason| render(&self.shared, reason, Some(self.request_id)))
+    }
+
+    /// Drops the charge if no commit point took it: released for zero (I4).
+    pub(super) fn release(&self) {
+        if let Some(context) = self.take() {
+            tracing::debug!(
+                request_id = %self.request_id,
+                "tollgate: the request ended before its commit point; released for zero",
+            );
+            drop(context);
+        }
+    }
+}
+
+impl fmt::Debug for ChargeCell {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ChargeCell")
+            .field("request_id", &self.request_id)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Put in a deferred-mode request's extensions by the outer layer; taken by
+/// [`CommitMarker`] or [`Charged`](super::Charged).
+#[derive(Clone, Debug)]
+pub(super) struct PendingCharge(pub(super) Arc<ChargeCell>);
+
+/// Releases a deferred charge nobody committed when the outer future
+/// completes or is dropped.
+#[derive(Debug)]
+pub(super) struct ReleaseOnDrop(pub(super) Arc<ChargeCell>);
+
+impl Drop for ReleaseOnDrop {
+    fn drop(&mut self) {
+        self.0.release();
+    }
+}
+
+/// Commits the request's deferred charge where it is placed: innermost,
+/// inside any concurrency limit, timeout or queue, just before the handler.
+///
+/// Use it with [`TollgateBuilder::commit_in_handler`](super::TollgateBuilder::commit_in_handler).
+/// A request without a pending charge (the layer commits at first poll, or
+/// the charge was already committed) passes straight through. See the
+/// [module docs](super) for the ordering.
+#[derive(Clone, Copy, Debug, Default)]
+#[must_use]
+pub struct CommitMarkerLayer;
+
+impl CommitMarkerLayer {
+    /// The layer.
+    pub fn new() -> Self {
+        Self
+    }
+}
+
+impl<S> Layer<S> for CommitMarkerLayer {
+    type Service = CommitMarker<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        CommitMarker { inner }
+    }
+}
+
+/// The service [`CommitMarkerLayer`] builds: in `call` it commits the
+/// request's pending charge, and on a refused commit answers with the
+/// layer's denial without calling the inner service (I2, I9).
+#[derive(Clone, Debug)]
+pub struct CommitMarker<S> {
+    inner: S,
+}
+
+impl<S> CommitMarker<S> {
+    /// The wrapped service.
+    pub fn into_inner(self) -> S {
+        self.inner
+    }
+}
+
+impl<S, ReqBody, ResBody> Service<Request<ReqBody>> for CommitMarker<S>
+where
+    S: Service<Request<ReqBody>, Response = Response<ResBody>>,
+{
+    type Response = Response<TollgateBody<ResBody>>;
+    type Error = S::Error;
+    type Future = CommitMarkerFuture<S::Future>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
+        // I3: the handler starts now, so the full price is charged now.
+        let refused = request
+            .extensions()
+            .get::<PendingCharge>()
+            .and_then(|PendingCharge(cell)| cell.commit());
+        if let Some(denial) = refused {
+            return CommitMarkerFuture {
+                state: MarkerState::Denied {
+                    response: Some(denial),
+                },
+            };
+        }
+        CommitMarkerFuture {
+            state: MarkerState::Inner {
+                future: self.inner.call(request),
+            },
+        }
+    }
+}
+
+pin_project! {
+    /// The future a [`CommitMarker`] returns: the inner service's, or a
+    /// refused commit's denial.
+    pub struct CommitMarkerFuture<F> {
+        #[pin]
+        state: MarkerState<F>,
+    }
+}
+
+pin_project! {
+    #[project = MarkerProj]
+    enum MarkerState<F> {
+        Inner { #[pin] future: F },
+        Denied { response: Option<Response<DenyBody>> },
+    }
+}
+
+impl<F, B, E> Future for CommitMarkerFuture<F>
+where
+    F: Future<Output = Result<Response<B>, E>>,
+{
+    type Output = Result<Response<TollgateBody<B>>, E>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match self.project().state.project() {
+            MarkerProj::Inner { future } => future
+                .poll(cx)
+                .map(|result| result.map(|response| response.map(TollgateBody::inner))),
+            MarkerProj::Denied { response } => {
+                let response = response
+                    .take()
+                    .expect("a commit marker future is not polled after it completed");
+                Poll::Ready(Ok(response.map(TollgateBody::denial)))
+            }
+        }
+    }
+}
+
+impl<F> fmt::Debug for CommitMarkerFuture<F> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.state {
+            MarkerState::Inner { .. } => f.write_str("CommitMarkerFuture::Inner"),
+            MarkerState::Denied { .. } => f.write_str("CommitMarkerFuture::Denied"),
+        }
+    }
+}
