@@ -125,4 +125,8 @@ pub use extract::{Charged, ChargedRejection, MissingAdmission};
 #[cfg(feature = "axum")]
 mod ops;
 #[cfg(feature = "axum")]
+mod routes;
+#[cfg(feature = "axum")]
 pub use ops::{ops_router, publish_metrics};
+#[cfg(feature = "axum")]
+pub use routes::RouteTable;

@@ -1,0 +1,412 @@
+//! A timeout *inside* a deferred-mode tollgate layer, in a real axum server
+//! on 127.0.0.1 with real time and raw TCP clients. The stack, outermost
+//! first: tollgate (`commit_in_handler`), tower-http's `TimeoutLayer`, a
+//! global concurrency limit of one, `CommitMarkerLayer`, the handler.
+//!
+//! A request the timeout answers while it waits in the limit never reached
+//! the commit point, so it is released for zero (I4); a request whose
+//! handler had started when the timeout fired was committed at the marker
+//! and pays in full (I3).
+//!
+//! The routes carry their own timeout around the one shared limit: `/slow`
+//! (600 ms) a long one, so it holds the limit to the end, and `/work` and
+//! `/stuck` a short one (300 ms). With one timeout for all, the request
+//! holding the limit would always time out first (its deadline started
+//! earlier), free the limit, and race the queued request's deadline.
+
+use std::io::{Read as _, Write as _};
+use std::net::TcpStream;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use axum::response::IntoResponse;
+use axum::routing::get;
+use http::StatusCode;
+use jiff::SignedDuration;
+use tokio::net::TcpListener;
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+use tollgate::admission::SnapshotMapConfig;
+use tollgate::layer::{CommitMarkerLayer, Price, TollgateLayer};
+use tollgate::runtime::{
+    AccountLeaseConfig, InstanceRuntime, InstanceRuntimeConfig, PrincipalSelection, RuntimeHandle,
+    SnapshotManagerConfig, UsageWriterConfig,
+};
+use tollgate::store::{AccountSpec, Clock, GrantPolicy, MemoryStore, SystemClock, TailSharing};
+use tollgate::{
+    AccountId, AccountStatus, CostUnits, EnforcementMode, LocalSharding, PermissionBits,
+};
+use tower::limit::GlobalConcurrencyLimitLayer;
+use tower::util::MapResponseLayer;
+use tower_http::timeout::TimeoutLayer;
+
+const INITIAL: u64 = 10_000;
+/// The price of `/work`.
+const WORK_PRICE: u64 = 3;
+/// The price of `/slow`.
+const SLOW_PRICE: u64 = 11;
+/// The price of `/stuck`.
+const STUCK_PRICE: u64 = 7;
+/// How long `/slow` and `/stuck` run once started.
+const SLOW_FOR: Duration = Duration::from_millis(600);
+/// The timeout on `/work` and `/stuck`: shorter than `SLOW_FOR`.
+const SHORT_TIMEOUT: Duration = Duration::from_millis(300);
+/// The timeout on `/slow`: longer than `SLOW_FOR`, so `/slow` completes
+/// while it holds the limit.
+const LONG_TIMEOUT: Duration = Duration::from_secs(2);
+/// The status the timeout layer answers with.
+const TIMED_OUT: StatusCode = StatusCode::REQUEST_TIMEOUT;
+
+fn ms(n: u64) -> Duration {
+    Duration::from_millis(n)
+}
+
+fn config() -> InstanceRuntimeConfig {
+    InstanceRuntimeConfig {
+        snapshot_map: SnapshotMapConfig {
+            max_staleness: SignedDuration::from_secs(30),
+            negative_capacity: 64,
+            history_depth: 2,
+            lookup_queue_capacity: 64,
+        },
+        snapshots: SnapshotManagerConfig {
+            principals: PrincipalSelection::All { page_size: 100 },
+            refresh_interval: ms(1_000),
+            retry_backoff: ms(20),
+            fetch_timeout: ms(500),
+            enumeration_timeout: ms(500),
+            max_staleness: SignedDuration::from_secs(30),
+        },
+        leases: AccountLeaseConfig {
+            target_grant: CostUnits(500),
+            low_water: CostUnits(100),
+            lease_ttl: SignedDuration::from_secs(60),
+            expiry_safety_margin: SignedDuration::from_secs(5),
+            poll_interval: ms(20),
+            store_call_timeout: ms(200),
+            shutdown_release_deadline: ms(1_000),
+        },
+        sharding: LocalSharding::shards(2).unwrap(),
+        usage: UsageWriterConfig {
+            queue_capacity: 4_096,
+            max_batch: 256,
+            flush_interval: ms(10),
+            retry_backoff: ms(20),
+            ingest_timeout: ms(200),
+            shutdown_drain_deadline: ms(1_000),
+        },
+        reclaimer: None,
+        supervisor_interval: ms(20),
+        account_linger: ms(10_000),
+        manager_restart_backoff: ms(50),
+        shutdown_deadline: ms(3_000),
+    }
+}
+
+struct Server {
+    store: Arc<MemoryStore>,
+    clock: Arc<SystemClock>,
+    account: AccountId,
+    key: String,
+    runtime: InstanceRuntime,
+    handle: RuntimeHandle,
+    address: std::net::SocketAddr,
+    serving: JoinHandle<()>,
+    /// One message each time `/slow` or `/stuck` starts running.
+    slow_started: mpsc::UnboundedReceiver<()>,
+}
+
+/// The routes under tollgate: `/slow` with the long timeout, `/work` and
+/// `/stuck` with the short one, all sharing one limit. `started` gets one
+/// message each time `/slow` or `/stuck` starts.
+fn app(started: mpsc::UnboundedSender<()>) -> Router {
+    let stuck_started = started.clone();
+    // One limit shared by every route (a global limit's clones share one
+    // semaphore), inside each route's timeout.
+    let limit = GlobalConcurrencyLimitLayer::new(1);
+    // Later `.layer` calls are outer: the marker innermost, then the limit,
+    // then the timeout, with tollgate (deferred) outermost over the merge.
+    // `TimeoutLayer` needs a `Default` body, so the inner response is turned
+    // into axum's between the limit and the timeout.
+    let stack = |router: Router, timeout: Duration| {
+        router
+            .layer(CommitMarkerLayer::new())
+            .layer(limit.clone())
+            .layer(MapResponseLayer::new(IntoResponse::into_response))
+            .layer(TimeoutLayer::with_status_code(TIMED_OUT, timeout))
+    };
+    let slow = stack(
+        Router::new().route(
+            "/slow",
+            get(move || async move {
+                started.send(()).unwrap();
+                tokio::time::sleep(SLOW_FOR).await;
+                "slow"
+            }),
+        ),
+        LONG_TIMEOUT,
+    );
+    let short = stack(
+        Router::new()
+            .route("/work", get(|| async { "work" }))
+            .route(
+                "/stuck",
+                get(move || async move {
+                    stuck_started.send(()).unwrap();
+                    tokio::time::sleep(SLOW_FOR).await;
+                    "stuck"
+                }),
+            ),
+        SHORT_TIMEOUT,
+    );
+    Router::new().merge(slow).merge(short)
+}
+
+async fn serve() -> Server {
+    let clock = Arc::new(SystemClock);
+    let now = clock.now();
+    let store = Arc::new(
+        MemoryStore::new(GrantPolicy {
+            max_ttl: SignedDuration::from_secs(60),
+            reclaim_grace: SignedDuration::from_secs(10),
+            tail: TailSharing {
+                instances: 1,
+                min_grant: CostUnits(1),
+            },
+        })
+        .unwrap(),
+    );
+    let account = store
+        .create_account(
+            AccountSpec {
+                balance: CostUnits(INITIAL),
+                mode: EnforcementMode::Strict,
+                status: AccountStatus::Active,
+                refill: None,
+            },
+            now,
+        )
+        .unwrap();
+    let key = store
+        .issue_key(account, PermissionBits::ALL, now)
+        .unwrap()
+        .key
+        .expose()
+        .to_owned();
+    let (runtime, handle) = InstanceRuntime::spawn(
+        Arc::clone(&store) as _,
+        Arc::clone(&store) as _,
+        Arc::clone(&store) as _,
+        Arc::clone(&clock) as Arc<dyn Clock>,
+        config(),
+    )
+    .unwrap();
+    for _ in 0..300 {
+        if handle.readiness() {
+            break;
+        }
+        tokio::time::sleep(ms(10)).await;
+    }
+    assert!(handle.readiness(), "the runtime loads within three seconds");
+
+    let layer = TollgateLayer::builder(handle.clone())
+        .price(|parts: &http::request::Parts| Price {
+            units: CostUnits(match parts.uri.path() {
+                "/slow" => SLOW_PRICE,
+                "/stuck" => STUCK_PRICE,
+                _ => WORK_PRICE,
+            }),
+            required: PermissionBits::NONE,
+        })
+        .commit_in_handler()
+        .build()
+        .unwrap();
+    let (started, slow_started) = mpsc::unbounded_channel();
+    let router = app(started).layer(layer);
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    let serving = tokio::spawn(async move {
+        axum::serve(listener, router).await.unwrap();
+    });
+    Server {
+        store,
+        clock,
+        account,
+        key,
+        runtime,
+        handle,
+        address,
+        serving,
+        slow_started,
+    }
+}
+
+impl Server {
+    /// Opens a connection and sends `GET path` with the key.
+    fn send(&self, path: &str) -> TcpStream {
+        let mut stream = TcpStream::connect(self.address).unwrap();
+        let request = format!(
+            "GET {path} HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer {}\r\nConnection: close\r\n\r\n",
+            self.key,
+        );
+        stream.write_all(request.as_bytes()).unwrap();
+        stream
+    }
+
+    /// Reads the whole response from `stream`.
+    async fn read(mut stream: TcpStream) -> String {
+        stream.set_read_timeout(Some(ms(5_000))).unwrap();
+        tokio::task::spawn_blocking(move || {
+            let mut response = String::new();
+            stream
+                .read_to_string(&mut response)
+                .expect("the server answers within five seconds");
+            response
+        })
+        .await
+        .unwrap()
+    }
+
+    async fn request(&self, path: &str) -> String {
+        Self::read(self.send(path)).await
+    }
+
+    /// The units left in this instance's lease for the account.
+    fn remaining(&self) -> u64 {
+        self.handle
+            .account_reports()
+            .into_iter()
+            .find(|report| report.account == self.account)
+            .and_then(|report| report.remaining)
+            .expect("the account has a lease")
+            .get()
+    }
+
+    async fn started(&mut self) {
+        tokio::time::timeout(ms(5_000), self.slow_started.recv())
+            .await
+            .expect("a slow handler starts")
+            .unwrap();
+    }
+
+    /// Stops serving, shuts the runtime down, and returns the units of
+    /// every usage event the store received, after checking the balance
+    /// adds up to them and the audit is clean.
+    async fn finish(self) -> Vec<u64> {
+        self.serving.abort();
+        let report = self.runtime.shutdown().await;
+        assert_eq!(report.lost_events(), 0, "I25: no usage lost at shutdown");
+        assert_eq!(report.abandoned(), 0, "no request held a lease");
+        let units: Vec<u64> = self
+            .store
+            .usage(self.account)
+            .unwrap()
+            .iter()
+            .map(|event| event.units.get())
+            .collect();
+        let view = self.store.account(self.account, self.clock.now()).unwrap();
+        assert_eq!(view.leased, CostUnits::ZERO, "every lease went back");
+        assert_eq!(
+            view.balance,
+            CostUnits(INITIAL - units.iter().sum::<u64>()),
+            "balance + usage add up to the initial balance exactly"
+        );
+        assert!(self.store.audit().unwrap().is_empty());
+        units
+    }
+}
+
+fn status(response: &str) -> &str {
+    response.split(' ').nth(1).unwrap_or(response)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_that_times_out_while_queued_inside_the_layer_pays_nothing() {
+    let mut server = serve().await;
+
+    // A: admitted, committed at the marker, its handler holding the limit
+    // for 600 ms under a 2 s timeout.
+    let slow = server.send("/slow");
+    server.started().await;
+    let before_queued = server.remaining();
+
+    // B: admitted by tollgate, its 300 ms timeout started, then queued in
+    // the limit behind A.
+    let queued = server.send("/work");
+    tokio::time::sleep(ms(150)).await;
+    assert_eq!(
+        server.handle.counters().admitted,
+        2,
+        "the queued request was admitted before it queued"
+    );
+    assert_eq!(
+        server.remaining(),
+        before_queued - WORK_PRICE,
+        "the queued request holds its reservation while it waits"
+    );
+
+    // B's timeout fires while A still holds the limit.
+    let timed_out = Server::read(queued).await;
+    assert_eq!(status(&timed_out), TIMED_OUT.as_str(), "{timed_out}");
+    assert_eq!(
+        server.remaining(),
+        before_queued,
+        "I4: the timed-out queued request was released for zero"
+    );
+
+    let response = Server::read(slow).await;
+    assert!(response.starts_with("HTTP/1.1 200"), "{response}");
+    assert!(response.ends_with("slow"), "{response}");
+    assert!(
+        server.slow_started.try_recv().is_err(),
+        "no other handler started"
+    );
+
+    assert_eq!(
+        server.finish().await,
+        vec![SLOW_PRICE],
+        "I3, I4: the running request paid in full, the one timed out in the queue nothing"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_whose_handler_started_before_the_timeout_pays_in_full() {
+    let mut server = serve().await;
+    // A first request takes the account's lease.
+    let response = server.request("/work").await;
+    assert!(response.starts_with("HTTP/1.1 200"), "{response}");
+    let before = server.remaining();
+
+    // `/stuck` reaches the marker at once, starts, and runs 600 ms under a
+    // 300 ms timeout.
+    let stuck = server.send("/stuck");
+    server.started().await;
+    assert_eq!(
+        server.remaining(),
+        before - STUCK_PRICE,
+        "I3: committed when its handler started"
+    );
+    let timed_out = Server::read(stuck).await;
+    assert_eq!(status(&timed_out), TIMED_OUT.as_str(), "{timed_out}");
+    assert_eq!(
+        server.remaining(),
+        before - STUCK_PRICE,
+        "the timeout does not undo a committed charge"
+    );
+
+    // The timeout dropped the handler and freed the limit: the next
+    // request runs.
+    let response = server.request("/work").await;
+    assert!(response.starts_with("HTTP/1.1 200"), "{response}");
+    assert!(response.ends_with("work"), "{response}");
+
+    // Usage arrives through two shards, so compare the events unordered.
+    let mut units = server.finish().await;
+    units.sort_unstable();
+    assert_eq!(
+        units,
+        vec![WORK_PRICE, WORK_PRICE, STUCK_PRICE],
+        "I3: the timed-out request whose handler started paid its full price, once"
+    );
+}
