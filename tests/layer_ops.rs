@@ -2,6 +2,8 @@
 //! readiness that follows the runtime through start and shutdown, and
 //! Prometheus metrics that carry the runtime's exact counts.
 
+mod support;
+
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -12,19 +14,13 @@ use http::{Request, StatusCode, header};
 use http_body_util::BodyExt;
 use jiff::{SignedDuration, Timestamp};
 use metrics_exporter_prometheus::PrometheusBuilder;
-use tollgate::admission::SnapshotMapConfig;
 use tollgate::layer::ops_router;
-use tollgate::runtime::{
-    AccountLeaseConfig, InstanceRuntime, InstanceRuntimeConfig, PrincipalSelection, RuntimeHandle,
-    SnapshotManagerConfig, UsageWriterConfig,
-};
+use tollgate::runtime::{InstanceRuntime, InstanceRuntimeConfig, RuntimeHandle};
 use tollgate::store::{
     AccountSpec, AllocateError, Clock, GrantPolicy, IssuedKey, ManualClock, MemoryStore,
     TailSharing,
 };
-use tollgate::{
-    AccountStatus, CostUnits, DenyReason, EnforcementMode, KeyHash, LocalSharding, PermissionBits,
-};
+use tollgate::{AccountStatus, CostUnits, DenyReason, EnforcementMode, KeyHash, PermissionBits};
 use tower::ServiceExt;
 
 const LEASE_TTL: SignedDuration = SignedDuration::from_secs(60);
@@ -34,45 +30,7 @@ fn ms(n: u64) -> Duration {
 }
 
 fn config() -> InstanceRuntimeConfig {
-    InstanceRuntimeConfig {
-        snapshot_map: SnapshotMapConfig {
-            max_staleness: SignedDuration::from_secs(30),
-            negative_capacity: 64,
-            history_depth: 2,
-            lookup_queue_capacity: 64,
-        },
-        snapshots: SnapshotManagerConfig {
-            principals: PrincipalSelection::All { page_size: 100 },
-            refresh_interval: ms(1_000),
-            retry_backoff: ms(200),
-            fetch_timeout: ms(500),
-            enumeration_timeout: ms(500),
-            max_staleness: SignedDuration::from_secs(30),
-        },
-        leases: AccountLeaseConfig {
-            target_grant: CostUnits(500),
-            low_water: CostUnits(100),
-            lease_ttl: LEASE_TTL,
-            expiry_safety_margin: SignedDuration::from_secs(5),
-            poll_interval: ms(100),
-            store_call_timeout: ms(200),
-            shutdown_release_deadline: ms(1_000),
-        },
-        sharding: LocalSharding::shards(2).unwrap(),
-        usage: UsageWriterConfig {
-            queue_capacity: 4_096,
-            max_batch: 256,
-            flush_interval: ms(50),
-            retry_backoff: ms(50),
-            ingest_timeout: ms(200),
-            shutdown_drain_deadline: ms(1_000),
-        },
-        reclaimer: None,
-        supervisor_interval: ms(100),
-        account_linger: ms(10_000),
-        manager_restart_backoff: ms(200),
-        shutdown_deadline: ms(3_000),
-    }
+    support::runtime::config(support::runtime::Pace::Paused)
 }
 
 struct World {

@@ -4,6 +4,8 @@
 //! headers, hostile credentials, and clones sharing one lease (I2, I3, I4,
 //! I5, I8, I9, I20, I25).
 
+mod support;
+
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -14,19 +16,14 @@ use http::{HeaderMap, HeaderValue, Request, Response, StatusCode};
 use http_body_util::BodyExt;
 use jiff::{SignedDuration, Timestamp};
 use proptest::prelude::*;
-use tollgate::admission::SnapshotMapConfig;
 use tollgate::layer::{
     Admitted, BearerOrApiKey, DenyBody, KeyExtractor, LayerConfigError, MAX_KEY_BYTES, Price,
     REQUEST_ID_HEADER, TollgateBody, TollgateLayer,
 };
-use tollgate::runtime::{
-    AccountLeaseConfig, InstanceRuntime, InstanceRuntimeConfig, PrincipalSelection, RuntimeHandle,
-    SnapshotManagerConfig, UsageWriterConfig,
-};
+use tollgate::runtime::{InstanceRuntime, InstanceRuntimeConfig, RuntimeHandle};
 use tollgate::store::{AccountSpec, Clock, GrantPolicy, ManualClock, MemoryStore, TailSharing};
 use tollgate::{
-    AccountId, AccountStatus, CostUnits, EnforcementMode, LocalSharding, PermissionBits,
-    PolicyRevision,
+    AccountId, AccountStatus, CostUnits, EnforcementMode, PermissionBits, PolicyRevision,
 };
 use tower::{Layer, Service, ServiceExt, service_fn};
 
@@ -42,45 +39,7 @@ fn ms(n: u64) -> Duration {
 }
 
 fn config() -> InstanceRuntimeConfig {
-    InstanceRuntimeConfig {
-        snapshot_map: SnapshotMapConfig {
-            max_staleness: SignedDuration::from_secs(30),
-            negative_capacity: 64,
-            history_depth: 2,
-            lookup_queue_capacity: 64,
-        },
-        snapshots: SnapshotManagerConfig {
-            principals: PrincipalSelection::All { page_size: 100 },
-            refresh_interval: ms(1_000),
-            retry_backoff: ms(200),
-            fetch_timeout: ms(500),
-            enumeration_timeout: ms(500),
-            max_staleness: SignedDuration::from_secs(30),
-        },
-        leases: AccountLeaseConfig {
-            target_grant: CostUnits(500),
-            low_water: CostUnits(100),
-            lease_ttl: LEASE_TTL,
-            expiry_safety_margin: SignedDuration::from_secs(5),
-            poll_interval: ms(100),
-            store_call_timeout: ms(200),
-            shutdown_release_deadline: ms(1_000),
-        },
-        sharding: LocalSharding::shards(2).unwrap(),
-        usage: UsageWriterConfig {
-            queue_capacity: 4_096,
-            max_batch: 256,
-            flush_interval: ms(50),
-            retry_backoff: ms(50),
-            ingest_timeout: ms(200),
-            shutdown_drain_deadline: ms(1_000),
-        },
-        reclaimer: None,
-        supervisor_interval: ms(100),
-        account_linger: ms(10_000),
-        manager_restart_backoff: ms(200),
-        shutdown_deadline: ms(3_000),
-    }
+    support::runtime::config(support::runtime::Pace::Paused)
 }
 
 struct World {

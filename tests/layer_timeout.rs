@@ -14,6 +14,8 @@
 //! holding the limit would always time out first (its deadline started
 //! earlier), free the limit, and race the queued request's deadline.
 
+mod support;
+
 use std::io::{Read as _, Write as _};
 use std::net::TcpStream;
 use std::sync::Arc;
@@ -27,16 +29,10 @@ use jiff::SignedDuration;
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
-use tollgate::admission::SnapshotMapConfig;
 use tollgate::layer::{CommitMarkerLayer, Price, TollgateLayer};
-use tollgate::runtime::{
-    AccountLeaseConfig, InstanceRuntime, InstanceRuntimeConfig, PrincipalSelection, RuntimeHandle,
-    SnapshotManagerConfig, UsageWriterConfig,
-};
+use tollgate::runtime::{InstanceRuntime, InstanceRuntimeConfig, RuntimeHandle};
 use tollgate::store::{AccountSpec, Clock, GrantPolicy, MemoryStore, SystemClock, TailSharing};
-use tollgate::{
-    AccountId, AccountStatus, CostUnits, EnforcementMode, LocalSharding, PermissionBits,
-};
+use tollgate::{AccountId, AccountStatus, CostUnits, EnforcementMode, PermissionBits};
 use tower::limit::GlobalConcurrencyLimitLayer;
 use tower::util::MapResponseLayer;
 use tower_http::timeout::TimeoutLayer;
@@ -63,45 +59,7 @@ fn ms(n: u64) -> Duration {
 }
 
 fn config() -> InstanceRuntimeConfig {
-    InstanceRuntimeConfig {
-        snapshot_map: SnapshotMapConfig {
-            max_staleness: SignedDuration::from_secs(30),
-            negative_capacity: 64,
-            history_depth: 2,
-            lookup_queue_capacity: 64,
-        },
-        snapshots: SnapshotManagerConfig {
-            principals: PrincipalSelection::All { page_size: 100 },
-            refresh_interval: ms(1_000),
-            retry_backoff: ms(20),
-            fetch_timeout: ms(500),
-            enumeration_timeout: ms(500),
-            max_staleness: SignedDuration::from_secs(30),
-        },
-        leases: AccountLeaseConfig {
-            target_grant: CostUnits(500),
-            low_water: CostUnits(100),
-            lease_ttl: SignedDuration::from_secs(60),
-            expiry_safety_margin: SignedDuration::from_secs(5),
-            poll_interval: ms(20),
-            store_call_timeout: ms(200),
-            shutdown_release_deadline: ms(1_000),
-        },
-        sharding: LocalSharding::shards(2).unwrap(),
-        usage: UsageWriterConfig {
-            queue_capacity: 4_096,
-            max_batch: 256,
-            flush_interval: ms(10),
-            retry_backoff: ms(20),
-            ingest_timeout: ms(200),
-            shutdown_drain_deadline: ms(1_000),
-        },
-        reclaimer: None,
-        supervisor_interval: ms(20),
-        account_linger: ms(10_000),
-        manager_restart_backoff: ms(50),
-        shutdown_deadline: ms(3_000),
-    }
+    support::runtime::config(support::runtime::Pace::RealTime)
 }
 
 struct Server {

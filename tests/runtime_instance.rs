@@ -3,24 +3,22 @@
 //! retirement, ordered shutdown, and three instances sharing one balance
 //! through a crash (I14, I15, I19, I25, I29).
 
+mod support;
+
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
 use jiff::{SignedDuration, Timestamp};
-use tollgate::admission::SnapshotMapConfig;
 use tollgate::runtime::InstanceRuntimeConfigError;
-use tollgate::runtime::{
-    AccountLeaseConfig, InstanceRuntime, InstanceRuntimeConfig, PrincipalSelection, RuntimeHandle,
-    SnapshotManagerConfig, UsageWriterConfig,
-};
+use tollgate::runtime::{InstanceRuntime, InstanceRuntimeConfig, RuntimeHandle};
 use tollgate::store::{
     AccountSpec, AllocateError, Allocation, Clock, GrantPolicy, LeaseAllocator, ManualClock,
     MemoryStore, ReclaimBatch, Released, StoreError, TailSharing,
 };
 use tollgate::{
     AccountId, AccountStatus, CostUnits, DenyReason, EnforcementMode, FencingToken, LeaseId,
-    LocalSharding, PermissionBits, Principal,
+    PermissionBits, Principal,
 };
 
 const INITIAL: u64 = 20_000;
@@ -32,45 +30,7 @@ fn ms(n: u64) -> Duration {
 }
 
 fn config() -> InstanceRuntimeConfig {
-    InstanceRuntimeConfig {
-        snapshot_map: SnapshotMapConfig {
-            max_staleness: SignedDuration::from_secs(30),
-            negative_capacity: 64,
-            history_depth: 2,
-            lookup_queue_capacity: 64,
-        },
-        snapshots: SnapshotManagerConfig {
-            principals: PrincipalSelection::All { page_size: 100 },
-            refresh_interval: ms(1_000),
-            retry_backoff: ms(200),
-            fetch_timeout: ms(500),
-            enumeration_timeout: ms(500),
-            max_staleness: SignedDuration::from_secs(30),
-        },
-        leases: AccountLeaseConfig {
-            target_grant: CostUnits(500),
-            low_water: CostUnits(100),
-            lease_ttl: LEASE_TTL,
-            expiry_safety_margin: SignedDuration::from_secs(5),
-            poll_interval: ms(100),
-            store_call_timeout: ms(200),
-            shutdown_release_deadline: ms(1_000),
-        },
-        sharding: LocalSharding::shards(2).unwrap(),
-        usage: UsageWriterConfig {
-            queue_capacity: 4_096,
-            max_batch: 256,
-            flush_interval: ms(50),
-            retry_backoff: ms(50),
-            ingest_timeout: ms(200),
-            shutdown_drain_deadline: ms(1_000),
-        },
-        reclaimer: None,
-        supervisor_interval: ms(100),
-        account_linger: ms(10_000),
-        manager_restart_backoff: ms(200),
-        shutdown_deadline: ms(3_000),
-    }
+    support::runtime::config(support::runtime::Pace::Paused)
 }
 
 /// Captured log output.

@@ -5,3 +5,4 @@
 )]
 
 pub(crate) mod counting_allocator;
+pub(crate) mod runtime;
