@@ -17,14 +17,13 @@ use axum::extract::{FromRequest, Request};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use http::StatusCode;
-use jiff::SignedDuration;
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tollgate::layer::{Charged, CommitMarkerLayer, Price, TollgateLayer};
-use tollgate::runtime::{InstanceRuntime, InstanceRuntimeConfig, RuntimeHandle};
-use tollgate::store::{AccountSpec, Clock, GrantPolicy, MemoryStore, SystemClock, TailSharing};
-use tollgate::{AccountId, AccountStatus, CostUnits, EnforcementMode, PermissionBits};
+use tollgate::runtime::{InstanceRuntime, RuntimeHandle};
+use tollgate::store::{Clock, MemoryStore, SystemClock};
+use tollgate::{AccountId, CostUnits, PermissionBits};
 use tower::limit::GlobalConcurrencyLimitLayer;
 
 const INITIAL: u64 = 10_000;
@@ -37,10 +36,6 @@ const SLOW_FOR: Duration = Duration::from_millis(600);
 
 fn ms(n: u64) -> Duration {
     Duration::from_millis(n)
-}
-
-fn config() -> InstanceRuntimeConfig {
-    support::runtime::config(support::runtime::Pace::RealTime)
 }
 
 /// Which app the server runs.
@@ -85,51 +80,14 @@ struct Server {
 }
 
 async fn serve(app: App) -> Server {
-    let clock = Arc::new(SystemClock);
-    let now = clock.now();
-    let store = Arc::new(
-        MemoryStore::new(GrantPolicy {
-            max_ttl: SignedDuration::from_secs(60),
-            reclaim_grace: SignedDuration::from_secs(10),
-            tail: TailSharing {
-                instances: 1,
-                min_grant: CostUnits(1),
-            },
-        })
-        .unwrap(),
-    );
-    let account = store
-        .create_account(
-            AccountSpec {
-                balance: CostUnits(INITIAL),
-                mode: EnforcementMode::Strict,
-                status: AccountStatus::Active,
-                refill: None,
-            },
-            now,
-        )
-        .unwrap();
-    let key = store
-        .issue_key(account, PermissionBits::ALL, now)
-        .unwrap()
-        .key
-        .expose()
-        .to_owned();
-    let (runtime, handle) = InstanceRuntime::spawn(
-        Arc::clone(&store) as _,
-        Arc::clone(&store) as _,
-        Arc::clone(&store) as _,
-        Arc::clone(&clock) as Arc<dyn Clock>,
-        config(),
-    )
-    .unwrap();
-    for _ in 0..300 {
-        if handle.readiness() {
-            break;
-        }
-        tokio::time::sleep(ms(10)).await;
-    }
-    assert!(handle.readiness(), "the runtime loads within three seconds");
+    let support::runtime::RealTimeWorld {
+        clock,
+        store,
+        account,
+        key,
+        runtime,
+        handle,
+    } = support::runtime::start_real_time(INITIAL).await;
 
     let layer = TollgateLayer::builder(handle.clone())
         .price(|parts: &http::request::Parts| Price {

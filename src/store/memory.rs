@@ -601,6 +601,17 @@ impl MemoryStore {
             .map_err(|_| StoreError::new("memory store poisoned by an earlier panic"))
     }
 
+    /// When a lease granted at `now` for a requested `ttl` expires: the ttl
+    /// clamped to the policy's maximum, refused if not positive or past the
+    /// end of time.
+    fn expiry(&self, ttl: SignedDuration, now: Timestamp) -> Result<Timestamp, AllocateError> {
+        let ttl = self
+            .policy
+            .lease_ttl(ttl)
+            .ok_or(AllocateError::InvalidTtl)?;
+        now.checked_add(ttl).map_err(|_| AllocateError::InvalidTtl)
+    }
+
     fn acquire_now(
         &self,
         account: AccountId,
@@ -608,13 +619,7 @@ impl MemoryStore {
         ttl: SignedDuration,
         now: Timestamp,
     ) -> Result<Allocation, AllocateError> {
-        let ttl = self
-            .policy
-            .lease_ttl(ttl)
-            .ok_or(AllocateError::InvalidTtl)?;
-        let expires_at = now
-            .checked_add(ttl)
-            .map_err(|_| AllocateError::InvalidTtl)?;
+        let expires_at = self.expiry(ttl, now)?;
         if requested.is_zero() {
             return Err(AllocateError::InvalidRequest);
         }
@@ -675,13 +680,7 @@ impl MemoryStore {
         ttl: SignedDuration,
         now: Timestamp,
     ) -> Result<Allocation, AllocateError> {
-        let ttl = self
-            .policy
-            .lease_ttl(ttl)
-            .ok_or(AllocateError::InvalidTtl)?;
-        let expires_at = now
-            .checked_add(ttl)
-            .map_err(|_| AllocateError::InvalidTtl)?;
+        let expires_at = self.expiry(ttl, now)?;
         let wanted = requested.max(needed);
         if wanted.is_zero() {
             return Err(AllocateError::InvalidRequest);

@@ -74,3 +74,79 @@ pub(crate) fn config(pace: Pace) -> InstanceRuntimeConfig {
         shutdown_deadline: ms(3_000),
     }
 }
+
+/// A memory store holding one Strict account of `balance` units with one
+/// all-permission key, and a ready runtime over it, in real time.
+pub(crate) struct RealTimeWorld {
+    pub(crate) clock: std::sync::Arc<tollgate::store::SystemClock>,
+    pub(crate) store: std::sync::Arc<tollgate::store::MemoryStore>,
+    pub(crate) account: tollgate::AccountId,
+    /// The key's plaintext, as a caller presents it.
+    pub(crate) key: String,
+    pub(crate) runtime: tollgate::runtime::InstanceRuntime,
+    pub(crate) handle: tollgate::runtime::RuntimeHandle,
+}
+
+/// Starts a [`RealTimeWorld`] and waits (at most three seconds) until its
+/// runtime is ready.
+pub(crate) async fn start_real_time(balance: u64) -> RealTimeWorld {
+    use std::sync::Arc;
+
+    use tollgate::runtime::InstanceRuntime;
+    use tollgate::store::{AccountSpec, Clock, GrantPolicy, MemoryStore, SystemClock, TailSharing};
+    use tollgate::{AccountStatus, EnforcementMode, PermissionBits};
+
+    let clock = Arc::new(SystemClock);
+    let now = clock.now();
+    let store = Arc::new(
+        MemoryStore::new(GrantPolicy {
+            max_ttl: LEASE_TTL,
+            reclaim_grace: SignedDuration::from_secs(10),
+            tail: TailSharing {
+                instances: 1,
+                min_grant: CostUnits(1),
+            },
+        })
+        .expect("the test grant policy is valid"),
+    );
+    let account = store
+        .create_account(
+            AccountSpec {
+                balance: CostUnits(balance),
+                mode: EnforcementMode::Strict,
+                status: AccountStatus::Active,
+                refill: None,
+            },
+            now,
+        )
+        .expect("a fresh store opens accounts");
+    let key = store
+        .issue_key(account, PermissionBits::ALL, now)
+        .expect("the account exists")
+        .key
+        .expose()
+        .to_owned();
+    let (runtime, handle) = InstanceRuntime::spawn(
+        Arc::clone(&store) as _,
+        Arc::clone(&store) as _,
+        Arc::clone(&store) as _,
+        Arc::clone(&clock) as Arc<dyn Clock>,
+        config(Pace::RealTime),
+    )
+    .expect("the test configuration is valid");
+    for _ in 0..300 {
+        if handle.readiness() {
+            break;
+        }
+        tokio::time::sleep(ms(10)).await;
+    }
+    assert!(handle.readiness(), "the runtime loads within three seconds");
+    RealTimeWorld {
+        clock,
+        store,
+        account,
+        key,
+        runtime,
+        handle,
+    }
+}
