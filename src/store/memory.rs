@@ -130,6 +130,12 @@ pub enum AdminError {
     InvalidRefill,
     /// The operating system could not supply randomness for a key.
     Randomness,
+    /// The adjustment would take the balance below zero.
+    BalanceUnderflow,
+    /// The idempotency key was already used for a different movement.
+    IdempotencyConflict,
+    /// The request is malformed; the message says how.
+    Invalid(String),
     /// The store could not answer.
     Storage(StoreError),
 }
@@ -144,6 +150,13 @@ impl fmt::Display for AdminError {
                 f.write_str("a refill interval must be positive and end within the time range")
             }
             Self::Randomness => f.write_str("the operating system supplied no randomness"),
+            Self::BalanceUnderflow => {
+                f.write_str("the adjustment would take the balance below zero")
+            }
+            Self::IdempotencyConflict => {
+                f.write_str("the idempotency key was already used for a different movement")
+            }
+            Self::Invalid(message) => write!(f, "invalid request: {message}"),
             Self::Storage(error) => write!(f, "storage error: {error}"),
         }
     }
@@ -205,6 +218,16 @@ pub enum LedgerViolation {
         /// The lease.
         lease_id: LeaseId,
     },
+    /// An account's balance is not the sum of the balance movements its
+    /// journal records (stores that keep a journal).
+    JournalMismatch {
+        /// The account.
+        account_id: AccountId,
+        /// The balance.
+        balance: CostUnits,
+        /// The sum of the journal's movements.
+        journal: i128,
+    },
 }
 
 impl fmt::Display for LedgerViolation {
@@ -241,6 +264,14 @@ impl fmt::Display for LedgerViolation {
                 recorded,
             } => write!(f, "{account_id}: debt {debt}, overage events {recorded}"),
             Self::OrphanLease { lease_id } => write!(f, "{lease_id}: names no known account"),
+            Self::JournalMismatch {
+                account_id,
+                balance,
+                journal,
+            } => write!(
+                f,
+                "{account_id}: balance {balance}, journal movements sum to {journal}"
+            ),
         }
     }
 }
