@@ -6,9 +6,10 @@
 
 mod support;
 
+use std::collections::BTreeMap;
 use std::convert::Infallible;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use http::header::{AUTHORIZATION, CACHE_CONTROL, CONTENT_TYPE, RETRY_AFTER, WWW_AUTHENTICATE};
@@ -21,11 +22,16 @@ use tollgate::layer::{
     REQUEST_ID_HEADER, TollgateBody, TollgateLayer,
 };
 use tollgate::runtime::{InstanceRuntime, InstanceRuntimeConfig, RuntimeHandle};
-use tollgate::store::{AccountSpec, Clock, GrantPolicy, ManualClock, MemoryStore, TailSharing};
+use tollgate::store::{
+    AccountSpec, Clock, GrantPolicy, ManualClock, MemoryStore, RefillSchedule, TailSharing,
+};
 use tollgate::{
     AccountId, AccountStatus, CostUnits, EnforcementMode, PermissionBits, PolicyRevision,
 };
 use tower::{Layer, Service, ServiceExt, service_fn};
+use tracing_subscriber::layer::SubscriberExt as _;
+
+const RATE_LIMIT: http::HeaderName = http::HeaderName::from_static("ratelimit");
 
 const PRICE: u64 = 7;
 const INITIAL: u64 = 10_000;
@@ -413,7 +419,11 @@ async fn requests_without_a_usable_key_get_401_with_a_bearer_challenge() {
         );
         assert!(
             !answer.headers.contains_key(REQUEST_ID_HEADER),
-            "no request id before admission"
+            "no request id for a caller that was not identified"
+        );
+        assert!(
+            !answer.headers.contains_key(RATE_LIMIT),
+            "no balance figure for an unauthenticated caller"
         );
     }
     let counters = w.handle.counters();
@@ -454,6 +464,21 @@ async fn a_key_without_the_route_permission_gets_403_and_pays_nothing() {
     let answer = send(&w, w.bearer("/write")).await;
     check_denial(&answer, StatusCode::FORBIDDEN, "permission_denied");
     assert_eq!(w.remaining(), before);
+    identified_denial(&answer);
+    assert!(!answer.headers.contains_key(RATE_LIMIT));
+}
+
+/// A denial after the key was identified carries a request id to quote, in
+/// the header and in the problem document alike.
+#[track_caller]
+fn identified_denial(answer: &Answer) {
+    let id = answer.headers[REQUEST_ID_HEADER].to_str().unwrap();
+    assert!(id.starts_with("req_"), "{id}");
+    assert!(
+        answer.body.contains(&format!("\"request_id\":\"{id}\"")),
+        "{}",
+        answer.body
+    );
 }
 
 #[tokio::test(start_paused = true)]
@@ -466,6 +491,130 @@ async fn an_account_with_no_balance_gets_402_that_is_not_cached() {
         !answer.headers.contains_key(RETRY_AFTER),
         "no refill schedule, so no date to retry at"
     );
+    identified_denial(&answer);
+    // The one true number: nothing is left, and no refill is scheduled.
+    assert_eq!(answer.headers[RATE_LIMIT], "\"balance\";r=0");
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_empty_balance_that_refills_says_when_in_retry_after_and_ratelimit() {
+    let w = world(0).await;
+    let refill = RefillSchedule {
+        amount: CostUnits(500),
+        interval: SignedDuration::from_secs(3_600),
+    };
+    let now = w.clock.now();
+    w.store
+        .configure_refill(w.account, Some(refill), now)
+        .unwrap();
+    // The lease manager's next acquire brings the allocator's evidence,
+    // which names the period end.
+    tokio::time::sleep(ms(20_000)).await;
+    // Ten seconds into the period on the runtime's clock.
+    w.clock
+        .set(now.checked_add(SignedDuration::from_secs(10)).unwrap());
+    let answer = send(&w, w.bearer("/read")).await;
+    check_denial(&answer, StatusCode::PAYMENT_REQUIRED, "balance_exhausted");
+    let period_end = now.checked_add(refill.interval).unwrap();
+    assert_eq!(
+        answer.headers[RETRY_AFTER].to_str().unwrap(),
+        jiff::fmt::rfc2822::DateTimePrinter::new()
+            .timestamp_to_rfc9110_string(&period_end)
+            .unwrap()
+    );
+    assert_eq!(answer.headers[RATE_LIMIT], "\"balance\";r=0;t=3590");
+    identified_denial(&answer);
+}
+
+#[tokio::test(start_paused = true)]
+async fn each_admission_is_one_span_with_route_key_prefix_and_outcome_never_the_key() {
+    let w = world(INITIAL).await;
+    let spans = SpanLog::default();
+    let _subscriber =
+        tracing::subscriber::set_default(tracing_subscriber::registry().with(spans.clone()));
+    let admitted = send(&w, w.bearer("/read")).await;
+    assert_eq!(admitted.status, StatusCode::OK);
+    let denied = send(&w, w.bearer("/write")).await;
+    assert_eq!(denied.status, StatusCode::FORBIDDEN);
+    let anonymous = send(&w, request("/read", &[])).await;
+    assert_eq!(anonymous.status, StatusCode::UNAUTHORIZED);
+
+    let spans = spans.0.lock().unwrap().clone();
+    assert_eq!(spans.len(), 3, "{spans:#?}");
+    let prefix = &w.key[..11];
+    let first = &spans[0];
+    assert_eq!(first["route"], "/read");
+    assert_eq!(first["key_prefix"], prefix);
+    assert_eq!(first["account"], w.account.get().to_string());
+    assert_eq!(first["units"], PRICE.to_string());
+    assert_eq!(first["outcome"], "admitted");
+    assert_eq!(
+        first["request_id"],
+        admitted.headers[REQUEST_ID_HEADER].to_str().unwrap()
+    );
+    assert_eq!(spans[1]["route"], "/write");
+    assert_eq!(spans[1]["outcome"], "permission_denied");
+    assert_eq!(
+        spans[1]["request_id"],
+        denied.headers[REQUEST_ID_HEADER].to_str().unwrap()
+    );
+    assert_eq!(spans[2]["outcome"], "missing_credential");
+    assert!(!spans[2].contains_key("key_prefix"));
+    for span in &spans {
+        assert!(
+            span.values().all(|value| !value.contains(&w.key)),
+            "the key never reaches a span: {span:?}"
+        );
+    }
+}
+
+/// Records the fields of every `tollgate.admission` span.
+#[derive(Clone, Default)]
+struct SpanLog(Arc<Mutex<Vec<BTreeMap<String, String>>>>);
+
+struct Fields<'a>(&'a mut BTreeMap<String, String>);
+
+impl tracing::field::Visit for Fields<'_> {
+    fn record_str(&mut self, field: &tracing::field::Field, value: &str) {
+        self.0.insert(field.name().to_owned(), value.to_owned());
+    }
+
+    fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+        self.0.insert(field.name().to_owned(), format!("{value:?}"));
+    }
+}
+
+impl<S> tracing_subscriber::Layer<S> for SpanLog
+where
+    S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
+{
+    fn on_new_span(
+        &self,
+        attrs: &tracing::span::Attributes<'_>,
+        id: &tracing::span::Id,
+        _: tracing_subscriber::layer::Context<'_, S>,
+    ) {
+        if attrs.metadata().name() != "tollgate.admission" {
+            return;
+        }
+        let mut fields = BTreeMap::new();
+        attrs.record(&mut Fields(&mut fields));
+        fields.insert("#id".to_owned(), id.into_u64().to_string());
+        self.0.lock().unwrap().push(fields);
+    }
+
+    fn on_record(
+        &self,
+        id: &tracing::span::Id,
+        values: &tracing::span::Record<'_>,
+        _: tracing_subscriber::layer::Context<'_, S>,
+    ) {
+        let mut spans = self.0.lock().unwrap();
+        let id = id.into_u64().to_string();
+        if let Some(fields) = spans.iter_mut().rev().find(|fields| fields["#id"] == id) {
+            values.record(&mut Fields(fields));
+        }
+    }
 }
 
 #[tokio::test(start_paused = true)]
@@ -475,6 +624,7 @@ async fn a_shutting_down_instance_answers_503_with_retry_after() {
     let answer = send(&w, w.bearer("/read")).await;
     check_denial(&answer, StatusCode::SERVICE_UNAVAILABLE, "shutting_down");
     assert_eq!(answer.headers[RETRY_AFTER], "1");
+    identified_denial(&answer);
     assert_eq!(w.shutdown_and_usage().await, Vec::<u64>::new());
 }
 

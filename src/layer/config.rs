@@ -8,6 +8,7 @@ use tower_layer::Layer;
 use super::credential::{BearerOrApiKey, KeyExtractor};
 use super::deny::{DenyRenderer, ProblemJson};
 use super::service::Tollgate;
+use crate::admission::RequestIds;
 use crate::runtime::RuntimeHandle;
 use crate::{CostUnits, PermissionBits, PolicyRevision};
 
@@ -27,12 +28,16 @@ pub enum LayerConfigError {
     /// No pricing function was given: what a request costs decides what is
     /// spent, so it has no default.
     MissingPricing,
+    /// The operating system supplied no randomness for the prefix of the
+    /// request ids given to denied callers.
+    Randomness,
 }
 
 impl fmt::Display for LayerConfigError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Self::MissingPricing => f.write_str("no pricing function was given"),
+            Self::Randomness => f.write_str("the operating system supplied no randomness"),
         }
     }
 }
@@ -51,6 +56,9 @@ pub(super) struct Shared {
     /// Whether the charge is committed by a commit point inside the inner
     /// service rather than at the response future's first poll.
     pub(super) deferred: bool,
+    /// Ids for callers denied after identification: something to quote in
+    /// a support request, keying no usage event.
+    pub(super) denial_ids: RequestIds,
 }
 
 impl fmt::Debug for Shared {
@@ -161,9 +169,12 @@ impl TollgateBuilder {
     ///
     /// # Errors
     ///
-    /// [`LayerConfigError::MissingPricing`] when no pricing was given.
+    /// [`LayerConfigError::MissingPricing`] when no pricing was given;
+    /// [`LayerConfigError::Randomness`] when the operating system supplied
+    /// no randomness.
     pub fn build(self) -> Result<TollgateLayer, LayerConfigError> {
         let price = self.price.ok_or(LayerConfigError::MissingPricing)?;
+        let denial_ids = RequestIds::random().map_err(|_| LayerConfigError::Randomness)?;
         Ok(TollgateLayer {
             shared: Arc::new(Shared {
                 handle: self.handle,
@@ -172,6 +183,7 @@ impl TollgateBuilder {
                 renderer: self.renderer,
                 policy_revision: self.policy_revision,
                 deferred: self.deferred,
+                denial_ids,
             }),
         })
     }

@@ -14,8 +14,9 @@ use crate::{DenyReason, RequestId, Retry};
 /// The layer adds the `x-tollgate-request-id` header itself when
 /// `request_id` is known, so a renderer need not.
 pub trait DenyRenderer: Send + Sync + 'static {
-    /// The response for `reason`. `request_id` is `Some` only when the
-    /// request had been admitted and its commit was refused.
+    /// The response for `reason`. `request_id` is `Some` once the caller's
+    /// key was identified: a denial at admission after the lookup, or a
+    /// refused commit.
     fn render(&self, reason: DenyReason, request_id: Option<RequestId>) -> Response<DenyBody>;
 }
 

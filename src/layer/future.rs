@@ -6,7 +6,11 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll, ready};
 
+use std::fmt::Write as _;
+
+use http::header::HeaderName;
 use http::{HeaderValue, Response};
+use jiff::Timestamp;
 use pin_project_lite::pin_project;
 
 use super::body::{DenyBody, TollgateBody};
@@ -14,7 +18,7 @@ use super::config::Shared;
 use super::deferred::{ChargeCell, ReleaseOnDrop};
 use super::service::REQUEST_ID_HEADER;
 use crate::admission::RequestContext;
-use crate::{CommitError, DenyReason, RequestId};
+use crate::{CommitError, CostUnits, DenyReason, RequestId};
 
 pin_project! {
     /// The future a [`Tollgate`](super::Tollgate) returns.
@@ -193,8 +197,42 @@ pub(super) fn render(
     if let Some(request_id) = request_id {
         insert_request_id(&mut response, request_id);
     }
+    if let Some(value) = balance_rate_limit(reason, shared.handle.clock().now()) {
+        response.headers_mut().insert(RATE_LIMIT, value);
+    }
     response
 }
+
+/// The `RateLimit` field (draft-ietf-httpapi-ratelimit-headers) of a denial
+/// that states what the account's balance can still fund: `r` is those
+/// units and `t` the seconds until the balance refills, when it does.
+///
+/// Only these denials carry a true number: an admitted request knows its
+/// instance's lease, not the account's balance, and a shortage on one
+/// instance says nothing of the others. `RateLimit-Policy` is never sent,
+/// because its quota (`q`) is a refill amount the request path does not
+/// know. Both reasons come after the key was identified, so the field never
+/// reaches an unauthenticated caller.
+fn balance_rate_limit(reason: DenyReason, now: Timestamp) -> Option<HeaderValue> {
+    let (remaining, period_end) = match reason {
+        DenyReason::BalanceExhausted { period_end } => (CostUnits::ZERO, period_end),
+        DenyReason::BalanceInsufficient {
+            remaining,
+            period_end,
+        } => (remaining, period_end),
+        _ => return None,
+    };
+    let mut field = format!("\"balance\";r={}", remaining.get());
+    if let Some(end) = period_end {
+        // Whole seconds, rounded up, so a client waiting `t` is never early.
+        let nanos = u128::try_from(end.as_nanosecond() - now.as_nanosecond()).unwrap_or(0);
+        let _ = write!(field, ";t={}", nanos.div_ceil(1_000_000_000));
+    }
+    HeaderValue::from_str(&field).ok()
+}
+
+/// The `RateLimit` response field's name.
+pub(super) const RATE_LIMIT: HeaderName = HeaderName::from_static("ratelimit");
 
 fn insert_request_id<B>(response: &mut Response<B>, request_id: RequestId) {
     let value = HeaderValue::from_str(&request_id.to_string())

@@ -80,9 +80,26 @@
 //! # Headers
 //!
 //! Admitted responses carry `x-tollgate-request-id`, the id that keys the
-//! request's usage event (I8). A denial carries it too when the request had
-//! been admitted and the commit failed; a denial at admission has no request
-//! id, because the runtime assigns one only to admitted requests.
+//! request's usage event (I8). A denial carries one too once the caller's
+//! key was identified (a 402, 403, 429 or 503 after lookup, or a refused
+//! commit), so the caller has something to quote; a caller whose key is
+//! missing, malformed, unknown or revoked gets none.
+//!
+//! A 402 that states what the account's balance can still fund carries the
+//! IETF draft `RateLimit` field, `"balance";r=<units>`, with `;t=<seconds>`
+//! until the balance refills when a refill is scheduled. No other response
+//! carries it: an instance knows its own lease, not the account's balance,
+//! so any other figure would not be true. `RateLimit-Policy` is not sent,
+//! because its quota is a refill amount the request path does not know.
+//!
+//! # Tracing
+//!
+//! Each admission is one `debug` span, `tollgate.admission`, with the
+//! route (axum's route template when the request went through an axum
+//! router, else the path), the key's visible prefix (`tg_` and eight
+//! characters, as stores keep it; nothing of any other credential), the
+//! account, the units, the request id and the outcome (`admitted` or the
+//! deny code). The key itself is never recorded.
 //!
 //! # Example
 //!

@@ -11,7 +11,8 @@ use super::body::TollgateBody;
 use super::config::Shared;
 use super::deferred::{ChargeCell, PendingCharge};
 use super::future::ResponseFuture;
-use crate::{AccountId, CostUnits, KeyHash, KeyId, RequestId};
+use crate::store::ApiKey;
+use crate::{AccountId, CostUnits, DenyReason, KeyHash, KeyId, RequestId};
 
 /// The header that carries a request's id, the idempotency key of its
 /// usage event (I8).
@@ -79,12 +80,32 @@ where
     fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
         let (mut parts, body) = request.into_parts();
         let shared = &self.shared;
+        // One span per admission. Disabled (the usual case in production
+        // at `info`), it costs one check of the callsite's interest.
+        let span = tracing::debug_span!(
+            "tollgate.admission",
+            route = route_of(&parts),
+            key_prefix = tracing::field::Empty,
+            account = tracing::field::Empty,
+            units = tracing::field::Empty,
+            request_id = tracing::field::Empty,
+            outcome = tracing::field::Empty,
+        );
+        let _entered = span.enter();
         let key = match shared.extractor.extract(&parts.headers) {
-            // Hashed at once: the plaintext is borrowed from the headers and
-            // never leaves this statement.
-            Ok(key) => KeyHash::of(key),
+            Ok(key) => {
+                // Only the visible prefix a store keeps anyway, never the
+                // secret part (I16).
+                if let Some(prefix) = visible_prefix(key) {
+                    span.record("key_prefix", prefix);
+                }
+                // Hashed at once: the plaintext is borrowed from the headers
+                // and never leaves this statement.
+                KeyHash::of(key)
+            }
             Err(reason) => {
-                log_denial(&parts, reason);
+                span.record("outcome", reason.code());
+                tracing::debug!("tollgate admission denied");
                 // Counted with the engine's denials, so every refusal shows
                 // under its code in the metrics.
                 shared.handle.engine().counters().denied(reason);
@@ -92,6 +113,7 @@ where
             }
         };
         let price = (shared.price)(&parts);
+        span.record("units", price.units.get());
         let now = shared.handle.clock().now();
         match shared
             .handle
@@ -107,15 +129,10 @@ where
                     key_id: context.key_id(),
                     request_id: context.request_id(),
                 };
-                tracing::debug!(
-                    path = parts.uri.path(),
-                    account = %admitted.account_id,
-                    key_id = admitted.key_id.map(KeyId::get),
-                    units = admitted.units.get(),
-                    request_id = %admitted.request_id,
-                    outcome = "admitted",
-                    "tollgate admission",
-                );
+                span.record("account", admitted.account_id.get());
+                span.record("request_id", tracing::field::display(admitted.request_id));
+                span.record("outcome", "admitted");
+                tracing::debug!("tollgate admission admitted");
                 parts.extensions.insert(admitted);
                 if shared.deferred {
                     let request_id = context.request_id();
@@ -128,24 +145,56 @@ where
                 ResponseFuture::admitted(future, context, Arc::clone(shared))
             }
             Err(reason) => {
-                tracing::debug!(
-                    path = parts.uri.path(),
-                    units = price.units.get(),
-                    outcome = reason.code(),
-                    "tollgate admission",
-                );
-                ResponseFuture::denied(shared, reason, None)
+                // A caller the runtime identified gets a request id to quote
+                // (it keys no usage event: nothing was charged); one that
+                // presented no usable key gets none.
+                let request_id = identified(reason).then(|| shared.denial_ids.next());
+                if let Some(request_id) = request_id {
+                    span.record("request_id", tracing::field::display(request_id));
+                }
+                span.record("outcome", reason.code());
+                tracing::debug!("tollgate admission denied");
+                ResponseFuture::denied(shared, reason, request_id)
             }
         }
     }
 }
 
-/// A denial before the key is known: no account, no key id, and never the
-/// credential itself.
-fn log_denial(parts: &http::request::Parts, reason: crate::DenyReason) {
-    tracing::debug!(
-        path = parts.uri.path(),
-        outcome = reason.code(),
-        "tollgate admission",
-    );
+/// Whether a denial at admission came after the key was identified: every
+/// reason but those of a key that is absent, malformed, unknown, revoked or
+/// not yet loaded.
+fn identified(reason: DenyReason) -> bool {
+    !matches!(
+        reason,
+        DenyReason::MissingCredential
+            | DenyReason::MalformedCredential
+            | DenyReason::UnknownPrincipal
+            | DenyReason::KeyRevoked
+            | DenyReason::SnapshotUnavailable
+    )
+}
+
+/// The part of a presented key that is safe to log: the visible prefix a
+/// store keeps for tollgate's own keys ([`crate::store::KeyPrefix`]), and
+/// nothing of any other credential.
+fn visible_prefix(key: &[u8]) -> Option<&str> {
+    let prefix = key.get(..KEY_PREFIX_BYTES)?;
+    if !prefix.starts_with(ApiKey::PREFIX.as_bytes()) {
+        return None;
+    }
+    std::str::from_utf8(prefix).ok()
+}
+
+/// `tg_` and eight characters, as [`ApiKey::prefix`] keeps them.
+const KEY_PREFIX_BYTES: usize = ApiKey::PREFIX.len() + 8;
+
+/// The route the request matched: axum's route template when the request
+/// went through an axum router (bounded, unlike the raw path), else the
+/// path.
+fn route_of(parts: &http::request::Parts) -> &str {
+    #[cfg(feature = "axum")]
+    if let Some(matched) = parts.extensions.get::<axum::extract::MatchedPath>() {
+        return matched.as_str();
+    }
+    parts.uri.path()
 }
