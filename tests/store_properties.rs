@@ -1,14 +1,20 @@
-//! A state-machine property test of the memory store against a reference
-//! model: random acquires, releases with any claim, consolidations, usage
+//! A state-machine property test of every store against a reference model:
+//! random acquires, releases with any claim, consolidations, usage
 //! (including re-deliveries and stale fencing tokens), reclaims across clock
 //! jumps, top-ups and periodic refills. After every step the store must
-//! agree with the model and `audit()` must find nothing (I14, I15).
+//! agree with the model and `audit()` must find nothing (I14, I15). The
+//! runner is generic over [`TestStore`]; each store gets one test at the
+//! bottom, with its own case count, and each case starts from an empty store.
+
+mod support;
 
 use jiff::{SignedDuration, Timestamp};
 use proptest::prelude::*;
+use proptest::test_runner::{TestRunner, contextualize_config};
+use support::stores::TestStore;
 use tollgate::store::{
-    AccountSpec, AllocateError, GrantPolicy, IngestOutcome, LeaseAllocator, MemoryStore,
-    RefillSchedule, RejectReason, TailSharing, UsageSink,
+    AccountSpec, AllocateError, GrantPolicy, IngestOutcome, MemoryStore, RefillSchedule,
+    RejectReason, TailSharing,
 };
 use tollgate::{
     AccountId, AccountStatus, BalanceExhaustion, BalanceShortfall, CostUnits, EnforcementMode,
@@ -159,59 +165,77 @@ impl Model {
     }
 }
 
-fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
+/// Runs `cases` random scenarios against fresh stores of kind `S`, driving
+/// each case's async calls on one current-thread runtime. Passes without
+/// running when `S` is unavailable here.
+fn check<S: TestStore>(cases: u32) {
     let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
         .build()
         .unwrap();
-    runtime.block_on(async move {
-        let store = MemoryStore::new(policy()).unwrap();
-        let start = Timestamp::from_second(1_000).unwrap();
-        let account = store
-            .create_account(
-                AccountSpec {
-                    balance: CostUnits(500),
-                    mode: EnforcementMode::Strict,
-                    status: AccountStatus::Active,
-                    refill: Some(REFILL),
-                },
-                start,
-            )
-            .unwrap();
-        let mut model = Model {
-            account,
-            now: start,
-            balance: 500,
-            period_end: start + REFILL.interval,
-            leases: Vec::new(),
-            accepted: Vec::new(),
-            debt: 0,
-            next_request: 0,
-        };
-        for op in ops {
-            model.refill();
-            step(&store, &mut model, op).await?;
-            // Reading the account applies a period that ended, as any call does.
-            model.refill();
-            let view = store.account(account, model.now).unwrap();
-            prop_assert_eq!(view.balance, CostUnits(model.balance));
-            let leased: u64 = model
-                .leases
-                .iter()
-                .filter(|l| !l.settled)
-                .map(|l| l.granted)
-                .sum();
-            prop_assert_eq!(view.leased, CostUnits(leased));
-            prop_assert_eq!(view.overage_debt, CostUnits(model.debt));
-            prop_assert_eq!(view.period_end, Some(model.period_end));
-            let violations = store.audit().unwrap();
-            prop_assert!(violations.is_empty(), "{:#?}", violations);
-        }
-        Ok(())
-    })
+    if runtime.block_on(S::fresh(policy())).is_none() {
+        return;
+    }
+    let mut config = contextualize_config(ProptestConfig::with_cases(cases));
+    config.source_file = Some(file!());
+    let mut runner = TestRunner::new(config);
+    let ops = proptest::collection::vec(op(), 1..80);
+    if let Err(failure) = runner.run(&ops, |ops| runtime.block_on(run::<S>(ops))) {
+        panic!("{failure}\n{runner}");
+    }
+}
+
+async fn run<S: TestStore>(ops: Vec<Op>) -> Result<(), TestCaseError> {
+    let store = S::fresh(policy())
+        .await
+        .expect("the store was available for the first case");
+    let start = Timestamp::from_second(1_000).unwrap();
+    let account = store
+        .create_account(
+            AccountSpec {
+                balance: CostUnits(500),
+                mode: EnforcementMode::Strict,
+                status: AccountStatus::Active,
+                refill: Some(REFILL),
+            },
+            start,
+        )
+        .await
+        .unwrap();
+    let mut model = Model {
+        account,
+        now: start,
+        balance: 500,
+        period_end: start + REFILL.interval,
+        leases: Vec::new(),
+        accepted: Vec::new(),
+        debt: 0,
+        next_request: 0,
+    };
+    for op in ops {
+        model.refill();
+        step(&store, &mut model, op).await?;
+        // Reading the account applies a period that ended, as any call does.
+        model.refill();
+        let view = store.account(account, model.now).await.unwrap();
+        prop_assert_eq!(view.balance, CostUnits(model.balance));
+        let leased: u64 = model
+            .leases
+            .iter()
+            .filter(|l| !l.settled)
+            .map(|l| l.granted)
+            .sum();
+        prop_assert_eq!(view.leased, CostUnits(leased));
+        prop_assert_eq!(view.overage_debt, CostUnits(model.debt));
+        prop_assert_eq!(view.period_end, Some(model.period_end));
+        let violations = store.audit().await.unwrap();
+        prop_assert!(violations.is_empty(), "{:#?}", violations);
+    }
+    Ok(())
 }
 
 #[allow(clippy::too_many_lines)]
-async fn step(store: &MemoryStore, model: &mut Model, op: Op) -> Result<(), TestCaseError> {
+async fn step<S: TestStore>(store: &S, model: &mut Model, op: Op) -> Result<(), TestCaseError> {
     let now = model.now;
     match op {
         Op::Acquire {
@@ -429,7 +453,10 @@ async fn step(store: &MemoryStore, model: &mut Model, op: Op) -> Result<(), Test
             }
         }
         Op::TopUp { units } => {
-            let balance = store.top_up(model.account, CostUnits(units), now).unwrap();
+            let balance = store
+                .top_up(model.account, CostUnits(units), now)
+                .await
+                .unwrap();
             model.balance += units;
             prop_assert_eq!(balance, CostUnits(model.balance));
         }
@@ -437,13 +464,7 @@ async fn step(store: &MemoryStore, model: &mut Model, op: Op) -> Result<(), Test
     Ok(())
 }
 
-proptest! {
-    #![proptest_config(ProptestConfig::with_cases(256))]
-
-    #[test]
-    fn the_memory_store_matches_its_model_and_its_books_balance(
-        ops in proptest::collection::vec(op(), 1..80)
-    ) {
-        run(ops)?;
-    }
+#[test]
+fn the_memory_store_matches_its_model_and_its_books_balance() {
+    check::<MemoryStore>(256);
 }

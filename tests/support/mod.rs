@@ -6,3 +6,4 @@
 
 pub(crate) mod counting_allocator;
 pub(crate) mod runtime;
+pub(crate) mod stores;
