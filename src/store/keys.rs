@@ -66,6 +66,12 @@ impl fmt::Debug for ApiKey {
 }
 
 impl KeyPrefix {
+    /// A prefix as a store kept it.
+    #[cfg(feature = "postgres")]
+    pub(crate) fn from_stored(prefix: String) -> Self {
+        Self(prefix)
+    }
+
     /// The prefix text.
     #[must_use]
     pub fn as_str(&self) -> &str {

@@ -28,11 +28,16 @@
 //!
 //! and for every lease `accepted leased usage + credited ≤ granted` (I15).
 //! [`MemoryStore::audit`] checks both.
+//!
+//! With the `postgres` feature, `PostgresStore` keeps the same books in
+//! `PostgreSQL`, for many instances sharing accounts.
 
 mod clock;
 mod keys;
 mod memory;
 mod policy;
+#[cfg(feature = "postgres")]
+mod postgres;
 
 use std::fmt;
 
@@ -52,6 +57,11 @@ pub use memory::{
     RefillSchedule,
 };
 pub use policy::{GrantPolicy, GrantPolicyError, TailSharing};
+#[cfg(feature = "postgres")]
+pub use postgres::{
+    BalanceChange, JournalEntry, JournalKind, MigrationReport, Movement, PostgresConfig,
+    PostgresError, PostgresStore, SchemaStatus,
+};
 
 /// Moves units between account balances and leases.
 ///

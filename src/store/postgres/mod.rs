@@ -1,0 +1,383 @@
+//! The `PostgreSQL` store: every port over one shared database, so many
+//! gateway instances can share accounts.
+//!
+//! [`PostgresStore`] implements [`LeaseAllocator`](crate::store::LeaseAllocator),
+//! [`UsageSink`](crate::store::UsageSink) and
+//! [`SnapshotSource`](crate::store::SnapshotSource) plus the operator's
+//! operations, and behaves exactly like the
+//! [`MemoryStore`](crate::store::MemoryStore): the same grants, the same
+//! refusals in the same order, the same ingest outcomes. Grant sizes and
+//! refills are computed in Rust by the same [`GrantPolicy`] code; `PostgreSQL`
+//! only keeps the books.
+//!
+//! # Schema and migrations
+//!
+//! Everything lives in one schema of tollgate's own (`tollgate` unless
+//! configured), including its migration table `{schema}.schema_migrations`,
+//! which it never shares with the host application. The migrations ship in
+//! the crate and [`PostgresStore::migrate`] applies them under a
+//! transaction-scoped advisory lock, so instances starting together migrate
+//! exactly once. [`PostgresStore::check_schema`] reports a schema that is
+//! missing, behind, ahead or modified instead of guessing.
+//!
+//! # Transactions and locks
+//!
+//! Each allocator call is one short transaction that row-locks what it
+//! changes. Every call takes its locks in one order — lease rows (by id)
+//! before account rows (by id) — so calls never deadlock each other. Reclaim
+//! skips leases another reclaimer holds (`FOR UPDATE SKIP LOCKED`), so any
+//! number of processes can reclaim at once (I19). A usage batch is recorded
+//! by one statement. Every balance movement is journalled in the transaction
+//! that makes it, and [`PostgresStore::audit`] checks the ledger equation
+//! (I14), the lease bound (I15) and the journal against the balances.
+//!
+//! # Time
+//!
+//! The store reads no clock (I13): every instant comes from the caller.
+//! `PostgreSQL` keeps microseconds, so every incoming `now` and event `at` is
+//! truncated to the microsecond before use; what the store returns (lease
+//! expiries, period ends, event instants) is what it stored. Two usage
+//! events that differ only below the microsecond are the same event.
+//!
+//! # Errors
+//!
+//! A lost connection, a pool timeout, a serialization failure or a deadlock
+//! is a storage error (the call may or may not have taken effect), never a
+//! domain refusal. A row that does not map back to the domain (a negative
+//! id, an unknown status) is a storage error naming it; the store never
+//! panics on what it reads.
+
+mod admin;
+mod allocator;
+mod audit;
+mod convert;
+mod ingest;
+mod ledger;
+mod migrate;
+mod snapshots;
+mod tx;
+
+use std::fmt;
+use std::time::Duration;
+
+use jiff::Timestamp;
+use sqlx::PgPool;
+use sqlx::postgres::PgPoolOptions;
+
+use crate::model::{AccountId, CostUnits, LeaseId};
+use crate::store::{GrantPolicy, GrantPolicyError, StoreError};
+
+pub use migrate::{MigrationReport, SchemaStatus};
+
+/// How a [`PostgresStore`] is set up. There is no `Default`: the policy
+/// decides how much balance an instance may hold and for how long (I17).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PostgresConfig {
+    /// The schema every table lives in, for example `"tollgate"`: a lowercase
+    /// identifier matching `^[a-z_][a-z0-9_]{0,62}$`.
+    pub schema: String,
+    /// The rules every grant follows.
+    pub policy: GrantPolicy,
+}
+
+/// The `PostgreSQL` store.
+///
+/// Cheap to share behind an `Arc`; the pool inside is shared by every call.
+///
+/// # Invariants
+///
+/// 1. The schema name is a validated identifier, so it can be spliced into
+///    SQL text.
+/// 2. The policy passed [`GrantPolicy::validate`].
+/// 3. Every instant the store writes is truncated to the microsecond first.
+pub struct PostgresStore {
+    pool: PgPool,
+    schema: String,
+    policy: GrantPolicy,
+}
+
+/// The attribution of an operator's balance movement.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Movement<'a> {
+    /// Makes the movement idempotent: a second movement with the same key
+    /// and the same account and amount changes nothing and reports the
+    /// first one's outcome. Non-empty, at most 200 bytes.
+    pub idempotency_key: &'a str,
+    /// Why the balance moved, for the journal. Non-empty, at most 200 bytes.
+    pub reason: &'a str,
+}
+
+/// The outcome of an operator's balance movement.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BalanceChange {
+    /// The balance right after the movement.
+    pub balance: CostUnits,
+    /// `false` when the idempotency key had been used for this same movement
+    /// before: nothing changed, and `balance` is the first outcome.
+    pub applied: bool,
+}
+
+/// One balance movement, as the journal recorded it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct JournalEntry {
+    /// The journal's order.
+    pub seq: u64,
+    /// The account whose balance moved.
+    pub account_id: AccountId,
+    /// What moved it.
+    pub kind: JournalKind,
+    /// The change to the balance.
+    pub delta: i64,
+    /// The balance right after.
+    pub balance_after: CostUnits,
+    /// The lease granted from or credited back, if any.
+    pub lease_id: Option<LeaseId>,
+    /// When, by the caller's clock.
+    pub at: Timestamp,
+    /// The operator's reason, for operator movements.
+    pub reason: Option<String>,
+    /// The operator's idempotency key, for operator movements.
+    pub idempotency_key: Option<String>,
+}
+
+/// What moved an account's balance.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum JournalKind {
+    /// The opening balance.
+    Open,
+    /// Units granted to a lease (negative).
+    Grant,
+    /// Units a release credited back.
+    Release,
+    /// Units a consolidation credited back (its new grant is a `Grant`).
+    Consolidation,
+    /// Units a TTL reclaim credited back.
+    Reclaim,
+    /// An operator's top-up.
+    TopUp,
+    /// A periodic refill's reset of the balance (may be negative).
+    Refill,
+    /// An operator's adjustment (may be negative).
+    Adjustment,
+}
+
+impl JournalKind {
+    /// Every kind, in declaration order.
+    pub const ALL: [Self; 8] = [
+        Self::Open,
+        Self::Grant,
+        Self::Release,
+        Self::Consolidation,
+        Self::Reclaim,
+        Self::TopUp,
+        Self::Refill,
+        Self::Adjustment,
+    ];
+
+    /// A stable lowercase label, as the journal stores it.
+    #[must_use]
+    pub const fn label(self) -> &'static str {
+        match self {
+            Self::Open => "open",
+            Self::Grant => "grant",
+            Self::Release => "release",
+            Self::Consolidation => "consolidation",
+            Self::Reclaim => "reclaim",
+            Self::TopUp => "top_up",
+            Self::Refill => "refill",
+            Self::Adjustment => "adjustment",
+        }
+    }
+
+    /// The kind a label names.
+    fn from_label(label: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|kind| kind.label() == label)
+    }
+}
+
+impl fmt::Display for JournalKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.label())
+    }
+}
+
+/// Why the `PostgreSQL` store could not be set up or migrated.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum PostgresError {
+    /// The schema name is not a lowercase identifier of at most 63 bytes.
+    InvalidSchemaName(String),
+    /// The grant policy breaks a rule.
+    Policy(GrantPolicyError),
+    /// The database could not be reached.
+    Connect(StoreError),
+    /// A migration could not be applied, or the database disagrees with the
+    /// migrations this build ships.
+    Migration {
+        /// The migration.
+        version: u32,
+        /// What went wrong.
+        message: String,
+    },
+    /// The database failed mid-call.
+    Storage(StoreError),
+}
+
+impl fmt::Display for PostgresError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::InvalidSchemaName(name) => write!(
+                f,
+                "invalid schema name {name:?}: expected a lowercase identifier of at most 63 bytes"
+            ),
+            Self::Policy(error) => write!(f, "{error}"),
+            Self::Connect(error) => write!(f, "cannot connect to postgres: {error}"),
+            Self::Migration { version, message } => write!(f, "migration {version}: {message}"),
+            Self::Storage(error) => write!(f, "storage error: {error}"),
+        }
+    }
+}
+
+impl std::error::Error for PostgresError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Self::Policy(error) => Some(error),
+            Self::Connect(error) | Self::Storage(error) => Some(error),
+            _ => None,
+        }
+    }
+}
+
+impl From<StoreError> for PostgresError {
+    fn from(error: StoreError) -> Self {
+        Self::Storage(error)
+    }
+}
+
+/// The most connections [`PostgresStore::connect`] opens.
+const POOL_CONNECTIONS_MAX: u32 = 10;
+/// The longest a call waits for a pooled connection before failing as a
+/// storage error.
+const POOL_ACQUIRE_TIMEOUT: Duration = Duration::from_secs(5);
+/// The longest a schema name may be: `PostgreSQL`'s identifier limit.
+const SCHEMA_NAME_LEN_MAX: usize = 63;
+
+impl PostgresStore {
+    /// Connects a pool of at most ten connections to `url` (waiting at most
+    /// five seconds for a connection) and builds a store on it. Does not
+    /// migrate.
+    ///
+    /// # Errors
+    ///
+    /// An invalid schema name or policy, or [`PostgresError::Connect`].
+    pub async fn connect(url: &str, config: PostgresConfig) -> Result<Self, PostgresError> {
+        validate(&config)?;
+        let pool = PgPoolOptions::new()
+            .max_connections(POOL_CONNECTIONS_MAX)
+            .acquire_timeout(POOL_ACQUIRE_TIMEOUT)
+            .connect(url)
+            .await
+            .map_err(|error| PostgresError::Connect(StoreError::new(error.to_string())))?;
+        Self::with_pool(pool, config)
+    }
+
+    /// A store over an existing pool. Does not migrate.
+    ///
+    /// # Errors
+    ///
+    /// [`PostgresError::InvalidSchemaName`] or [`PostgresError::Policy`].
+    pub fn with_pool(pool: PgPool, config: PostgresConfig) -> Result<Self, PostgresError> {
+        validate(&config)?;
+        Ok(Self {
+            pool,
+            schema: config.schema,
+            policy: config.policy,
+        })
+    }
+
+    /// The pool the store uses.
+    #[must_use]
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// The schema the store's tables live in.
+    #[must_use]
+    pub fn schema(&self) -> &str {
+        &self.schema
+    }
+
+    /// The grant policy in force.
+    #[must_use]
+    pub fn policy(&self) -> &GrantPolicy {
+        &self.policy
+    }
+
+    /// `template` with every `{schema}` replaced by the store's schema name
+    /// (a validated identifier, invariant 1).
+    fn sql(&self, template: &str) -> String {
+        template.replace("{schema}", &self.schema)
+    }
+}
+
+impl fmt::Debug for PostgresStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PostgresStore")
+            .field("schema", &self.schema)
+            .field("policy", &self.policy)
+            .finish_non_exhaustive()
+    }
+}
+
+fn validate(config: &PostgresConfig) -> Result<(), PostgresError> {
+    if !valid_schema_name(&config.schema) {
+        return Err(PostgresError::InvalidSchemaName(config.schema.clone()));
+    }
+    config.policy.validate().map_err(PostgresError::Policy)
+}
+
+/// Whether `name` matches `^[a-z_][a-z0-9_]{0,62}$`: safe to splice into SQL
+/// unquoted, and never folded or truncated by `PostgreSQL`.
+fn valid_schema_name(name: &str) -> bool {
+    let mut bytes = name.bytes();
+    let Some(first) = bytes.next() else {
+        return false;
+    };
+    name.len() <= SCHEMA_NAME_LEN_MAX
+        && (first.is_ascii_lowercase() || first == b'_')
+        && bytes.all(|byte| byte.is_ascii_lowercase() || byte.is_ascii_digit() || byte == b'_')
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_plain_lowercase_identifiers_are_schema_names() {
+        for good in ["tollgate", "_t", "a1_b2", &"a".repeat(63)] {
+            assert!(valid_schema_name(good), "{good}");
+        }
+        for bad in [
+            "",
+            "1abc",
+            "Tollgate",
+            "toll-gate",
+            "toll gate",
+            "a;drop",
+            "\"x\"",
+            "é",
+            &"a".repeat(64),
+        ] {
+            assert!(!valid_schema_name(bad), "{bad}");
+        }
+    }
+
+    #[test]
+    fn journal_labels_round_trip() {
+        for kind in JournalKind::ALL {
+            assert_eq!(JournalKind::from_label(kind.label()), Some(kind));
+        }
+        assert_eq!(JournalKind::from_label("gift"), None);
+    }
+}

@@ -1,0 +1,2013 @@
+//! The `PostgreSQL` store against a real server: migrations, every allocator
+//! path and refusal, usage ingest (checked event for event against the
+//! memory store), operator movements, keys and snapshots, and concurrency,
+//! with the ledger audited after every scenario.
+//!
+//! The server comes from `TOLLGATE_TEST_DATABASE_URL`. Without it the tests
+//! print a loud `SKIPPED` line and pass, except under CI (`CI` set), where
+//! they fail. Each test works in its own schema, so they run in parallel.
+#![cfg(feature = "postgres")]
+
+use std::sync::Arc;
+
+use jiff::{SignedDuration, Timestamp};
+use tollgate::store::{
+    AccountSpec, AdminError, AllocateError, Allocation, GrantPolicy, IngestOutcome, JournalKind,
+    KeyHash, LeaseAllocator, LedgerViolation, MemoryStore, Movement, PostgresConfig, PostgresError,
+    PostgresStore, RefillSchedule, RejectReason, SchemaStatus, SnapshotCursor, SnapshotSource,
+    TailSharing, UsageSink,
+};
+use tollgate::{
+    AccountId, AccountStatus, BalanceExhaustion, BalanceShortfall, CostUnits, EnforcementMode,
+    FencingToken, KeyId, KeyStatus, LeaseId, PermissionBits, PolicyRevision, Principal, RequestId,
+    UsageEvent, UsageSource,
+};
+
+fn at(second: i64) -> Timestamp {
+    Timestamp::from_second(second).expect("test instants are in range")
+}
+
+fn secs(n: i64) -> SignedDuration {
+    SignedDuration::from_secs(n)
+}
+
+const TTL: SignedDuration = SignedDuration::from_secs(30);
+
+fn policy(instances: u64) -> GrantPolicy {
+    GrantPolicy {
+        max_ttl: secs(60),
+        reclaim_grace: secs(10),
+        tail: TailSharing {
+            instances,
+            min_grant: CostUnits(10),
+        },
+    }
+}
+
+/// The server's URL, or `None` (after saying so loudly) when there is none
+/// and this is not CI.
+fn database_url() -> Option<String> {
+    match std::env::var("TOLLGATE_TEST_DATABASE_URL") {
+        Ok(url) if !url.is_empty() => Some(url),
+        _ => {
+            assert!(
+                std::env::var_os("CI").is_none(),
+                "TOLLGATE_TEST_DATABASE_URL must be set under CI: the PostgreSQL store tests need a server"
+            );
+            eprintln!(
+                "SKIPPED: TOLLGATE_TEST_DATABASE_URL is not set; the PostgreSQL store was not tested"
+            );
+            None
+        }
+    }
+}
+
+fn schema_of(test: &str) -> String {
+    format!("tg_test_{test}")
+}
+
+/// A store over a fresh schema of the test's own, not yet migrated.
+async fn fresh(test: &str, instances: u64) -> Option<PostgresStore> {
+    let url = database_url()?;
+    let schema = schema_of(test);
+    let store = PostgresStore::connect(
+        &url,
+        PostgresConfig {
+            schema: schema.clone(),
+            policy: policy(instances),
+        },
+    )
+    .await
+    .expect("the test server is reachable");
+    sqlx::raw_sql(&format!("DROP SCHEMA IF EXISTS {schema} CASCADE"))
+        .execute(store.pool())
+        .await
+        .expect("dropping the test schema");
+    Some(store)
+}
+
+/// Another store (its own pool) over the same schema.
+async fn sibling(store: &PostgresStore) -> PostgresStore {
+    PostgresStore::connect(
+        &database_url().expect("the first store found a url"),
+        PostgresConfig {
+            schema: store.schema().to_owned(),
+            policy: *store.policy(),
+        },
+    )
+    .await
+    .expect("the test server is reachable")
+}
+
+/// A migrated store over a fresh schema.
+async fn store(test: &str, instances: u64) -> Option<PostgresStore> {
+    let store = fresh(test, instances).await?;
+    store.migrate().await.expect("migrating a fresh schema");
+    Some(store)
+}
+
+async fn account(store: &PostgresStore, balance: u64) -> AccountId {
+    store
+        .create_account(
+            AccountSpec {
+                balance: CostUnits(balance),
+                mode: EnforcementMode::Strict,
+                status: AccountStatus::Active,
+                refill: None,
+            },
+            at(0),
+        )
+        .await
+        .unwrap()
+}
+
+async fn balance(store: &PostgresStore, account: AccountId, now: Timestamp) -> u64 {
+    store.account(account, now).await.unwrap().balance.get()
+}
+
+async fn audited(store: &PostgresStore) {
+    let violations = store.audit().await.unwrap();
+    assert!(violations.is_empty(), "I14/I15 violated: {violations:#?}");
+}
+
+fn leased(request: u128, account: AccountId, allocation: &Allocation, units: u64) -> UsageEvent {
+    UsageEvent {
+        request_id: RequestId(request),
+        account_id: account,
+        source: UsageSource::Leased {
+            lease_id: allocation.grant.lease_id,
+            fencing_token: allocation.grant.fencing_token,
+        },
+        units: CostUnits(units),
+        at: at(1),
+        policy_revision: PolicyRevision(1),
+        key_id: None,
+    }
+}
+
+fn movement(key: &str) -> Movement<'_> {
+    Movement {
+        idempotency_key: key,
+        reason: "test",
+    }
+}
+
+// ---- setup and migrations ---------------------------------------------------
+
+#[tokio::test]
+async fn a_bad_schema_name_or_policy_is_refused_before_connecting() {
+    let mut bad_policy = policy(1);
+    bad_policy.max_ttl = SignedDuration::ZERO;
+    for (schema, policy, expected) in [
+        (
+            "Tollgate; drop",
+            policy(1),
+            PostgresError::InvalidSchemaName("Tollgate; drop".to_owned()),
+        ),
+        (
+            "tollgate",
+            bad_policy,
+            PostgresError::Policy(tollgate::store::GrantPolicyError::MaxTtlNotPositive),
+        ),
+    ] {
+        let refused = PostgresStore::connect(
+            "postgres://nobody@127.0.0.1:1/none",
+            PostgresConfig {
+                schema: schema.to_owned(),
+                policy,
+            },
+        )
+        .await;
+        assert_eq!(refused.err(), Some(expected));
+    }
+}
+
+#[tokio::test]
+async fn migrating_twice_applies_nothing_the_second_time_and_the_check_says_so() {
+    let Some(store) = fresh("migrate_twice", 1).await else {
+        return;
+    };
+    assert_eq!(store.check_schema().await.unwrap(), SchemaStatus::Missing);
+    let first = store.migrate().await.unwrap();
+    assert_eq!((first.applied, first.current), (vec![1], 1));
+    let second = store.migrate().await.unwrap();
+    assert_eq!((second.applied, second.current), (vec![], 1));
+    assert_eq!(
+        store.check_schema().await.unwrap(),
+        SchemaStatus::Current { version: 1 }
+    );
+
+    let table = format!("{}.schema_migrations", store.schema());
+    sqlx::raw_sql(&format!(
+        "UPDATE {table} SET checksum = '\\x00'::bytea WHERE version = 1"
+    ))
+    .execute(store.pool())
+    .await
+    .unwrap();
+    assert_eq!(
+        store.check_schema().await.unwrap(),
+        SchemaStatus::Modified { version: 1 }
+    );
+    assert!(matches!(
+        store.migrate().await,
+        Err(PostgresError::Migration { version: 1, .. })
+    ));
+    sqlx::raw_sql(&format!(
+        "DELETE FROM {table}; INSERT INTO {table} VALUES (7, '\\x00'::bytea, now())"
+    ))
+    .execute(store.pool())
+    .await
+    .unwrap();
+    assert_eq!(
+        store.check_schema().await.unwrap(),
+        SchemaStatus::Ahead {
+            applied: 7,
+            shipped: 1
+        }
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn three_pools_migrating_at_once_apply_the_schema_once() {
+    let Some(first) = fresh("migrate_race", 1).await else {
+        return;
+    };
+    let second = sibling(&first).await;
+    let third = sibling(&first).await;
+    let (a, b, c) = tokio::join!(first.migrate(), second.migrate(), third.migrate());
+    let mut applied: Vec<u32> = [a, b, c]
+        .into_iter()
+        .flat_map(|report| report.unwrap().applied)
+        .collect();
+    applied.sort_unstable();
+    assert_eq!(applied, vec![1], "exactly one instance applied version 1");
+    assert_eq!(
+        second.check_schema().await.unwrap(),
+        SchemaStatus::Current { version: 1 }
+    );
+    audited(&third).await;
+}
+
+// ---- acquire ------------------------------------------------------------------
+
+#[tokio::test]
+async fn acquire_moves_units_from_the_balance_to_a_lease() {
+    let Some(store) = store("acquire", 1).await else {
+        return;
+    };
+    let acct = account(&store, 1_000).await;
+    let allocation = store
+        .acquire(acct, CostUnits(100), TTL, at(5))
+        .await
+        .unwrap();
+    assert_eq!(allocation.grant.units, CostUnits(100));
+    assert_eq!(allocation.grant.account_id, acct);
+    assert_eq!(allocation.grant.expires_at, at(35));
+    assert_eq!(allocation.funding, None);
+    assert_eq!(balance(&store, acct, at(5)).await, 900);
+    assert_eq!(
+        store.account(acct, at(5)).await.unwrap().leased,
+        CostUnits(100)
+    );
+    let second = store
+        .acquire(acct, CostUnits(100), secs(3_600), at(5))
+        .await
+        .unwrap();
+    assert_ne!(second.grant.lease_id, allocation.grant.lease_id);
+    assert_ne!(second.grant.fencing_token, allocation.grant.fencing_token);
+    assert_eq!(second.grant.expires_at, at(65), "clamped to max_ttl");
+    let history = store.history(acct).await.unwrap();
+    let kinds: Vec<_> = history.iter().map(|entry| entry.kind).collect();
+    assert_eq!(
+        kinds,
+        vec![JournalKind::Open, JournalKind::Grant, JournalKind::Grant]
+    );
+    assert_eq!(history[1].delta, -100);
+    assert_eq!(history[2].balance_after, CostUnits(800));
+    assert_eq!(history[2].lease_id, Some(second.grant.lease_id));
+    audited(&store).await;
+}
+
+#[tokio::test]
+async fn instants_are_kept_to_the_microsecond_and_returned_as_stored() {
+    let Some(store) = store("micros", 1).await else {
+        return;
+    };
+    let acct = account(&store, 1_000).await;
+    let now = at(5) + SignedDuration::from_nanos(1_234_567);
+    let grant = store
+        .acquire(
+            acct,
+            CostUnits(1),
+            SignedDuration::from_nanos(30_000_000_999),
+            now,
+        )
+        .await
+        .unwrap()
+        .grant;
+    assert_eq!(
+        grant.expires_at,
+        at(35) + SignedDuration::from_micros(1_234),
+        "now and the expiry are truncated to the microsecond"
+    );
+    let history = store.history(acct).await.unwrap();
+    assert_eq!(history[1].at, at(5) + SignedDuration::from_micros(1_234));
+}
+
+#[tokio::test]
+async fn acquire_refuses_each_invalid_request_without_touching_the_balance() {
+    let Some(store) = store("acquire_refusals", 1).await else {
+        return;
+    };
+    let acct = account(&store, 100).await;
+    let suspended = account(&store, 100).await;
+    store
+        .set_status(suspended, AccountStatus::Suspended, at(0))
+        .await
+        .unwrap();
+    let empty = account(&store, 0).await;
+    let cases = [
+        (
+            AccountId(999),
+            CostUnits(10),
+            TTL,
+            AllocateError::UnknownAccount,
+        ),
+        (
+            AccountId(u64::MAX),
+            CostUnits(10),
+            TTL,
+            AllocateError::UnknownAccount,
+        ),
+        (
+            suspended,
+            CostUnits(10),
+            TTL,
+            AllocateError::AccountInactive,
+        ),
+        (
+            empty,
+            CostUnits(10),
+            TTL,
+            AllocateError::BalanceExhausted(BalanceExhaustion { period_end: None }),
+        ),
+        (
+            acct,
+            CostUnits(10),
+            SignedDuration::ZERO,
+            AllocateError::InvalidTtl,
+        ),
+        (acct, CostUnits(10), secs(-5), AllocateError::InvalidTtl),
+        (acct, CostUnits::ZERO, TTL, AllocateError::InvalidRequest),
+        // The ttl is judged before the account.
+        (
+            AccountId(999),
+            CostUnits(10),
+            SignedDuration::ZERO,
+            AllocateError::InvalidTtl,
+        ),
+    ];
+    for (account, requested, ttl, expected) in cases {
+        assert_eq!(
+            store.acquire(account, requested, ttl, at(0)).await,
+            Err(expected.clone()),
+            "{expected}"
+        );
+    }
+    assert_eq!(
+        store
+            .acquire(acct, CostUnits(10), TTL, Timestamp::MAX)
+            .await,
+        Err(AllocateError::InvalidTtl)
+    );
+    assert_eq!(balance(&store, acct, at(0)).await, 100);
+    assert_eq!(balance(&store, suspended, at(0)).await, 100);
+    audited(&store).await;
+}
+
+#[tokio::test]
+async fn grants_shrink_in_the_tail_and_say_what_is_left() {
+    let Some(store) = store("tail", 4).await else {
+        return;
+    };
+    let acct = account(&store, 300).await;
+    let first = store
+        .acquire(acct, CostUnits(100), TTL, at(0))
+        .await
+        .unwrap();
+    assert_eq!(first.grant.units, CostUnits(75));
+    assert_eq!(first.funding, None);
+    let second = store
+        .acquire(acct, CostUnits(100), TTL, at(0))
+        .await
+        .unwrap();
+    assert_eq!(second.grant.units, CostUnits(57));
+    let mut left = 300 - 75 - 57;
+    while left > 0 {
+        let next = store
+            .acquire(acct, CostUnits(100), TTL, at(0))
+            .await
+            .unwrap();
+        left -= next.grant.units.get();
+        if left < 100 {
+            assert_eq!(
+                next.funding,
+                Some(BalanceShortfall {
+                    remaining: CostUnits(left),
+                    period_end: None
+                })
+            );
+        }
+    }
+    assert_eq!(
+        store.acquire(acct, CostUnits(100), TTL, at(0)).await,
+        Err(AllocateError::BalanceExhausted(BalanceExhaustion {
+            period_end: None
+        }))
+    );
+    audited(&store).await;
+}
+
+// ---- release ---------------------------------------------------------------------
+
+#[tokio::test]
+async fn release_credits_the_unspent_units_and_settles_once() {
+    let Some(store) = store("release", 1).await else {
+        return;
+    };
+    let acct = account(&store, 1_000).await;
+    let a = store
+        .acquire(acct, CostUnits(100), TTL, at(0))
+        .await
+        .unwrap();
+    let g = a.grant;
+    assert_eq!(
+        store
+            .release(
+                g.lease_id,
+                FencingToken(g.fencing_token.get() + 100),
+                CostUnits(100),
+                at(1)
+            )
+            .await,
+        Err(AllocateError::Fenced)
+    );
+    assert_eq!(
+        store
+            .release(g.lease_id, FencingToken(u64::MAX), CostUnits(100), at(1))
+            .await,
+        Err(AllocateError::Fenced)
+    );
+    assert_eq!(
+        store
+            .release(LeaseId(12_345), g.fencing_token, CostUnits(1), at(1))
+            .await,
+        Err(AllocateError::UnknownLease)
+    );
+    assert_eq!(
+        store
+            .release(LeaseId(u64::MAX), g.fencing_token, CostUnits(1), at(1))
+            .await,
+        Err(AllocateError::UnknownLease)
+    );
+    let outcome = store.ingest(&[leased(1, acct, &a, 30)]).await.unwrap();
+    assert_eq!(outcome, vec![IngestOutcome::Accepted]);
+    assert_eq!(
+        store
+            .release(g.lease_id, g.fencing_token, CostUnits(71), at(1))
+            .await,
+        Err(AllocateError::InvalidRelease)
+    );
+    assert_eq!(balance(&store, acct, at(1)).await, 900);
+    let released = store
+        .release(g.lease_id, g.fencing_token, CostUnits(60), at(1))
+        .await
+        .unwrap();
+    assert_eq!(released.credited, CostUnits(60));
+    assert_eq!(balance(&store, acct, at(1)).await, 960);
+    assert_eq!(
+        store
+            .release(g.lease_id, g.fencing_token, CostUnits(0), at(1))
+            .await,
+        Err(AllocateError::LeaseNotActive)
+    );
+    assert_eq!(balance(&store, acct, at(1)).await, 960);
+    assert_eq!(
+        store.account(acct, at(1)).await.unwrap().settled_unbilled,
+        CostUnits(10)
+    );
+    audited(&store).await;
+}
+
+#[tokio::test]
+async fn a_release_to_a_suspended_account_still_returns_its_units() {
+    let Some(store) = store("release_suspended", 1).await else {
+        return;
+    };
+    let acct = account(&store, 100).await;
+    let g = store
+        .acquire(acct, CostUnits(100), TTL, at(0))
+        .await
+        .unwrap()
+        .grant;
+    store
+        .set_status(acct, AccountStatus::Suspended, at(0))
+        .await
+        .unwrap();
+    store
+        .release(g.lease_id, g.fencing_token, CostUnits(100), at(1))
+        .await
+        .unwrap();
+    assert_eq!(balance(&store, acct, at(1)).await, 100);
+    audited(&store).await;
+}
+
+#[tokio::test]
+async fn crediting_past_the_largest_balance_is_refused_and_changes_nothing() {
+    let Some(store) = store("overflow", 1).await else {
+        return;
+    };
+    let largest = i64::MAX.unsigned_abs();
+    let acct = account(&store, largest).await;
+    let g = store
+        .acquire(acct, CostUnits(10), TTL, at(0))
+        .await
+        .unwrap()
+        .grant;
+    store
+        .top_up(acct, CostUnits(10), &movement("fill-up"), at(0))
+        .await
+        .unwrap();
+    assert_eq!(
+        store
+            .release(g.lease_id, g.fencing_token, CostUnits(10), at(1))
+            .await,
+        Err(AllocateError::BalanceOverflow)
+    );
+    assert_eq!(
+        store
+            .consolidate(
+                g.lease_id,
+                g.fencing_token,
+                CostUnits(10),
+                CostUnits(5),
+                CostUnits(5),
+                TTL,
+                at(1)
+            )
+            .await,
+        Err(AllocateError::BalanceOverflow)
+    );
+    assert_eq!(
+        store
+            .create_account(
+                AccountSpec {
+                    balance: CostUnits(largest + 1),
+                    mode: EnforcementMode::Strict,
+                    status: AccountStatus::Active,
+                    refill: None,
+                },
+                at(0)
+            )
+            .await,
+        Err(AdminError::BalanceOverflow),
+        "PostgreSQL holds at most i64::MAX units"
+    );
+    assert_eq!(balance(&store, acct, at(1)).await, largest);
+    // Spent units make room: the lease can still come back.
+    store
+        .release(g.lease_id, g.fencing_token, CostUnits::ZERO, at(1))
+        .await
+        .unwrap();
+    audited(&store).await;
+}
+
+// ---- consolidate -------------------------------------------------------------------
+
+#[tokio::test]
+async fn a_consolidation_settles_the_old_lease_and_grants_what_is_needed_in_one_step() {
+    let Some(store) = store("consolidate", 4).await else {
+        return;
+    };
+    let acct = account(&store, 200).await;
+    let old = store
+        .acquire(acct, CostUnits(50), TTL, at(0))
+        .await
+        .unwrap()
+        .grant;
+    let fresh = store
+        .consolidate(
+            old.lease_id,
+            old.fencing_token,
+            CostUnits(30),
+            CostUnits(50),
+            CostUnits(120),
+            TTL,
+            at(1),
+        )
+        .await
+        .unwrap();
+    assert_eq!(fresh.grant.units, CostUnits(120));
+    assert_eq!(fresh.grant.expires_at, at(31));
+    assert_eq!(balance(&store, acct, at(1)).await, 60);
+    assert_eq!(
+        fresh.funding,
+        Some(BalanceShortfall {
+            remaining: CostUnits(60),
+            period_end: None
+        })
+    );
+    assert_eq!(
+        store
+            .release(old.lease_id, old.fencing_token, CostUnits(30), at(2))
+            .await,
+        Err(AllocateError::LeaseNotActive)
+    );
+    let kinds: Vec<_> = store
+        .history(acct)
+        .await
+        .unwrap()
+        .iter()
+        .map(|entry| (entry.kind, entry.delta))
+        .collect();
+    assert_eq!(
+        kinds,
+        vec![
+            (JournalKind::Open, 200),
+            (JournalKind::Grant, -50),
+            (JournalKind::Consolidation, 30),
+            (JournalKind::Grant, -120),
+        ]
+    );
+    audited(&store).await;
+}
+
+#[tokio::test]
+#[allow(
+    clippy::too_many_lines,
+    reason = "one table of refusals, each leaving the lease as it was"
+)]
+async fn a_refused_consolidation_leaves_the_old_lease_active_and_releasable() {
+    let Some(store) = store("consolidate_refusals", 1).await else {
+        return;
+    };
+    let acct = account(&store, 100).await;
+    let old = store
+        .acquire(acct, CostUnits(60), TTL, at(0))
+        .await
+        .unwrap()
+        .grant;
+    assert_eq!(
+        store
+            .consolidate(
+                old.lease_id,
+                old.fencing_token,
+                CostUnits(50),
+                CostUnits(60),
+                CostUnits(95),
+                TTL,
+                at(1),
+            )
+            .await,
+        Err(AllocateError::BalanceInsufficient(BalanceShortfall {
+            remaining: CostUnits(90),
+            period_end: None
+        }))
+    );
+    assert_eq!(balance(&store, acct, at(1)).await, 40, "I18: rolled back");
+    for (lease, token, unspent, requested, needed, ttl, expected) in [
+        (
+            old.lease_id,
+            FencingToken(999),
+            50,
+            60,
+            10,
+            TTL,
+            AllocateError::Fenced,
+        ),
+        (
+            LeaseId(999),
+            old.fencing_token,
+            50,
+            60,
+            10,
+            TTL,
+            AllocateError::UnknownLease,
+        ),
+        (
+            old.lease_id,
+            old.fencing_token,
+            61,
+            60,
+            10,
+            TTL,
+            AllocateError::InvalidRelease,
+        ),
+        (
+            old.lease_id,
+            old.fencing_token,
+            50,
+            60,
+            10,
+            SignedDuration::ZERO,
+            AllocateError::InvalidTtl,
+        ),
+        (
+            old.lease_id,
+            old.fencing_token,
+            50,
+            0,
+            0,
+            TTL,
+            AllocateError::InvalidRequest,
+        ),
+    ] {
+        let outcome = store
+            .consolidate(
+                lease,
+                token,
+                CostUnits(unspent),
+                CostUnits(requested),
+                CostUnits(needed),
+                ttl,
+                at(1),
+            )
+            .await;
+        assert_eq!(outcome, Err(expected.clone()), "{expected}");
+    }
+    store
+        .set_status(acct, AccountStatus::Suspended, at(1))
+        .await
+        .unwrap();
+    assert_eq!(
+        store
+            .consolidate(
+                old.lease_id,
+                old.fencing_token,
+                CostUnits(50),
+                CostUnits(60),
+                CostUnits(10),
+                TTL,
+                at(1)
+            )
+            .await,
+        Err(AllocateError::AccountInactive)
+    );
+    assert_eq!(balance(&store, acct, at(1)).await, 40);
+    store
+        .release(old.lease_id, old.fencing_token, CostUnits(50), at(2))
+        .await
+        .unwrap();
+    assert_eq!(balance(&store, acct, at(2)).await, 90);
+    audited(&store).await;
+}
+
+#[tokio::test]
+async fn consolidating_an_empty_account_with_nothing_unspent_is_exhaustion() {
+    let Some(store) = store("consolidate_empty", 1).await else {
+        return;
+    };
+    let acct = account(&store, 10).await;
+    let old = store
+        .acquire(acct, CostUnits(10), TTL, at(0))
+        .await
+        .unwrap()
+        .grant;
+    assert_eq!(
+        store
+            .consolidate(
+                old.lease_id,
+                old.fencing_token,
+                CostUnits(0),
+                CostUnits(10),
+                CostUnits(5),
+                TTL,
+                at(1)
+            )
+            .await,
+        Err(AllocateError::BalanceExhausted(BalanceExhaustion {
+            period_end: None
+        }))
+    );
+    audited(&store).await;
+}
+
+// ---- reclaim -------------------------------------------------------------------------
+
+#[tokio::test]
+async fn reclaim_waits_for_the_grace_and_credits_the_remainder_net_of_usage() {
+    let Some(store) = store("reclaim", 1).await else {
+        return;
+    };
+    let acct = account(&store, 1_000).await;
+    let a = store
+        .acquire(acct, CostUnits(100), TTL, at(0))
+        .await
+        .unwrap();
+    store.ingest(&[leased(1, acct, &a, 25)]).await.unwrap();
+    // I19: expires at 30, grace 10: due at 40, not a microsecond before.
+    let just_before = at(40) - SignedDuration::from_micros(1);
+    let early = store.reclaim_expired_batch(just_before, 10).await.unwrap();
+    assert!(early.reclaimed.is_empty() && !early.more);
+    let batch = store.reclaim_expired_batch(at(40), 10).await.unwrap();
+    assert_eq!(batch.reclaimed.len(), 1);
+    assert_eq!(batch.reclaimed[0].lease_id, a.grant.lease_id);
+    assert_eq!(batch.reclaimed[0].account_id, acct);
+    assert_eq!(batch.reclaimed[0].credited, CostUnits(75));
+    assert_eq!(balance(&store, acct, at(40)).await, 975);
+    assert_eq!(
+        store.ingest(&[leased(2, acct, &a, 5)]).await.unwrap(),
+        vec![IngestOutcome::Rejected(RejectReason::LeaseSettled)]
+    );
+    let g = a.grant;
+    assert_eq!(
+        store
+            .release(g.lease_id, g.fencing_token, CostUnits(75), at(41))
+            .await,
+        Err(AllocateError::LeaseNotActive)
+    );
+    assert!(
+        store
+            .reclaim_expired_batch(at(100), 10)
+            .await
+            .unwrap()
+            .reclaimed
+            .is_empty()
+    );
+    assert_eq!(
+        store.history(acct).await.unwrap()[2].kind,
+        JournalKind::Reclaim
+    );
+    audited(&store).await;
+}
+
+#[tokio::test]
+async fn reclaim_pages_through_due_leases() {
+    let Some(store) = store("reclaim_pages", 1).await else {
+        return;
+    };
+    let acct = account(&store, 1_000).await;
+    for _ in 0..5 {
+        store
+            .acquire(acct, CostUnits(10), TTL, at(0))
+            .await
+            .unwrap();
+    }
+    let zero = store.reclaim_expired_batch(at(40), 0).await.unwrap();
+    assert_eq!((zero.reclaimed.len(), zero.more), (0, true));
+    for expected in [(2, true), (2, true), (1, false)] {
+        let batch = store.reclaim_expired_batch(at(40), 2).await.unwrap();
+        assert_eq!((batch.reclaimed.len(), batch.more), expected);
+    }
+    assert_eq!(balance(&store, acct, at(40)).await, 1_000);
+    audited(&store).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn three_concurrent_reclaimers_settle_each_lease_exactly_once() {
+    let Some(store) = store("reclaim_race", 1).await else {
+        return;
+    };
+    let accounts = [
+        account(&store, 100_000).await,
+        account(&store, 100_000).await,
+        account(&store, 100_000).await,
+    ];
+    let mut granted = 0;
+    for round in 0..150 {
+        granted += store
+            .acquire(accounts[round % 3], CostUnits(7), TTL, at(0))
+            .await
+            .unwrap()
+            .grant
+            .units
+            .get();
+    }
+    let mut reclaimers = Vec::new();
+    for _ in 0..3 {
+        let reclaimer = sibling(&store).await;
+        reclaimers.push(tokio::spawn(async move {
+            let mut mine = Vec::new();
+            loop {
+                let batch = reclaimer.reclaim_expired_batch(at(100), 4).await.unwrap();
+                if batch.reclaimed.is_empty() && !batch.more {
+                    return mine;
+                }
+                mine.extend(batch.reclaimed);
+            }
+        }));
+    }
+    let mut all = Vec::new();
+    for reclaimer in reclaimers {
+        all.extend(reclaimer.await.unwrap());
+    }
+    let credited: u64 = all.iter().map(|lease| lease.credited.get()).sum();
+    all.sort_by_key(|lease| lease.lease_id);
+    all.dedup_by_key(|lease| lease.lease_id);
+    assert_eq!(all.len(), 150, "I19: every lease reclaimed exactly once");
+    assert_eq!(credited, granted);
+    for acct in accounts {
+        assert_eq!(balance(&store, acct, at(100)).await, 100_000);
+    }
+    audited(&store).await;
+}
+
+// ---- refills and operator movements ------------------------------------------------
+
+#[tokio::test]
+async fn a_refill_resets_the_balance_at_each_period_end() {
+    let Some(store) = store("refill", 1).await else {
+        return;
+    };
+    let acct = store
+        .create_account(
+            AccountSpec {
+                balance: CostUnits(50),
+                mode: EnforcementMode::Strict,
+                status: AccountStatus::Active,
+                refill: Some(RefillSchedule {
+                    amount: CostUnits(200),
+                    interval: secs(100),
+                }),
+            },
+            at(0),
+        )
+        .await
+        .unwrap();
+    let first = store
+        .acquire(acct, CostUnits(50), TTL, at(1))
+        .await
+        .unwrap();
+    assert_eq!(
+        store.acquire(acct, CostUnits(10), TTL, at(2)).await,
+        Err(AllocateError::BalanceExhausted(BalanceExhaustion {
+            period_end: Some(at(100))
+        }))
+    );
+    assert_eq!(first.funding.unwrap().period_end, Some(at(100)));
+    let refilled = store
+        .acquire(acct, CostUnits(10), TTL, at(100))
+        .await
+        .unwrap();
+    assert_eq!(refilled.grant.units, CostUnits(10));
+    assert_eq!(balance(&store, acct, at(100)).await, 190);
+    assert_eq!(
+        store.account(acct, at(100)).await.unwrap().period_end,
+        Some(at(200))
+    );
+    // Three periods later: one reset, not three, and the next end follows.
+    assert_eq!(balance(&store, acct, at(450)).await, 200);
+    assert_eq!(
+        store.account(acct, at(450)).await.unwrap().period_end,
+        Some(at(500))
+    );
+    store
+        .top_up(acct, CostUnits(5), &movement("refill-top-up"), at(450))
+        .await
+        .unwrap();
+    let refills: Vec<_> = store
+        .history(acct)
+        .await
+        .unwrap()
+        .into_iter()
+        .filter(|entry| entry.kind == JournalKind::Refill)
+        .map(|entry| (entry.delta, entry.at))
+        .collect();
+    assert_eq!(refills, vec![(200, at(100)), (10, at(450))]);
+    assert_eq!(balance(&store, acct, at(450)).await, 205);
+    assert_eq!(
+        store
+            .configure_refill(
+                acct,
+                Some(RefillSchedule {
+                    amount: CostUnits(1),
+                    interval: SignedDuration::ZERO
+                }),
+                at(450)
+            )
+            .await,
+        Err(AdminError::InvalidRefill)
+    );
+    store.configure_refill(acct, None, at(450)).await.unwrap();
+    assert_eq!(balance(&store, acct, at(10_000)).await, 205);
+    audited(&store).await;
+}
+
+#[tokio::test]
+async fn a_top_up_is_applied_once_per_idempotency_key() {
+    let Some(store) = store("top_up", 1).await else {
+        return;
+    };
+    let acct = account(&store, 0).await;
+    let other = account(&store, 0).await;
+    assert!(matches!(
+        store.acquire(acct, CostUnits(10), TTL, at(0)).await,
+        Err(AllocateError::BalanceExhausted(_))
+    ));
+    let first = store
+        .top_up(acct, CostUnits(25), &movement("invoice-1"), at(1))
+        .await
+        .unwrap();
+    assert_eq!((first.balance, first.applied), (CostUnits(25), true));
+    store
+        .acquire(acct, CostUnits(10), TTL, at(1))
+        .await
+        .unwrap();
+    let replay = store
+        .top_up(acct, CostUnits(25), &movement("invoice-1"), at(2))
+        .await
+        .unwrap();
+    assert_eq!(
+        (replay.balance, replay.applied),
+        (CostUnits(25), false),
+        "the first outcome, nothing applied"
+    );
+    assert_eq!(balance(&store, acct, at(2)).await, 15);
+    for (account, units, expected) in [
+        (acct, 26, AdminError::IdempotencyConflict),
+        (other, 25, AdminError::IdempotencyConflict),
+    ] {
+        assert_eq!(
+            store
+                .top_up(account, CostUnits(units), &movement("invoice-1"), at(2))
+                .await,
+            Err(expected)
+        );
+    }
+    assert_eq!(
+        store.adjust(acct, 25, &movement("invoice-1"), at(2)).await,
+        Err(AdminError::IdempotencyConflict),
+        "an adjustment is a different movement"
+    );
+    assert_eq!(
+        store
+            .top_up(AccountId(77), CostUnits(1), &movement("x"), at(1))
+            .await,
+        Err(AdminError::UnknownAccount)
+    );
+    assert_eq!(
+        store
+            .top_up(acct, CostUnits(u64::MAX), &movement("huge"), at(1))
+            .await,
+        Err(AdminError::BalanceOverflow)
+    );
+    let long = "k".repeat(201);
+    for bad in [
+        Movement {
+            idempotency_key: "",
+            reason: "r",
+        },
+        Movement {
+            idempotency_key: &long,
+            reason: "r",
+        },
+        Movement {
+            idempotency_key: "k",
+            reason: "",
+        },
+    ] {
+        assert!(matches!(
+            store.top_up(acct, CostUnits(1), &bad, at(1)).await,
+            Err(AdminError::Invalid(_))
+        ));
+    }
+    let journal = store.history(acct).await.unwrap();
+    let top_up = journal
+        .iter()
+        .find(|entry| entry.kind == JournalKind::TopUp)
+        .unwrap();
+    assert_eq!(top_up.idempotency_key.as_deref(), Some("invoice-1"));
+    assert_eq!(top_up.reason.as_deref(), Some("test"));
+    assert_eq!(balance(&store, acct, at(2)).await, 15);
+    assert_eq!(balance(&store, other, at(2)).await, 0);
+    audited(&store).await;
+}
+
+#[tokio::test]
+async fn an_adjustment_may_take_units_away_but_never_below_zero() {
+    let Some(store) = store("adjust", 1).await else {
+        return;
+    };
+    let acct = account(&store, 100).await;
+    let down = store
+        .adjust(acct, -40, &movement("credit-note-1"), at(1))
+        .await
+        .unwrap();
+    assert_eq!((down.balance, down.applied), (CostUnits(60), true));
+    assert_eq!(
+        store
+            .adjust(acct, -61, &movement("credit-note-2"), at(1))
+            .await,
+        Err(AdminError::BalanceUnderflow)
+    );
+    assert_eq!(
+        store
+            .adjust(acct, i64::MIN, &movement("credit-note-3"), at(1))
+            .await,
+        Err(AdminError::BalanceUnderflow)
+    );
+    assert_eq!(
+        store
+            .adjust(acct, i64::MAX, &movement("credit-note-4"), at(1))
+            .await,
+        Err(AdminError::BalanceOverflow)
+    );
+    // A refused movement did not consume its key.
+    let up = store
+        .adjust(acct, 5, &movement("credit-note-2"), at(1))
+        .await
+        .unwrap();
+    assert_eq!(up.balance, CostUnits(65));
+    assert_eq!(balance(&store, acct, at(1)).await, 65);
+    audited(&store).await;
+}
+
+// ---- usage ingest -----------------------------------------------------------------------
+
+/// Runs the same scenario on a memory store and on `store`, which must
+/// answer exactly alike.
+#[tokio::test]
+#[allow(
+    clippy::too_many_lines,
+    reason = "one batch exercising every outcome, read top to bottom"
+)]
+async fn ingest_reports_every_outcome_per_event_in_order_exactly_as_the_memory_store() {
+    let Some(store) = store("ingest", 1).await else {
+        return;
+    };
+    let memory = MemoryStore::new(policy(1)).unwrap();
+    let acct = account(&store, 1_000).await;
+    let other = account(&store, 1_000).await;
+    for balance in [1_000, 1_000] {
+        memory
+            .create_account(
+                AccountSpec {
+                    balance: CostUnits(balance),
+                    mode: EnforcementMode::Strict,
+                    status: AccountStatus::Active,
+                    refill: None,
+                },
+                at(0),
+            )
+            .unwrap();
+    }
+    let a = store
+        .acquire(acct, CostUnits(100), TTL, at(0))
+        .await
+        .unwrap();
+    assert_eq!(
+        memory.acquire(acct, CostUnits(100), TTL, at(0)).await,
+        Ok(a)
+    );
+    let settled = store
+        .acquire(acct, CostUnits(10), TTL, at(0))
+        .await
+        .unwrap();
+    assert_eq!(
+        memory.acquire(acct, CostUnits(10), TTL, at(0)).await,
+        Ok(settled)
+    );
+    for allocator in [&store as &dyn LeaseAllocator, &memory] {
+        allocator
+            .release(
+                settled.grant.lease_id,
+                settled.grant.fencing_token,
+                CostUnits(10),
+                at(0),
+            )
+            .await
+            .unwrap();
+    }
+    let ok = leased(1, acct, &a, 40);
+    let mut changed = ok;
+    changed.units = CostUnits(41);
+    let mut stale = leased(3, acct, &a, 1);
+    stale.source = UsageSource::Leased {
+        lease_id: a.grant.lease_id,
+        fencing_token: FencingToken(999),
+    };
+    let mut missing_lease = leased(4, acct, &a, 1);
+    missing_lease.source = UsageSource::Leased {
+        lease_id: LeaseId(999),
+        fencing_token: a.grant.fencing_token,
+    };
+    let mut wrong_account = leased(5, other, &a, 1);
+    wrong_account.account_id = other;
+    let mut unknown_account = leased(6, AccountId(999), &a, 1);
+    unknown_account.account_id = AccountId(999);
+    let overage = UsageEvent {
+        source: UsageSource::Overage,
+        ..leased(7, acct, &a, 15)
+    };
+    let huge = leased(8, acct, &a, u64::MAX);
+    let batch = [
+        ok,
+        ok,
+        changed,
+        stale,
+        missing_lease,
+        wrong_account,
+        unknown_account,
+        leased(9, acct, &settled, 1),
+        leased(10, acct, &a, 61),
+        overage,
+        huge,
+        leased(11, acct, &a, 60),
+    ];
+    let outcomes = store.ingest(&batch).await.unwrap();
+    assert_eq!(
+        outcomes,
+        vec![
+            IngestOutcome::Accepted,
+            IngestOutcome::Duplicate,
+            IngestOutcome::Rejected(RejectReason::ConflictingDuplicate),
+            IngestOutcome::Rejected(RejectReason::FencingMismatch),
+            IngestOutcome::Rejected(RejectReason::UnknownLease),
+            IngestOutcome::Rejected(RejectReason::AccountMismatch),
+            IngestOutcome::Rejected(RejectReason::UnknownAccount),
+            IngestOutcome::Rejected(RejectReason::LeaseSettled),
+            IngestOutcome::Rejected(RejectReason::ExceedsLease),
+            IngestOutcome::Accepted,
+            IngestOutcome::Rejected(RejectReason::Malformed),
+            IngestOutcome::Accepted,
+        ]
+    );
+    assert_eq!(memory.ingest(&batch).await.unwrap(), outcomes);
+
+    // Ids no bigint can hold are answered as the memory store answers them.
+    let mut far_account = leased(20, acct, &a, 1);
+    far_account.account_id = AccountId(u64::MAX);
+    let mut far_lease = leased(21, acct, &a, 1);
+    far_lease.source = UsageSource::Leased {
+        lease_id: LeaseId(u64::MAX),
+        fencing_token: a.grant.fencing_token,
+    };
+    let mut far_token = leased(22, acct, &a, 1);
+    far_token.source = UsageSource::Leased {
+        lease_id: a.grant.lease_id,
+        fencing_token: FencingToken(u64::MAX),
+    };
+    let mut far_units_duplicate = ok;
+    far_units_duplicate.units = CostUnits(u64::MAX);
+    let mut overflowing_debt = overage;
+    overflowing_debt.request_id = RequestId(u128::MAX);
+    overflowing_debt.units = CostUnits(i64::MAX as u64);
+    let edge = [
+        far_account,
+        far_lease,
+        far_token,
+        far_units_duplicate,
+        overflowing_debt,
+    ];
+    let outcomes = store.ingest(&edge).await.unwrap();
+    assert_eq!(
+        outcomes,
+        vec![
+            IngestOutcome::Rejected(RejectReason::UnknownAccount),
+            IngestOutcome::Rejected(RejectReason::UnknownLease),
+            IngestOutcome::Rejected(RejectReason::FencingMismatch),
+            IngestOutcome::Rejected(RejectReason::ConflictingDuplicate),
+            IngestOutcome::Rejected(RejectReason::Malformed),
+        ]
+    );
+    assert_eq!(memory.ingest(&edge).await.unwrap(), outcomes);
+
+    let recorded = store.usage(acct, None, None).await.unwrap();
+    assert_eq!(recorded, memory.usage(acct).unwrap(), "arrival order");
+    assert_eq!(
+        recorded
+            .iter()
+            .map(|event| event.request_id.get())
+            .collect::<Vec<_>>(),
+        vec![1, 7, 11]
+    );
+    assert_eq!(
+        store.account(acct, at(1)).await.unwrap(),
+        memory.account(acct, at(1)).unwrap()
+    );
+    assert!(
+        store
+            .usage(acct, Some(at(2)), None)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    assert_eq!(
+        store.usage(AccountId(999), None, None).await,
+        Err(AdminError::UnknownAccount)
+    );
+    let g = a.grant;
+    assert_eq!(
+        store
+            .release(g.lease_id, g.fencing_token, CostUnits(1), at(2))
+            .await,
+        Err(AllocateError::InvalidRelease)
+    );
+    store
+        .release(g.lease_id, g.fencing_token, CostUnits(0), at(2))
+        .await
+        .unwrap();
+    assert_eq!(
+        store.ingest(&[ok]).await.unwrap(),
+        vec![IngestOutcome::Duplicate]
+    );
+    audited(&store).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_same_batch_from_two_instances_at_once_is_recorded_once() {
+    let Some(store) = store("ingest_race", 1).await else {
+        return;
+    };
+    let acct = account(&store, 1_000).await;
+    let a = store
+        .acquire(acct, CostUnits(100), TTL, at(0))
+        .await
+        .unwrap();
+    let batch: Vec<_> = (1..=50).map(|n| leased(n, acct, &a, 1)).collect();
+    let twin = sibling(&store).await;
+    let (left, right) = tokio::join!(store.ingest(&batch), twin.ingest(&batch));
+    let (left, right) = (left.unwrap(), right.unwrap());
+    for (l, r) in left.iter().zip(&right) {
+        let mut pair = [*l, *r];
+        pair.sort_by_key(|outcome| *outcome == IngestOutcome::Duplicate);
+        assert_eq!(pair, [IngestOutcome::Accepted, IngestOutcome::Duplicate]);
+    }
+    assert_eq!(store.usage(acct, None, None).await.unwrap().len(), 50);
+    audited(&store).await;
+}
+
+// ---- keys and snapshots -------------------------------------------------------------------
+
+#[tokio::test]
+async fn a_key_resolves_by_its_hash_until_revoked() {
+    let Some(store) = store("keys", 1).await else {
+        return;
+    };
+    let acct = account(&store, 10).await;
+    let read = PermissionBits::bit(0);
+    let issued = store.issue_key(acct, read, at(3)).await.unwrap();
+    let hash = KeyHash::of(issued.key.expose().as_bytes());
+    let snapshot = store
+        .lookup_key(&hash, at(4))
+        .await
+        .unwrap()
+        .expect("resolves");
+    assert_eq!(snapshot.principal, issued.principal);
+    assert_eq!(snapshot.account_id, acct);
+    assert_eq!(snapshot.key_id, Some(issued.key_id));
+    assert_eq!(snapshot.key_hash, Some(hash));
+    assert_eq!(snapshot.permissions, read);
+    assert_eq!(snapshot.key_status, KeyStatus::Active);
+    assert_eq!(snapshot.fetched_at, at(4));
+    assert_eq!(
+        store
+            .lookup_key(&KeyHash::of(b"tg_not_a_key"), at(4))
+            .await
+            .unwrap(),
+        None
+    );
+    let all = store
+        .issue_key(acct, PermissionBits::ALL, at(3))
+        .await
+        .unwrap();
+    let fetched = store.fetch(&[all.principal], at(4)).await.unwrap();
+    assert_eq!(fetched[0].permissions, PermissionBits::ALL, "all 64 bits");
+
+    let listed = store.list_keys(acct).await.unwrap();
+    assert_eq!(listed.len(), 2);
+    assert_eq!(listed[0].prefix, issued.key.prefix());
+    assert_eq!(listed[0].status, KeyStatus::Active);
+    assert_eq!(listed[0].created_at, at(3));
+
+    store.revoke_key(issued.key_id, at(5)).await.unwrap();
+    store.revoke_key(issued.key_id, at(6)).await.unwrap();
+    assert_eq!(
+        store.lookup_key(&hash, at(6)).await.unwrap(),
+        None,
+        "a revoked key no longer resolves"
+    );
+    let fetched = store.fetch(&[issued.principal], at(6)).await.unwrap();
+    assert_eq!(fetched[0].key_status, KeyStatus::Revoked);
+    assert_eq!(
+        store.list_keys(acct).await.unwrap()[0].revoked_at,
+        Some(at(5))
+    );
+    assert_eq!(
+        store.revoke_key(KeyId(99), at(5)).await,
+        Err(AdminError::UnknownKey)
+    );
+    assert!(matches!(
+        store.issue_key(AccountId(99), read, at(5)).await,
+        Err(AdminError::UnknownAccount)
+    ));
+    // I16: the table holds the hash and the prefix, never the secret.
+    let secret = &issued.key.expose()[11..];
+    let dump: Vec<String> =
+        sqlx::query_scalar(&format!("SELECT k::text FROM {}.keys k", store.schema()))
+            .fetch_all(store.pool())
+            .await
+            .unwrap();
+    assert!(dump.iter().all(|row| !row.contains(secret)));
+    audited(&store).await;
+}
+
+#[tokio::test]
+async fn changes_are_enumerated_incrementally_by_revision() {
+    let Some(store) = store("changes", 1).await else {
+        return;
+    };
+    let acct = account(&store, 10).await;
+    let other = account(&store, 10).await;
+    let mut keys = Vec::new();
+    for _ in 0..3 {
+        keys.push(
+            store
+                .issue_key(acct, PermissionBits::ALL, at(0))
+                .await
+                .unwrap(),
+        );
+    }
+    let lone = store
+        .issue_key(other, PermissionBits::ALL, at(0))
+        .await
+        .unwrap();
+
+    let first = store
+        .changed_since(SnapshotCursor::START, 3, at(1))
+        .await
+        .unwrap();
+    assert_eq!(first.snapshots.len(), 3);
+    assert!(!first.complete);
+    let second = store.changed_since(first.next, 3, at(1)).await.unwrap();
+    assert_eq!(second.snapshots.len(), 1);
+    assert_eq!(second.snapshots[0].principal, lone.principal);
+    assert!(second.complete);
+    let idle = store.changed_since(second.next, 3, at(1)).await.unwrap();
+    assert!(idle.snapshots.is_empty() && idle.complete);
+    assert_eq!(idle.next, second.next);
+
+    store
+        .set_mode(
+            acct,
+            EnforcementMode::Elastic {
+                overage_cap: CostUnits(5),
+            },
+            at(2),
+        )
+        .await
+        .unwrap();
+    let changed = store.changed_since(second.next, 10, at(2)).await.unwrap();
+    let principals: Vec<_> = changed.snapshots.iter().map(|s| s.principal).collect();
+    assert_eq!(
+        principals,
+        keys.iter().map(|k| k.principal).collect::<Vec<_>>(),
+        "every key of the account, in key order, and only them"
+    );
+    assert!(changed.snapshots.iter().all(|s| s.mode
+        == EnforcementMode::Elastic {
+            overage_cap: CostUnits(5)
+        }));
+    store
+        .set_status(acct, AccountStatus::Suspended, at(3))
+        .await
+        .unwrap();
+    let fetched = store
+        .fetch(
+            &[keys[0].principal, Principal(999), Principal(u64::MAX)],
+            at(3),
+        )
+        .await
+        .unwrap();
+    assert_eq!(fetched.len(), 1, "unknown principals are left out");
+    assert_eq!(fetched[0].account_status, AccountStatus::Suspended);
+    assert!(fetched[0].policy_revision > changed.snapshots[0].policy_revision);
+    let beyond = store
+        .changed_since(SnapshotCursor(u64::MAX), 3, at(3))
+        .await
+        .unwrap();
+    assert!(beyond.snapshots.is_empty() && beyond.complete);
+    assert_eq!(
+        store
+            .set_mode(AccountId(999), EnforcementMode::Strict, at(3))
+            .await,
+        Err(AdminError::UnknownAccount)
+    );
+    audited(&store).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn paging_by_revision_never_skips_a_change_made_concurrently() {
+    let Some(store) = store("changes_race", 1).await else {
+        return;
+    };
+    let acct = account(&store, 10).await;
+    let writer = sibling(&store).await;
+    let issuing = tokio::spawn(async move {
+        let mut issued = Vec::new();
+        for _ in 0..60 {
+            issued.push(
+                writer
+                    .issue_key(acct, PermissionBits::ALL, at(0))
+                    .await
+                    .unwrap()
+                    .principal,
+            );
+        }
+        issued
+    });
+    let mut seen = Vec::new();
+    let mut cursor = SnapshotCursor::START;
+    while !issuing.is_finished() {
+        let page = store.changed_since(cursor, 7, at(1)).await.unwrap();
+        seen.extend(page.snapshots.iter().map(|s| s.principal));
+        cursor = page.next;
+    }
+    let issued = issuing.await.unwrap();
+    loop {
+        let page = store.changed_since(cursor, 7, at(1)).await.unwrap();
+        seen.extend(page.snapshots.iter().map(|s| s.principal));
+        cursor = page.next;
+        if page.complete {
+            break;
+        }
+    }
+    assert_eq!(seen, issued, "every key seen once, in issue order");
+}
+
+// ---- concurrency and failure --------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sixteen_concurrent_acquirers_on_one_account_never_over_grant() {
+    let Some(store) = store("acquire_race", 4).await else {
+        return;
+    };
+    let store = Arc::new(store);
+    let acct = account(&store, 5_000).await;
+    let tasks: Vec<_> = (0..16_u128)
+        .map(|task| {
+            let store = Arc::clone(&store);
+            tokio::spawn(async move {
+                let mut held = 0_u64;
+                for round in 0..40_u128 {
+                    let Ok(allocation) = store.acquire(acct, CostUnits(40), TTL, at(0)).await
+                    else {
+                        continue;
+                    };
+                    let g = allocation.grant;
+                    held += g.units.get();
+                    let spend = g.units.get() / 2;
+                    let event = leased(task * 1_000 + round, acct, &allocation, spend);
+                    assert_eq!(
+                        store.ingest(&[event]).await.unwrap(),
+                        vec![IngestOutcome::Accepted]
+                    );
+                    // Every third lease is kept: its units stay granted.
+                    if round % 3 != 0 {
+                        store
+                            .release(
+                                g.lease_id,
+                                g.fencing_token,
+                                CostUnits(g.units.get() - spend),
+                                at(1),
+                            )
+                            .await
+                            .unwrap();
+                    }
+                }
+                held
+            })
+        })
+        .collect();
+    for task in tasks {
+        task.await.unwrap();
+    }
+    let view = store.account(acct, at(2)).await.unwrap();
+    let billed: u64 = store
+        .usage(acct, None, None)
+        .await
+        .unwrap()
+        .iter()
+        .map(|e| e.units.get())
+        .sum();
+    // I14: every unit is in the balance, on a held lease, billed, or
+    // settled unbilled; nothing was granted twice.
+    assert_eq!(
+        view.balance.get() + view.leased.get() + billed - used_on_held(&store, acct).await
+            + view.settled_unbilled.get(),
+        5_000
+    );
+    assert!(view.leased.get() <= 5_000);
+    audited(&store).await;
+}
+
+/// Units billed against leases still active (they are inside `leased`).
+async fn used_on_held(store: &PostgresStore, acct: AccountId) -> u64 {
+    let used: Option<i64> = sqlx::query_scalar(&format!(
+        "SELECT sum(used)::bigint FROM {}.leases WHERE account_id = $1 AND state = 'active'",
+        store.schema()
+    ))
+    .bind(i64::try_from(acct.get()).unwrap())
+    .fetch_one(store.pool())
+    .await
+    .unwrap();
+    u64::try_from(used.unwrap_or(0)).unwrap()
+}
+
+#[tokio::test]
+async fn a_closed_pool_is_a_storage_error_never_a_refusal() {
+    let Some(store) = store("closed", 1).await else {
+        return;
+    };
+    let acct = account(&store, 100).await;
+    store.pool().close().await;
+    assert!(matches!(
+        store.acquire(acct, CostUnits(1), TTL, at(0)).await,
+        Err(AllocateError::Storage(_))
+    ));
+    assert!(matches!(
+        store
+            .release(LeaseId(1), FencingToken(1), CostUnits(1), at(0))
+            .await,
+        Err(AllocateError::Storage(_))
+    ));
+    assert!(store.ingest(&[]).await.unwrap().is_empty());
+    assert!(store.reclaim_expired_batch(at(100), 1).await.is_err());
+    assert!(
+        store
+            .changed_since(SnapshotCursor::START, 1, at(0))
+            .await
+            .is_err()
+    );
+    assert!(matches!(
+        store.account(acct, at(0)).await,
+        Err(AdminError::Storage(_))
+    ));
+    assert!(store.audit().await.is_err());
+}
+
+#[tokio::test]
+async fn the_audit_finds_books_changed_behind_the_store() {
+    let Some(store) = store("audit", 1).await else {
+        return;
+    };
+    let acct = account(&store, 100).await;
+    let a = store
+        .acquire(acct, CostUnits(40), TTL, at(0))
+        .await
+        .unwrap();
+    audited(&store).await;
+    let schema = store.schema();
+    sqlx::raw_sql(&format!(
+        "UPDATE {schema}.accounts SET balance = balance + 1, overage_debt = 2; \
+         UPDATE {schema}.leases SET used = 41"
+    ))
+    .execute(store.pool())
+    .await
+    .unwrap();
+    let violations = store.audit().await.unwrap();
+    assert_eq!(
+        violations,
+        vec![
+            LedgerViolation::LeaseOverdrawn {
+                lease_id: a.grant.lease_id,
+                granted: CostUnits(40),
+                used: CostUnits(41),
+                credited: CostUnits::ZERO,
+            },
+            LedgerViolation::LeaseUsageMismatch {
+                lease_id: a.grant.lease_id,
+                counter: CostUnits(41),
+                recorded: CostUnits::ZERO,
+            },
+            LedgerViolation::JournalMismatch {
+                account_id: acct,
+                balance: CostUnits(61),
+                journal: 60,
+            },
+            LedgerViolation::AccountImbalance {
+                account_id: acct,
+                credited_in: 100,
+                accounted_for: 101,
+            },
+            LedgerViolation::OverageDebtMismatch {
+                account_id: acct,
+                debt: CostUnits(2),
+                recorded: CostUnits::ZERO,
+            },
+        ]
+    );
+}
+
+// ---- the memory store as the oracle ----------------------------------------------------------
+
+/// A small deterministic generator, so a failing walk can be replayed.
+struct Walk(u64);
+
+impl Walk {
+    fn next(&mut self) -> u64 {
+        // xorshift64*
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+
+    fn pick<T: Copy>(&mut self, items: &[T]) -> T {
+        items[usize::try_from(self.below(items.len() as u64)).unwrap()]
+    }
+}
+
+/// Drives the memory store and the `PostgreSQL` store through the same random
+/// walk of calls and requires the same answer to every call, refusal for
+/// refusal, and the same account views throughout.
+#[tokio::test]
+#[allow(
+    clippy::too_many_lines,
+    reason = "one walk over every operation, compared call by call"
+)]
+async fn a_random_walk_gets_the_memory_stores_answer_to_every_call() {
+    let Some(store) = store("oracle", 3).await else {
+        return;
+    };
+    let memory = MemoryStore::new(policy(3)).unwrap();
+    let mut accounts = Vec::new();
+    for (balance, refill) in [(500, None), (80, Some(secs(40))), (0, Some(secs(25)))] {
+        let spec = AccountSpec {
+            balance: CostUnits(balance),
+            mode: EnforcementMode::Strict,
+            status: AccountStatus::Active,
+            refill: refill.map(|interval| RefillSchedule {
+                amount: CostUnits(120),
+                interval,
+            }),
+        };
+        let id = store.create_account(spec, at(0)).await.unwrap();
+        assert_eq!(memory.create_account(spec, at(0)).unwrap(), id);
+        accounts.push(id);
+    }
+    let unknown = AccountId(99);
+    let mut leases: Vec<tollgate::LeaseGrant> = Vec::new();
+    // Replay another walk with TOLLGATE_TEST_WALK_SEED.
+    let seed = std::env::var("TOLLGATE_TEST_WALK_SEED")
+        .ok()
+        .and_then(|seed| seed.parse().ok())
+        .unwrap_or(0x5eed_1234_abcd_0001_u64);
+    let mut walk = Walk(seed | 1);
+    let mut now = 0_i64;
+    let mut request = 0_u128;
+    for step in 0..400 {
+        now += i64::try_from(walk.below(4)).unwrap();
+        let t = at(now);
+        let acct = walk.pick(&[accounts[0], accounts[1], accounts[2], accounts[0], unknown]);
+        let ttl = walk.pick(&[secs(0), secs(10), secs(30), secs(300)]);
+        match walk.below(9) {
+            0 | 1 => {
+                let requested = CostUnits(walk.below(60));
+                let pg = store.acquire(acct, requested, ttl, t).await;
+                if std::env::var_os("TOLLGATE_TEST_WALK_TRACE").is_some() {
+                    eprintln!("acquire {pg:?}");
+                }
+                assert_eq!(
+                    pg,
+                    memory.acquire(acct, requested, ttl, t).await,
+                    "step {step}"
+                );
+                if let Ok(allocation) = pg {
+                    leases.push(allocation.grant);
+                }
+            }
+            2 if !leases.is_empty() => {
+                let lease = walk.pick(&leases);
+                let token = walk.pick(&[lease.fencing_token, FencingToken(12_345)]);
+                let unspent = CostUnits(walk.below(lease.units.get() + 2));
+                assert_eq!(
+                    store.release(lease.lease_id, token, unspent, t).await,
+                    memory.release(lease.lease_id, token, unspent, t).await,
+                    "step {step}"
+                );
+            }
+            3 if !leases.is_empty() => {
+                let lease = walk.pick(&leases);
+                let unspent = CostUnits(walk.below(lease.units.get() + 1));
+                let (requested, needed) = (CostUnits(walk.below(80)), CostUnits(walk.below(150)));
+                let pg = store
+                    .consolidate(
+                        lease.lease_id,
+                        lease.fencing_token,
+                        unspent,
+                        requested,
+                        needed,
+                        ttl,
+                        t,
+                    )
+                    .await;
+                let oracle = memory
+                    .consolidate(
+                        lease.lease_id,
+                        lease.fencing_token,
+                        unspent,
+                        requested,
+                        needed,
+                        ttl,
+                        t,
+                    )
+                    .await;
+                assert_eq!(pg, oracle, "step {step}");
+                if let Ok(allocation) = pg {
+                    leases.push(allocation.grant);
+                }
+            }
+            4 if !leases.is_empty() => {
+                let mut batch = Vec::new();
+                for _ in 0..walk.below(6) {
+                    let lease = walk.pick(&leases);
+                    request += 1;
+                    let id = if walk.below(5) == 0 {
+                        request - 1
+                    } else {
+                        request
+                    };
+                    let source = if walk.below(4) == 0 {
+                        UsageSource::Overage
+                    } else {
+                        UsageSource::Leased {
+                            lease_id: lease.lease_id,
+                            fencing_token: lease.fencing_token,
+                        }
+                    };
+                    batch.push(UsageEvent {
+                        request_id: RequestId(id),
+                        account_id: walk.pick(&[lease.account_id, lease.account_id, acct]),
+                        source,
+                        units: CostUnits(walk.below(30)),
+                        at: t,
+                        policy_revision: PolicyRevision(walk.below(3)),
+                        key_id: walk.pick(&[None, Some(KeyId(1))]),
+                    });
+                }
+                let outcomes = store.ingest(&batch).await.unwrap();
+                if std::env::var_os("TOLLGATE_TEST_WALK_TRACE").is_some() {
+                    eprintln!("ingest {outcomes:?}");
+                }
+                assert_eq!(
+                    outcomes,
+                    memory.ingest(&batch).await.unwrap(),
+                    "step {step}: {batch:?}"
+                );
+            }
+            5 => {
+                let limit = usize::try_from(walk.below(4)).unwrap();
+                assert_eq!(
+                    store.reclaim_expired_batch(t, limit).await.unwrap(),
+                    memory.reclaim_expired_batch(t, limit).await.unwrap(),
+                    "step {step}"
+                );
+            }
+            6 => {
+                let units = CostUnits(walk.below(100));
+                let key = format!("walk-{step}");
+                assert_eq!(
+                    store
+                        .top_up(acct, units, &movement(&key), t)
+                        .await
+                        .map(|change| change.balance),
+                    memory.top_up(acct, units, t),
+                    "step {step}"
+                );
+            }
+            7 => {
+                let status = walk.pick(&[AccountStatus::Active, AccountStatus::Suspended]);
+                assert_eq!(
+                    store.set_status(acct, status, t).await,
+                    memory.set_status(acct, status),
+                    "step {step}"
+                );
+            }
+            _ => {
+                let refill = walk.pick(&[
+                    None,
+                    Some(RefillSchedule {
+                        amount: CostUnits(90),
+                        interval: secs(30),
+                    }),
+                ]);
+                assert_eq!(
+                    store.configure_refill(acct, refill, t).await,
+                    memory.configure_refill(acct, refill, t),
+                    "step {step}"
+                );
+            }
+        }
+        for id in &accounts {
+            assert_eq!(
+                store.account(*id, t).await.unwrap(),
+                memory.account(*id, t).unwrap(),
+                "step {step}: {id}"
+            );
+        }
+    }
+    for id in &accounts {
+        assert_eq!(
+            store.usage(*id, None, None).await.unwrap(),
+            memory.usage(*id).unwrap()
+        );
+    }
+    assert_eq!(memory.audit().unwrap(), vec![]);
+    audited(&store).await;
+}
+
+/// Acquire, ingest (leased and overage events across accounts in one
+/// batch), release, consolidate and reclaim, all at once from several pools
+/// over the same accounts: the one lock order means no call ever fails with
+/// a deadlock, and the books balance at the end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn mixed_traffic_from_many_pools_never_deadlocks() {
+    let Some(store) = store("mixed", 2).await else {
+        return;
+    };
+    let mut accounts = Vec::new();
+    for _ in 0..3 {
+        accounts.push(account(&store, 20_000).await);
+    }
+    let accounts = Arc::new(accounts);
+    let mut tasks = Vec::new();
+    for task in 0..6_u64 {
+        let worker = sibling(&store).await;
+        let accounts = Arc::clone(&accounts);
+        tasks.push(tokio::spawn(async move {
+            let mut walk = Walk(0x9e37_79b9_7f4a_7c15 ^ (task + 1));
+            let mut held: Vec<tollgate::LeaseGrant> = Vec::new();
+            for round in 0..60_u64 {
+                let acct = walk.pick(&accounts);
+                let now = at(i64::try_from(round).unwrap());
+                if let Ok(allocation) = worker.acquire(acct, CostUnits(30), secs(5), now).await {
+                    held.push(allocation.grant);
+                }
+                // One batch naming several leases and overage accounts, in
+                // no particular order.
+                let batch: Vec<UsageEvent> = held
+                    .iter()
+                    .rev()
+                    .take(3)
+                    .enumerate()
+                    .map(|(n, grant)| UsageEvent {
+                        request_id: RequestId::from_parts(task, round * 10 + n as u64),
+                        account_id: grant.account_id,
+                        source: if n == 1 {
+                            UsageSource::Overage
+                        } else {
+                            UsageSource::Leased {
+                                lease_id: grant.lease_id,
+                                fencing_token: grant.fencing_token,
+                            }
+                        },
+                        units: CostUnits(1),
+                        at: now,
+                        policy_revision: PolicyRevision(1),
+                        key_id: None,
+                    })
+                    .collect();
+                worker.ingest(&batch).await.expect("no deadlock in ingest");
+                if held.len() > 2 {
+                    let grant = held.remove(0);
+                    let outcome = if round % 2 == 0 {
+                        worker
+                            .release(grant.lease_id, grant.fencing_token, CostUnits::ZERO, now)
+                            .await
+                            .map(|_| ())
+                    } else {
+                        worker
+                            .consolidate(
+                                grant.lease_id,
+                                grant.fencing_token,
+                                CostUnits::ZERO,
+                                CostUnits(20),
+                                CostUnits(5),
+                                secs(5),
+                                now,
+                            )
+                            .await
+                            .map(|allocation| held.push(allocation.grant))
+                    };
+                    assert!(
+                        !matches!(outcome, Err(AllocateError::Storage(_))),
+                        "{outcome:?}"
+                    );
+                }
+                worker
+                    .reclaim_expired_batch(now, 5)
+                    .await
+                    .expect("no deadlock in reclaim");
+            }
+        }));
+    }
+    for task in tasks {
+        task.await.unwrap();
+    }
+    audited(&store).await;
+}
