@@ -203,7 +203,7 @@ mod tests {
                 "{body}"
             );
             assert!(body.contains(&format!("\"status\":{}", status.as_u16())));
-            assert!(body.contains("\"request_id\":\"req_7\""));
+            assert!(body.contains("\"request_id\":\"req_00000000000000000000000000000007\""));
             assert_eq!(response.headers()[CONTENT_TYPE], "application/problem+json");
         }
     }

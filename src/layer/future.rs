@@ -235,7 +235,7 @@ fn balance_rate_limit(reason: DenyReason, now: Timestamp) -> Option<HeaderValue>
 pub(super) const RATE_LIMIT: HeaderName = HeaderName::from_static("ratelimit");
 
 fn insert_request_id<B>(response: &mut Response<B>, request_id: RequestId) {
-    let value = HeaderValue::from_str(&request_id.to_string())
+    let value = HeaderValue::from_bytes(&request_id.to_ascii())
         .expect("a request id displays as visible ASCII");
     response.headers_mut().insert(REQUEST_ID_HEADER, value);
 }

@@ -5,6 +5,15 @@ use std::fmt;
 
 macro_rules! id_type {
     ($(#[$meta:meta])* $name:ident($repr:ty), $prefix:literal) => {
+        id_type!($(#[$meta])* $name($repr));
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                write!(f, concat!($prefix, "{}"), self.0)
+            }
+        }
+    };
+    ($(#[$meta:meta])* $name:ident($repr:ty)) => {
         $(#[$meta])*
         #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
         pub struct $name(pub $repr);
@@ -15,12 +24,6 @@ macro_rules! id_type {
             #[must_use]
             pub const fn get(self) -> $repr {
                 self.0
-            }
-        }
-
-        impl fmt::Display for $name {
-            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                write!(f, concat!($prefix, "{}"), self.0)
             }
         }
     };
@@ -62,8 +65,10 @@ id_type!(
 id_type!(
     /// One admitted request. It is the idempotency key of the request's usage
     /// event (I8), so it must be unique across every instance.
-    RequestId(u128),
-    "req_"
+    ///
+    /// Displayed as `req_` and 32 lowercase hexadecimal digits: fixed width,
+    /// and cheap to render on every response.
+    RequestId(u128)
 );
 
 impl PolicyRevision {
@@ -78,6 +83,30 @@ impl RequestId {
     #[must_use]
     pub const fn from_parts(prefix: u64, counter: u64) -> Self {
         Self(((prefix as u128) << 64) | counter as u128)
+    }
+
+    /// The id as displayed, in a fixed-size buffer: `req_` and 32 lowercase
+    /// hexadecimal digits. No allocation and no division, so the HTTP layer
+    /// can put it in a header on every response.
+    #[must_use]
+    pub const fn to_ascii(self) -> [u8; 36] {
+        const DIGITS: &[u8; 16] = b"0123456789abcdef";
+        let mut out = *b"req_00000000000000000000000000000000";
+        let mut i = 0;
+        while i < 32 {
+            let nibble = (self.0 >> (124 - 4 * i)) & 0xf;
+            out[4 + i] = DIGITS[nibble as usize];
+            i += 1;
+        }
+        out
+    }
+}
+
+impl fmt::Display for RequestId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let ascii = self.to_ascii();
+        // Every byte is ASCII by construction.
+        f.write_str(std::str::from_utf8(&ascii).map_err(|_| fmt::Error)?)
     }
 }
 
@@ -96,5 +125,13 @@ mod tests {
     fn ids_display_with_their_kind() {
         assert_eq!(AccountId(3).to_string(), "acct_3");
         assert_eq!(LeaseId(4).to_string(), "lease_4");
+        assert_eq!(
+            RequestId(0xab).to_string(),
+            "req_000000000000000000000000000000ab"
+        );
+        assert_eq!(
+            RequestId::from_parts(u64::MAX, 1).to_string(),
+            "req_ffffffffffffffff0000000000000001"
+        );
     }
 }

@@ -6,6 +6,7 @@ use std::sync::{Mutex, MutexGuard};
 
 use async_trait::async_trait;
 use jiff::{SignedDuration, Timestamp};
+use rustc_hash::FxHashMap;
 
 use crate::model::{
     AccountId, AccountStatus, BalanceExhaustion, BalanceShortfall, CostUnits, EnforcementMode,
@@ -282,8 +283,10 @@ struct Ledger {
     leases: BTreeMap<LeaseId, Lease>,
     /// Active leases by expiry, for reclaim.
     expiring: BTreeSet<(Timestamp, LeaseId)>,
-    usage: HashMap<RequestId, UsageEvent>,
-    usage_by_account: HashMap<AccountId, Vec<RequestId>>,
+    // Ids are minted by the instances, never chosen by a caller, so a fast
+    // unkeyed hash is safe here.
+    usage: FxHashMap<RequestId, UsageEvent>,
+    usage_by_account: FxHashMap<AccountId, Vec<RequestId>>,
     keys_by_hash: HashMap<KeyHash, KeyId>,
     keys: BTreeMap<KeyId, KeyRecord>,
     last_account: u64,
