@@ -8,9 +8,12 @@
 //! they fail. Each test works in its own schema, so they run in parallel.
 #![cfg(feature = "postgres")]
 
+mod support;
+
 use std::sync::Arc;
 
 use jiff::{SignedDuration, Timestamp};
+use support::postgres::{database_url, unique_schema};
 use tollgate::store::{
     AccountSpec, AdminError, AllocateError, Allocation, GrantPolicy, IngestOutcome, JournalKind,
     KeyHash, LeaseAllocator, LedgerViolation, MemoryStore, Movement, PostgresConfig, PostgresError,
@@ -44,52 +47,25 @@ fn policy(instances: u64) -> GrantPolicy {
     }
 }
 
-/// The server's URL, or `None` (after saying so loudly) when there is none
-/// and this is not CI.
-fn database_url() -> Option<String> {
-    match std::env::var("TOLLGATE_TEST_DATABASE_URL") {
-        Ok(url) if !url.is_empty() => Some(url),
-        _ => {
-            assert!(
-                std::env::var_os("CI").is_none(),
-                "TOLLGATE_TEST_DATABASE_URL must be set under CI: the PostgreSQL store tests need a server"
-            );
-            eprintln!(
-                "SKIPPED: TOLLGATE_TEST_DATABASE_URL is not set; the PostgreSQL store was not tested"
-            );
-            None
-        }
-    }
-}
-
-fn schema_of(test: &str) -> String {
-    format!("tg_test_{test}")
-}
-
 /// A store over a fresh schema of the test's own, not yet migrated.
 async fn fresh(test: &str, instances: u64) -> Option<PostgresStore> {
-    let url = database_url()?;
-    let schema = schema_of(test);
+    let url = database_url(test)?;
     let store = PostgresStore::connect(
         &url,
         PostgresConfig {
-            schema: schema.clone(),
+            schema: unique_schema(test),
             policy: policy(instances),
         },
     )
     .await
     .expect("the test server is reachable");
-    sqlx::raw_sql(&format!("DROP SCHEMA IF EXISTS {schema} CASCADE"))
-        .execute(store.pool())
-        .await
-        .expect("dropping the test schema");
     Some(store)
 }
 
 /// Another store (its own pool) over the same schema.
 async fn sibling(store: &PostgresStore) -> PostgresStore {
     PostgresStore::connect(
-        &database_url().expect("the first store found a url"),
+        &database_url("sibling").expect("the first store found a url"),
         PostgresConfig {
             schema: store.schema().to_owned(),
             policy: *store.policy(),
@@ -322,7 +298,7 @@ async fn acquire_refuses_each_invalid_request_without_touching_the_balance() {
     let acct = account(&store, 100).await;
     let suspended = account(&store, 100).await;
     store
-        .set_status(suspended, AccountStatus::Suspended, at(0))
+        .set_status(suspended, AccountStatus::Suspended)
         .await
         .unwrap();
     let empty = account(&store, 0).await;
@@ -511,7 +487,7 @@ async fn a_release_to_a_suspended_account_still_returns_its_units() {
         .unwrap()
         .grant;
     store
-        .set_status(acct, AccountStatus::Suspended, at(0))
+        .set_status(acct, AccountStatus::Suspended)
         .await
         .unwrap();
     store
@@ -736,7 +712,7 @@ async fn a_refused_consolidation_leaves_the_old_lease_active_and_releasable() {
         assert_eq!(outcome, Err(expected.clone()), "{expected}");
     }
     store
-        .set_status(acct, AccountStatus::Suspended, at(1))
+        .set_status(acct, AccountStatus::Suspended)
         .await
         .unwrap();
     assert_eq!(
@@ -1453,7 +1429,6 @@ async fn changes_are_enumerated_incrementally_by_revision() {
             EnforcementMode::Elastic {
                 overage_cap: CostUnits(5),
             },
-            at(2),
         )
         .await
         .unwrap();
@@ -1469,7 +1444,7 @@ async fn changes_are_enumerated_incrementally_by_revision() {
             overage_cap: CostUnits(5)
         }));
     store
-        .set_status(acct, AccountStatus::Suspended, at(3))
+        .set_status(acct, AccountStatus::Suspended)
         .await
         .unwrap();
     let fetched = store
@@ -1489,7 +1464,7 @@ async fn changes_are_enumerated_incrementally_by_revision() {
     assert!(beyond.snapshots.is_empty() && beyond.complete);
     assert_eq!(
         store
-            .set_mode(AccountId(999), EnforcementMode::Strict, at(3))
+            .set_mode(AccountId(999), EnforcementMode::Strict)
             .await,
         Err(AdminError::UnknownAccount)
     );
@@ -1883,7 +1858,7 @@ async fn a_random_walk_gets_the_memory_stores_answer_to_every_call() {
             7 => {
                 let status = walk.pick(&[AccountStatus::Active, AccountStatus::Suspended]);
                 assert_eq!(
-                    store.set_status(acct, status, t).await,
+                    store.set_status(acct, status).await,
                     memory.set_status(acct, status),
                     "step {step}"
                 );

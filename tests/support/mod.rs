@@ -5,5 +5,7 @@
 )]
 
 pub(crate) mod counting_allocator;
+#[cfg(feature = "postgres")]
+pub(crate) mod postgres;
 pub(crate) mod runtime;
 pub(crate) mod stores;

@@ -321,9 +321,8 @@ impl PostgresStore {
         &self,
         account: AccountId,
         status: AccountStatus,
-        now: Timestamp,
     ) -> Result<(), AdminError> {
-        self.change_account(account, AccountChange::Status(status), now)
+        self.change_account(account, AccountChange::Status(status))
             .await
     }
 
@@ -338,10 +337,9 @@ impl PostgresStore {
         &self,
         account: AccountId,
         mode: EnforcementMode,
-        now: Timestamp,
     ) -> Result<(), AdminError> {
         mode_columns(mode)?;
-        self.change_account(account, AccountChange::Mode(mode), now)
+        self.change_account(account, AccountChange::Mode(mode))
             .await
     }
 
@@ -351,16 +349,20 @@ impl PostgresStore {
         &self,
         account: AccountId,
         change: AccountChange,
-        now: Timestamp,
     ) -> Result<(), AdminError> {
-        let now = micros(now);
         let Some(account_id) = to_i64(account.get()) else {
             return Err(AdminError::UnknownAccount);
         };
         let mut tx = begin(self).await?;
         self.revision_lock(&mut tx).await?;
-        self.lock_account(&mut tx, account, now)
-            .await?
+        // Locked, but no refill is applied: as in the memory store, a
+        // status or mode change leaves the balance and its period alone.
+        let exists = self.sql("SELECT 1 FROM {schema}.accounts WHERE id = $1 FOR NO KEY UPDATE");
+        sqlx::query(&exists)
+            .bind(account_id)
+            .fetch_optional(&mut *tx)
+            .await
+            .map_err(|error| storage("locking an account", &error))?
             .ok_or(AdminError::UnknownAccount)?;
         let status_sql = self.sql("UPDATE {schema}.accounts SET status = $2 WHERE id = $1");
         let mode_sql =
@@ -400,7 +402,7 @@ impl PostgresStore {
 
     /// Takes the transaction-scoped lock every revision change takes first,
     /// so revisions commit in number order and paging by revision never
-    /// skips one.
+    /// skips one (I32).
     async fn revision_lock(&self, conn: &mut PgConnection) -> Result<(), StoreError> {
         sqlx::query("SELECT pg_advisory_xact_lock($1)")
             .bind(advisory_key("revisions", &self.schema))
@@ -610,6 +612,7 @@ impl PostgresStore {
         now: Timestamp,
     ) -> Result<Vec<AccountView>, AdminError> {
         let now = micros(now);
+        self.apply_due_refills(only, now).await?;
         let sql = self.sql(&format!(
             "SELECT {ACCOUNT_COLUMNS}, \
              coalesce((SELECT sum(l.granted) FROM {{schema}}.leases l \
@@ -642,6 +645,37 @@ impl PostgresStore {
             });
         }
         Ok(views)
+    }
+
+    /// Applies, and journals, every refill period that ended by `now` on
+    /// the accounts a view will show: as in the memory store, looking at an
+    /// account at or after its period end is when the refill happens, so a
+    /// later call with an earlier clock (another instance's) sees it too.
+    async fn apply_due_refills(&self, only: Option<i64>, now: Timestamp) -> Result<(), AdminError> {
+        let sql = self.sql(
+            "SELECT id FROM {schema}.accounts \
+             WHERE period_end <= $2 AND ($1::bigint IS NULL OR id = $1) ORDER BY id",
+        );
+        let due: Vec<i64> = sqlx::query_scalar(&sql)
+            .bind(only)
+            .bind(to_pg(now)?)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(|error| storage("finding due refills", &error))?;
+        if due.is_empty() {
+            return Ok(());
+        }
+        let mut tx = begin(self).await?;
+        for account in due {
+            let account = AccountId(u64::try_from(account).map_err(|_| {
+                StoreError::new(format!("postgres: account id {account} is not positive"))
+            })?);
+            self.lock_account(&mut tx, account, now).await?;
+        }
+        tx.commit()
+            .await
+            .map_err(|error| storage("committing refills", &error))?;
+        Ok(())
     }
 
     /// The usage events recorded for an account, in the order they arrived;

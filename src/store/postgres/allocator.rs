@@ -1,7 +1,7 @@
 //! [`LeaseAllocator`] for [`PostgresStore`]: each call one short transaction.
 //!
-//! Lock order, everywhere in the store: lease rows (by id) before account
-//! rows (by id). Acquire locks only its account; release and consolidate
+//! Lock order, everywhere in the store (I31): lease rows (by id) before
+//! account rows (by id). Acquire locks only its account; release and consolidate
 //! lock the lease, then its account; reclaim locks its leases, then their
 //! accounts in id order. Rows are locked `FOR NO KEY UPDATE`: writers of the
 //! same row still exclude each other, while the foreign-key checks of
@@ -366,8 +366,8 @@ impl PostgresStore {
         now: Timestamp,
     ) -> Result<ReclaimBatch, StoreError> {
         // I19: due once `expires_at + reclaim_grace <= now`. Leases another
-        // reclaimer holds are skipped, so concurrent reclaimers split the
-        // work and settle each lease once.
+        // reclaimer holds are skipped (I31), so concurrent reclaimers split
+        // the work and settle each lease once.
         let fetch = i64::try_from(limit.saturating_add(1)).unwrap_or(i64::MAX);
         let sql = self.sql(&format!(
             "SELECT {LEASE_COLUMNS} FROM {{schema}}.leases \
@@ -389,7 +389,7 @@ impl PostgresStore {
         let mut accounts: Vec<AccountId> = due.iter().map(|lease| lease.account_id).collect();
         accounts.sort_unstable();
         accounts.dedup();
-        // Accounts after leases, in id order: the store's one lock order.
+        // Accounts after leases, in id order: the store's one lock order (I31).
         let mut balances = Vec::with_capacity(accounts.len());
         for account in accounts {
             let entry = self

@@ -197,7 +197,8 @@ impl PostgresStore {
         Ok(())
     }
 
-    /// Journals one balance movement, in the caller's transaction.
+    /// Journals one balance movement, in the caller's transaction, so the
+    /// balance is always the sum of the journal's deltas (I30).
     pub(super) async fn journal(
         &self,
         conn: &mut PgConnection,

@@ -6,10 +6,10 @@
 //! every pending migration in one transaction holding a transaction-scoped
 //! advisory lock derived from the schema name, so instances that start
 //! together migrate exactly once and a failed migration leaves nothing
-//! behind.
+//! behind (I33).
 
 use sha2::{Digest, Sha256};
-use sqlx::{PgConnection, Postgres, Transaction};
+use sqlx::{Executor, PgConnection, Postgres, Transaction};
 
 use crate::store::StoreError;
 use crate::store::postgres::convert::{advisory_key, get, storage};
@@ -171,15 +171,18 @@ impl PostgresStore {
             .bind(advisory_key("migrate", &self.schema))
             .execute(&mut *conn)
             .await?;
-        sqlx::raw_sql(&self.sql(
+        let create = self.sql(
             "CREATE SCHEMA IF NOT EXISTS {schema}; \
              CREATE TABLE IF NOT EXISTS {schema}.schema_migrations ( \
                  version    int         PRIMARY KEY, \
                  checksum   bytea       NOT NULL, \
                  applied_at timestamptz NOT NULL)",
-        ))
-        .execute(&mut *conn)
-        .await?;
+        );
+        // Through the executor: `RawSql::execute` is an `async fn` generic
+        // over its executor, whose future is not `Send` for every lifetime
+        // (so `migrate()` could not be spawned); the executor's own method
+        // returns a boxed `Send` future.
+        Executor::execute(&mut *conn, sqlx::raw_sql(&create)).await?;
         Ok(())
     }
 
@@ -216,13 +219,20 @@ impl PostgresStore {
                 .max()
                 .unwrap_or(0),
         };
-        for migration in MIGRATIONS.iter().filter(|migration| {
-            !applied
-                .iter()
-                .any(|(version, _)| *version == migration.version)
-        }) {
-            sqlx::raw_sql(&self.sql(migration.sql))
-                .execute(&mut *tx)
+        // Collected first: an iterator adapter holding a closure across the
+        // awaits below would keep this future from being `Send` for every
+        // lifetime, and so from `tokio::spawn` (rust-lang/rust#64552).
+        let pending: Vec<&Migration> = MIGRATIONS
+            .iter()
+            .filter(|migration| {
+                !applied
+                    .iter()
+                    .any(|(version, _)| *version == migration.version)
+            })
+            .collect();
+        for migration in pending {
+            let sql = self.sql(migration.sql);
+            Executor::execute(&mut *tx, sqlx::raw_sql(&sql))
                 .await
                 .map_err(|error| PostgresError::Migration {
                     version: migration.version,
