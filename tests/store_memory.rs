@@ -11,6 +11,8 @@ use std::sync::Arc;
 
 use jiff::{SignedDuration, Timestamp};
 use support::stores::{TestStore, store_tests};
+#[cfg(feature = "postgres")]
+use tollgate::store::PostgresStore;
 use tollgate::store::{
     AccountSpec, AdminError, AllocateError, Allocation, GrantPolicy, IngestOutcome, KeyHash,
     LeaseAllocator, MemoryStore, RefillSchedule, RejectReason, SnapshotCursor, TailSharing,
@@ -1129,6 +1131,8 @@ async fn memory_reclaim_is_due_not_a_nanosecond_early() {
 store_tests! {
     stores {
         memory: MemoryStore,
+        #[cfg(feature = "postgres")]
+        postgres: PostgresStore,
     }
     tests {
         #[tokio::test] {

@@ -468,3 +468,10 @@ async fn step<S: TestStore>(store: &S, model: &mut Model, op: Op) -> Result<(), 
 fn the_memory_store_matches_its_model_and_its_books_balance() {
     check::<MemoryStore>(256);
 }
+
+/// Fewer cases: each one is a fresh schema on a real server.
+#[cfg(feature = "postgres")]
+#[test]
+fn the_postgres_store_matches_its_model_and_its_books_balance() {
+    check::<tollgate::store::PostgresStore>(24);
+}

@@ -221,3 +221,126 @@ macro_rules! store_tests {
     reason = "each test crate uses only part of the support code"
 )]
 pub(crate) use store_tests;
+
+#[cfg(feature = "postgres")]
+mod postgres {
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    use async_trait::async_trait;
+    use jiff::Timestamp;
+    use tollgate::store::{
+        AccountSpec, AccountView, AdminError, GrantPolicy, IssuedKey, KeyInfo, LedgerViolation,
+        Movement, PostgresConfig, PostgresStore, RefillSchedule, StoreError,
+    };
+    use tollgate::{
+        AccountId, AccountStatus, CostUnits, EnforcementMode, KeyId, PermissionBits, UsageEvent,
+    };
+
+    use super::TestStore;
+    use crate::support::postgres::{database_url, unique_schema};
+
+    /// Each top-up through the generic interface is its own movement.
+    static TOP_UPS: AtomicU64 = AtomicU64::new(0);
+
+    #[async_trait]
+    impl TestStore for PostgresStore {
+        async fn fresh(policy: GrantPolicy) -> Option<Self> {
+            let url = database_url("store-generic suite (PostgreSQL)")?;
+            let store = PostgresStore::connect(
+                &url,
+                PostgresConfig {
+                    schema: unique_schema("generic"),
+                    policy,
+                },
+            )
+            .await
+            .expect("the test server accepts connections");
+            store.migrate().await.expect("a fresh schema migrates");
+            Some(store)
+        }
+
+        async fn create_account(
+            &self,
+            spec: AccountSpec,
+            now: Timestamp,
+        ) -> Result<AccountId, AdminError> {
+            PostgresStore::create_account(self, spec, now).await
+        }
+
+        async fn top_up(
+            &self,
+            account: AccountId,
+            units: CostUnits,
+            now: Timestamp,
+        ) -> Result<CostUnits, AdminError> {
+            let key = format!("generic-{}", TOP_UPS.fetch_add(1, Ordering::Relaxed));
+            let movement = Movement {
+                idempotency_key: &key,
+                reason: "store-generic suite",
+            };
+            PostgresStore::top_up(self, account, units, &movement, now)
+                .await
+                .map(|change| change.balance)
+        }
+
+        async fn set_status(
+            &self,
+            account: AccountId,
+            status: AccountStatus,
+            _now: Timestamp,
+        ) -> Result<(), AdminError> {
+            PostgresStore::set_status(self, account, status).await
+        }
+
+        async fn set_mode(
+            &self,
+            account: AccountId,
+            mode: EnforcementMode,
+            _now: Timestamp,
+        ) -> Result<(), AdminError> {
+            PostgresStore::set_mode(self, account, mode).await
+        }
+
+        async fn configure_refill(
+            &self,
+            account: AccountId,
+            refill: Option<RefillSchedule>,
+            now: Timestamp,
+        ) -> Result<(), AdminError> {
+            PostgresStore::configure_refill(self, account, refill, now).await
+        }
+
+        async fn issue_key(
+            &self,
+            account: AccountId,
+            permissions: PermissionBits,
+            now: Timestamp,
+        ) -> Result<IssuedKey, AdminError> {
+            PostgresStore::issue_key(self, account, permissions, now).await
+        }
+
+        async fn revoke_key(&self, key_id: KeyId, now: Timestamp) -> Result<(), AdminError> {
+            PostgresStore::revoke_key(self, key_id, now).await
+        }
+
+        async fn list_keys(&self, account: AccountId) -> Result<Vec<KeyInfo>, AdminError> {
+            PostgresStore::list_keys(self, account).await
+        }
+
+        async fn account(
+            &self,
+            account: AccountId,
+            now: Timestamp,
+        ) -> Result<AccountView, AdminError> {
+            PostgresStore::account(self, account, now).await
+        }
+
+        async fn usage(&self, account: AccountId) -> Result<Vec<UsageEvent>, AdminError> {
+            PostgresStore::usage(self, account, None, None).await
+        }
+
+        async fn audit(&self) -> Result<Vec<LedgerViolation>, StoreError> {
+            PostgresStore::audit(self).await
+        }
+    }
+}
