@@ -1,0 +1,123 @@
+//! Layered settings: a TOML file, then `TOLLGATE_*` variables, then flags.
+
+use std::path::Path;
+
+use figment::Figment;
+use figment::providers::{Env, Format, Toml};
+use jiff::SignedDuration;
+use serde::Deserialize;
+use tollgate::CostUnits;
+use tollgate::store::{GrantPolicy, PostgresConfig, TailSharing};
+
+use crate::parse::duration;
+
+/// The file read when `--config` is not given, if it exists.
+const DEFAULT_FILE: &str = "tollgate.toml";
+
+/// What the file and the environment may set. Unknown keys in the file are
+/// errors, so a misspelt setting is not silently ignored.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Layered {
+    database_url: Option<String>,
+    schema: Option<String>,
+    /// The gateways' `reclaim_grace`, e.g. `"10s"`.
+    reclaim_grace: Option<String>,
+}
+
+/// The settings a command runs with.
+#[derive(Debug)]
+pub(crate) struct Settings {
+    pub(crate) database_url: String,
+    pub(crate) schema: String,
+    reclaim_grace: Option<String>,
+}
+
+impl Settings {
+    /// Merges the layers, later ones winning: `file` (or `tollgate.toml`
+    /// when it exists), `TOLLGATE_DATABASE_URL` / `TOLLGATE_SCHEMA` /
+    /// `TOLLGATE_RECLAIM_GRACE`, then the flags.
+    pub(crate) fn load(
+        file: Option<&Path>,
+        database_url: Option<&str>,
+        schema: Option<&str>,
+    ) -> Result<Self, String> {
+        let mut figment = Figment::new();
+        match file {
+            Some(path) => {
+                if !path.is_file() {
+                    return Err(format!("no configuration file at {}", path.display()));
+                }
+                figment = figment.merge(Toml::file_exact(path));
+            }
+            None => {
+                if Path::new(DEFAULT_FILE).is_file() {
+                    figment = figment.merge(Toml::file_exact(DEFAULT_FILE));
+                }
+            }
+        }
+        figment = figment.merge(Env::prefixed("TOLLGATE_").only(&[
+            "database_url",
+            "schema",
+            "reclaim_grace",
+        ]));
+        let layered: Layered = figment
+            .extract()
+            .map_err(|error| format!("configuration: {error}"))?;
+        let database_url = database_url
+            .map(str::to_owned)
+            .or(layered.database_url)
+            .ok_or_else(|| {
+                "no database: pass --database-url, or set DATABASE_URL or database_url in the configuration"
+                    .to_owned()
+            })?;
+        let schema = schema
+            .map(str::to_owned)
+            .or(layered.schema)
+            .unwrap_or_else(|| "tollgate".to_owned());
+        Ok(Self {
+            database_url,
+            schema,
+            reclaim_grace: layered.reclaim_grace,
+        })
+    }
+
+    /// The reclaim grace: the flag, else the configuration's. It has no
+    /// default, because reclaiming before the gateways' grace has passed
+    /// would take units from a holder still entitled to them.
+    pub(crate) fn reclaim_grace(
+        &self,
+        flag: Option<SignedDuration>,
+    ) -> Result<SignedDuration, String> {
+        if let Some(grace) = flag {
+            return Ok(grace);
+        }
+        let text = self.reclaim_grace.as_deref().ok_or_else(|| {
+            "reclaim needs --reclaim-grace (or reclaim_grace in the configuration), equal to the gateways'"
+                .to_owned()
+        })?;
+        duration(text).map_err(|error| format!("reclaim_grace: {error}"))
+    }
+
+    /// The store's configuration. The operator command never grants a
+    /// lease, so only the reclaim grace of its policy matters, and only to
+    /// `reclaim`; the other values merely satisfy the policy's rules.
+    pub(crate) fn store_config(
+        &self,
+        reclaim_grace: Option<SignedDuration>,
+    ) -> Result<PostgresConfig, String> {
+        let policy = GrantPolicy {
+            max_ttl: SignedDuration::from_secs(1),
+            reclaim_grace: reclaim_grace.unwrap_or(SignedDuration::from_secs(1)),
+            tail: TailSharing {
+                instances: 1,
+                min_grant: CostUnits(1),
+            },
+        };
+        policy.validate().map_err(|error| error.to_string())?;
+        Ok(PostgresConfig {
+            schema: self.schema.clone(),
+            policy,
+        })
+    }
+}

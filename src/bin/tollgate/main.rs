@@ -1,0 +1,534 @@
+//! `tollgate`: the operator's command for a PostgreSQL-backed deployment.
+//!
+//! Accounts, balances, refills, keys, usage, reclaim and the ledger audit,
+//! against the same database the gateway instances share. Every command
+//! that changes something is one transaction: it happens entirely or not
+//! at all. Run `tollgate --help` for the commands.
+//!
+//! Configuration is layered, later layers winning: the file named by
+//! `--config` (or `TOLLGATE_CONFIG`, default `tollgate.toml` when it
+//! exists), then `TOLLGATE_*` environment variables, then `--database-url`
+//! (or `DATABASE_URL`) and `--schema` on the command line.
+#![allow(
+    clippy::doc_markdown,
+    reason = "the argument docs are the --help text, read without markdown"
+)]
+
+mod config;
+mod parse;
+mod render;
+
+use std::process::ExitCode;
+
+use clap::{Args, Parser, Subcommand};
+use jiff::Timestamp;
+use tollgate::store::{
+    AccountSpec, LeaseAllocator as _, Movement, PostgresStore, RefillSchedule, SchemaStatus,
+};
+use tollgate::{AccountId, AccountStatus, CostUnits, EnforcementMode, KeyId, PermissionBits};
+
+use crate::config::Settings;
+use crate::parse::{Mode, account_id, duration, key_id, permissions, timestamp};
+
+/// Operate a tollgate deployment's PostgreSQL store.
+#[derive(Debug, Parser)]
+#[command(name = "tollgate", version, about, long_about = None)]
+struct Cli {
+    /// The configuration file (default: `tollgate.toml` if it exists).
+    #[arg(long, env = "TOLLGATE_CONFIG", global = true)]
+    config: Option<std::path::PathBuf>,
+    /// The PostgreSQL URL, e.g. `postgres://user@host/db`.
+    #[arg(long, env = "DATABASE_URL", global = true, hide_env_values = true)]
+    database_url: Option<String>,
+    /// The PostgreSQL schema tollgate's tables live in (default `tollgate`).
+    #[arg(long, global = true)]
+    schema: Option<String>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Creates or upgrades tollgate's schema (safe to run from many
+    /// processes at once: one applies, the others wait and find it done).
+    Migrate,
+    /// Says whether the schema matches this build; exits 3 when it does not.
+    CheckSchema,
+    /// Accounts.
+    #[command(subcommand)]
+    Account(AccountCommand),
+    /// Balances: top-ups, adjustments and their history.
+    #[command(subcommand)]
+    Balance(BalanceCommand),
+    /// Periodic refills.
+    #[command(subcommand)]
+    Refill(RefillCommand),
+    /// API keys.
+    #[command(subcommand)]
+    Key(KeyCommand),
+    /// The usage events billed to an account, oldest first.
+    Usage {
+        /// The account (`acct_7` or `7`).
+        #[arg(value_parser = account_id)]
+        account: AccountId,
+        /// Only events at or after this instant (RFC 3339).
+        #[arg(long, value_parser = timestamp)]
+        since: Option<Timestamp>,
+        /// Only events before this instant (RFC 3339).
+        #[arg(long, value_parser = timestamp)]
+        until: Option<Timestamp>,
+    },
+    /// Settles leases whose holder never came back: every active lease whose
+    /// expiry plus the reclaim grace has passed.
+    Reclaim {
+        /// How long after a lease's expiry it may be reclaimed. Must be the
+        /// gateways' `reclaim_grace` (or the config file's).
+        #[arg(long, value_parser = duration)]
+        reclaim_grace: Option<jiff::SignedDuration>,
+        /// Leases settled per transaction.
+        #[arg(long, default_value_t = 100)]
+        batch: usize,
+    },
+    /// Checks the ledger equation for every account and lease; exits 3 on
+    /// any violation.
+    Audit,
+}
+
+#[derive(Debug, Subcommand)]
+enum AccountCommand {
+    /// Opens an account; prints its id.
+    Create {
+        /// The opening balance, in cost units.
+        #[arg(long)]
+        balance: u64,
+        #[command(flatten)]
+        mode: ModeArgs,
+        /// Open it suspended.
+        #[arg(long)]
+        suspended: bool,
+    },
+    /// Shows one account.
+    Show {
+        /// The account.
+        #[arg(value_parser = account_id)]
+        account: AccountId,
+    },
+    /// Lists every account.
+    List,
+    /// Suspends an account: its keys are refused until it is resumed.
+    Suspend {
+        /// The account.
+        #[arg(value_parser = account_id)]
+        account: AccountId,
+    },
+    /// Resumes a suspended account.
+    Resume {
+        /// The account.
+        #[arg(value_parser = account_id)]
+        account: AccountId,
+    },
+    /// Changes how an account may spend beyond its leases.
+    SetMode {
+        /// The account.
+        #[arg(value_parser = account_id)]
+        account: AccountId,
+        #[command(flatten)]
+        mode: ModeArgs,
+    },
+}
+
+#[derive(Debug, Args)]
+struct ModeArgs {
+    /// `strict` (never beyond the balance) or `elastic` (overage up to a
+    /// cap per instance, billed as debt).
+    #[arg(long, value_enum)]
+    mode: Mode,
+    /// The overage cap per instance; required for, and only for, `elastic`.
+    #[arg(long)]
+    overage_cap: Option<u64>,
+}
+
+#[derive(Debug, Subcommand)]
+enum BalanceCommand {
+    /// Adds units to a balance, once per idempotency key.
+    TopUp {
+        /// The account.
+        #[arg(value_parser = account_id)]
+        account: AccountId,
+        /// The units to add.
+        units: u64,
+        #[command(flatten)]
+        movement: MovementArgs,
+    },
+    /// Corrects a balance by a signed number of units, once per idempotency
+    /// key; never below zero.
+    Adjust {
+        /// The account.
+        #[arg(value_parser = account_id)]
+        account: AccountId,
+        /// The change, e.g. `-50` or `25`.
+        #[arg(allow_negative_numbers = true)]
+        delta: i64,
+        #[command(flatten)]
+        movement: MovementArgs,
+    },
+    /// Every movement of an account's balance, oldest first.
+    History {
+        /// The account.
+        #[arg(value_parser = account_id)]
+        account: AccountId,
+    },
+}
+
+#[derive(Debug, Args)]
+struct MovementArgs {
+    /// Makes a retried command apply once: the same key with the same
+    /// account and amount answers with the first outcome.
+    #[arg(long)]
+    idempotency_key: String,
+    /// Why, recorded in the journal.
+    #[arg(long)]
+    reason: String,
+}
+
+#[derive(Debug, Subcommand)]
+enum RefillCommand {
+    /// Resets the balance to `--amount` at the end of every `--every`
+    /// period; the first period ends one period from now.
+    Set {
+        /// The account.
+        #[arg(value_parser = account_id)]
+        account: AccountId,
+        /// The balance each period starts with.
+        #[arg(long)]
+        amount: u64,
+        /// The period, e.g. `30d` or `1h`.
+        #[arg(long, value_parser = duration)]
+        every: jiff::SignedDuration,
+    },
+    /// Removes an account's refill.
+    Clear {
+        /// The account.
+        #[arg(value_parser = account_id)]
+        account: AccountId,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum KeyCommand {
+    /// Issues a key and prints it. The plaintext is shown this once and
+    /// never stored.
+    Issue {
+        /// The account the key spends from.
+        #[arg(value_parser = account_id)]
+        account: AccountId,
+        /// Permission bits: `all`, `none`, a mask (`0x3`), or bit indices
+        /// (`0,1`).
+        #[arg(long, value_parser = permissions)]
+        permissions: PermissionBits,
+    },
+    /// Revokes a key for good.
+    Revoke {
+        /// The key (`key_3` or `3`).
+        #[arg(value_parser = key_id)]
+        key: KeyId,
+    },
+    /// Lists an account's keys (prefixes only).
+    List {
+        /// The account.
+        #[arg(value_parser = account_id)]
+        account: AccountId,
+    },
+}
+
+/// How a command failed, and the exit status it maps to.
+enum Failure {
+    /// The command could not be carried out (exit 1).
+    Error(String),
+    /// The command ran and found something wrong: a schema mismatch or a
+    /// ledger violation (exit 3).
+    Finding,
+}
+
+impl<E: std::fmt::Display> From<E> for Failure {
+    fn from(error: E) -> Self {
+        Self::Error(error.to_string())
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(error) => {
+            eprintln!("tollgate: error: cannot start the async runtime: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(cli)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(Failure::Error(message)) => {
+            eprintln!("tollgate: error: {message}");
+            ExitCode::FAILURE
+        }
+        Err(Failure::Finding) => ExitCode::from(3),
+    }
+}
+
+async fn run(cli: Cli) -> Result<(), Failure> {
+    let settings = Settings::load(
+        cli.config.as_deref(),
+        cli.database_url.as_deref(),
+        cli.schema.as_deref(),
+    )?;
+    let reclaim_grace = match &cli.command {
+        Command::Reclaim { reclaim_grace, .. } => Some(settings.reclaim_grace(*reclaim_grace)?),
+        _ => None,
+    };
+    let store = PostgresStore::connect(
+        &settings.database_url,
+        settings.store_config(reclaim_grace)?,
+    )
+    .await?;
+    let now = Timestamp::now();
+    match cli.command {
+        Command::Migrate => {
+            let report = store.migrate().await?;
+            if report.applied.is_empty() {
+                println!(
+                    "schema {} is current (version {})",
+                    store.schema(),
+                    report.current
+                );
+            } else {
+                for version in &report.applied {
+                    println!("applied migration {version}");
+                }
+                println!("schema {} is at version {}", store.schema(), report.current);
+            }
+        }
+        Command::CheckSchema => {
+            let status = store.check_schema().await?;
+            println!("{}", render::schema_status(store.schema(), &status));
+            if !matches!(status, SchemaStatus::Current { .. }) {
+                return Err(Failure::Finding);
+            }
+        }
+        Command::Account(command) => account(&store, command, now).await?,
+        Command::Balance(command) => balance(&store, command, now).await?,
+        Command::Refill(command) => refill(&store, command, now).await?,
+        Command::Key(command) => key(&store, command, now).await?,
+        Command::Usage {
+            account,
+            since,
+            until,
+        } => {
+            for event in store.usage(account, since, until).await? {
+                println!("{}", render::usage_event(&event));
+            }
+        }
+        Command::Reclaim { batch, .. } => reclaim(&store, batch, now).await?,
+        Command::Audit => {
+            let violations = store.audit().await?;
+            if violations.is_empty() {
+                println!("the ledger balances");
+            } else {
+                for violation in &violations {
+                    println!("violation: {violation}");
+                }
+                return Err(Failure::Finding);
+            }
+        }
+    }
+    Ok(())
+}
+
+async fn account(
+    store: &PostgresStore,
+    command: AccountCommand,
+    now: Timestamp,
+) -> Result<(), Failure> {
+    match command {
+        AccountCommand::Create {
+            balance,
+            mode,
+            suspended,
+        } => {
+            let spec = AccountSpec {
+                balance: CostUnits(balance),
+                mode: enforcement(&mode)?,
+                status: if suspended {
+                    AccountStatus::Suspended
+                } else {
+                    AccountStatus::Active
+                },
+                refill: None,
+            };
+            let id = store.create_account(spec, now).await?;
+            println!("{id}");
+        }
+        AccountCommand::Show { account } => {
+            println!("{}", render::account(&store.account(account, now).await?));
+        }
+        AccountCommand::List => {
+            for view in store.accounts(now).await? {
+                println!("{}", render::account(&view));
+            }
+        }
+        AccountCommand::Suspend { account } => {
+            store.set_status(account, AccountStatus::Suspended).await?;
+            println!("{account}: suspended");
+        }
+        AccountCommand::Resume { account } => {
+            store.set_status(account, AccountStatus::Active).await?;
+            println!("{account}: active");
+        }
+        AccountCommand::SetMode { account, mode } => {
+            let mode = enforcement(&mode)?;
+            store.set_mode(account, mode).await?;
+            println!("{account}: {}", render::mode(mode));
+        }
+    }
+    Ok(())
+}
+
+async fn balance(
+    store: &PostgresStore,
+    command: BalanceCommand,
+    now: Timestamp,
+) -> Result<(), Failure> {
+    match command {
+        BalanceCommand::TopUp {
+            account,
+            units,
+            movement,
+        } => {
+            let change = store
+                .top_up(account, CostUnits(units), &movement.borrow(), now)
+                .await?;
+            println!("{}", render::balance_change(account, &change));
+        }
+        BalanceCommand::Adjust {
+            account,
+            delta,
+            movement,
+        } => {
+            let change = store
+                .adjust(account, delta, &movement.borrow(), now)
+                .await?;
+            println!("{}", render::balance_change(account, &change));
+        }
+        BalanceCommand::History { account } => {
+            for entry in store.history(account).await? {
+                println!("{}", render::journal_entry(&entry));
+            }
+        }
+    }
+    Ok(())
+}
+
+async fn key(store: &PostgresStore, command: KeyCommand, now: Timestamp) -> Result<(), Failure> {
+    match command {
+        KeyCommand::Issue {
+            account,
+            permissions,
+        } => {
+            let issued = store.issue_key(account, permissions, now).await?;
+            println!("{}", issued.key.expose());
+            eprintln!(
+                "{} for {account}, permissions {permissions}: shown once, store it now",
+                issued.key_id
+            );
+        }
+        KeyCommand::Revoke { key } => {
+            store.revoke_key(key, now).await?;
+            println!("{key}: revoked");
+        }
+        KeyCommand::List { account } => {
+            for info in store.list_keys(account).await? {
+                println!("{}", render::key(&info));
+            }
+        }
+    }
+    Ok(())
+}
+
+async fn refill(
+    store: &PostgresStore,
+    command: RefillCommand,
+    now: Timestamp,
+) -> Result<(), Failure> {
+    match command {
+        RefillCommand::Set {
+            account,
+            amount,
+            every,
+        } => {
+            let schedule = RefillSchedule {
+                amount: CostUnits(amount),
+                interval: every,
+            };
+            store.configure_refill(account, Some(schedule), now).await?;
+            let view = store.account(account, now).await?;
+            println!("{}", render::account(&view));
+        }
+        RefillCommand::Clear { account } => {
+            store.configure_refill(account, None, now).await?;
+            println!("{account}: no refill");
+        }
+    }
+    Ok(())
+}
+
+async fn reclaim(store: &PostgresStore, batch: usize, now: Timestamp) -> Result<(), Failure> {
+    if batch == 0 {
+        return Err(Failure::Error("--batch must be at least 1".to_owned()));
+    }
+    let mut settled = 0_usize;
+    let mut credited = 0_u64;
+    loop {
+        let page = store.reclaim_expired_batch(now, batch).await?;
+        for lease in &page.reclaimed {
+            println!(
+                "reclaimed {} of {}: {} units credited",
+                lease.lease_id,
+                lease.account_id,
+                lease.credited.get()
+            );
+            credited = credited.saturating_add(lease.credited.get());
+        }
+        settled += page.reclaimed.len();
+        if !page.more {
+            break;
+        }
+    }
+    println!("{settled} leases reclaimed, {credited} units credited");
+    Ok(())
+}
+
+impl MovementArgs {
+    fn borrow(&self) -> Movement<'_> {
+        Movement {
+            idempotency_key: &self.idempotency_key,
+            reason: &self.reason,
+        }
+    }
+}
+
+fn enforcement(args: &ModeArgs) -> Result<EnforcementMode, Failure> {
+    match (args.mode, args.overage_cap) {
+        (Mode::Strict, None) => Ok(EnforcementMode::Strict),
+        (Mode::Strict, Some(_)) => Err(Failure::Error(
+            "--overage-cap applies only to --mode elastic".to_owned(),
+        )),
+        (Mode::Elastic, Some(cap)) => Ok(EnforcementMode::Elastic {
+            overage_cap: CostUnits(cap),
+        }),
+        (Mode::Elastic, None) => Err(Failure::Error(
+            "--mode elastic needs --overage-cap".to_owned(),
+        )),
+    }
+}

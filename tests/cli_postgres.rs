@@ -1,0 +1,505 @@
+//! The `tollgate` operator command against a real `PostgreSQL` server: every
+//! command, its output and exit status, bad input, idempotent top-ups, the
+//! layered configuration, and an audit that catches a tampered ledger.
+#![cfg(feature = "cli")]
+
+mod support;
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+use jiff::{SignedDuration, Timestamp};
+use support::postgres::{database_url, unique_schema};
+use tollgate::store::{
+    GrantPolicy, IngestOutcome, LeaseAllocator, PostgresConfig, PostgresStore, TailSharing,
+    UsageSink,
+};
+use tollgate::{AccountId, CostUnits, PolicyRevision, RequestId, UsageEvent, UsageSource};
+
+/// One schema on the test server and the command pointed at it.
+struct Cli {
+    url: String,
+    schema: String,
+}
+
+struct Run {
+    code: i32,
+    stdout: String,
+    stderr: String,
+}
+
+impl Run {
+    #[track_caller]
+    fn ok(self) -> String {
+        assert_eq!(
+            self.code, 0,
+            "stdout: {}\nstderr: {}",
+            self.stdout, self.stderr
+        );
+        self.stdout
+    }
+
+    #[track_caller]
+    fn fails(self, code: i32, says: &str) -> Self {
+        assert_eq!(
+            self.code, code,
+            "stdout: {}\nstderr: {}",
+            self.stdout, self.stderr
+        );
+        assert!(
+            self.stderr.contains(says) || self.stdout.contains(says),
+            "expected {says:?} in\nstdout: {}\nstderr: {}",
+            self.stdout,
+            self.stderr
+        );
+        self
+    }
+}
+
+impl Cli {
+    fn new(test: &str) -> Option<Self> {
+        let url = database_url(test)?;
+        Some(Self {
+            url,
+            schema: unique_schema(test),
+        })
+    }
+
+    fn bare() -> Command {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_tollgate"));
+        // Only what each test states reaches the command.
+        for (name, _) in std::env::vars_os() {
+            let name = name.to_string_lossy().into_owned();
+            if name == "DATABASE_URL" || name.starts_with("TOLLGATE_") {
+                command.env_remove(name);
+            }
+        }
+        command.current_dir(std::env::temp_dir());
+        command
+    }
+
+    fn run(&self, args: &[&str]) -> Run {
+        let mut command = Self::bare();
+        command
+            .arg("--database-url")
+            .arg(&self.url)
+            .arg("--schema")
+            .arg(&self.schema)
+            .args(args);
+        finish(&command.output().expect("the tollgate binary runs"))
+    }
+
+    async fn store(&self) -> PostgresStore {
+        PostgresStore::connect(
+            &self.url,
+            PostgresConfig {
+                schema: self.schema.clone(),
+                policy: GrantPolicy {
+                    max_ttl: SignedDuration::from_secs(60),
+                    reclaim_grace: SignedDuration::from_secs(10),
+                    tail: TailSharing {
+                        instances: 1,
+                        min_grant: CostUnits(1),
+                    },
+                },
+            },
+        )
+        .await
+        .unwrap()
+    }
+}
+
+fn finish(output: &Output) -> Run {
+    Run {
+        code: output.status.code().expect("the command exited"),
+        stdout: String::from_utf8_lossy(&output.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&output.stderr).into_owned(),
+    }
+}
+
+fn account_of(line: &str) -> AccountId {
+    AccountId(
+        line.trim()
+            .strip_prefix("acct_")
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("an account id, not {line:?}")),
+    )
+}
+
+#[test]
+fn migrate_applies_once_and_check_schema_says_where_the_schema_stands() {
+    let Some(cli) = Cli::new("cli_migrate") else {
+        return;
+    };
+    cli.run(&["check-schema"])
+        .fails(3, "run `tollgate migrate`");
+    assert!(cli.run(&["migrate"]).ok().contains("applied migration 1"));
+    assert!(cli.run(&["migrate"]).ok().contains("is current"));
+    assert!(cli.run(&["check-schema"]).ok().contains("is current"));
+    let bad = Cli::bare()
+        .args([
+            "--database-url",
+            &cli.url,
+            "--schema",
+            "Bad-Name",
+            "migrate",
+        ])
+        .output()
+        .unwrap();
+    finish(&bad).fails(1, "schema");
+}
+
+#[test]
+fn accounts_are_created_shown_listed_suspended_resumed_and_remoded() {
+    let Some(cli) = Cli::new("cli_accounts") else {
+        return;
+    };
+    cli.run(&["migrate"]).ok();
+    let strict = account_of(
+        &cli.run(&["account", "create", "--balance", "100", "--mode", "strict"])
+            .ok(),
+    );
+    let elastic = account_of(
+        &cli.run(&[
+            "account",
+            "create",
+            "--balance",
+            "5",
+            "--mode",
+            "elastic",
+            "--overage-cap",
+            "20",
+        ])
+        .ok(),
+    );
+    cli.run(&["account", "create", "--balance", "5", "--mode", "elastic"])
+        .fails(1, "--overage-cap");
+    cli.run(&[
+        "account",
+        "create",
+        "--balance",
+        "5",
+        "--mode",
+        "strict",
+        "--overage-cap",
+        "3",
+    ])
+    .fails(1, "only to --mode elastic");
+    cli.run(&["account", "create", "--balance", "-5", "--mode", "strict"])
+        .fails(2, "");
+
+    let shown = cli.run(&["account", "show", &strict.to_string()]).ok();
+    assert!(
+        shown.contains("status=active balance=100 leased=0 mode=strict"),
+        "{shown}"
+    );
+    let listed = cli.run(&["account", "list"]).ok();
+    assert_eq!(listed.lines().count(), 2, "{listed}");
+    assert!(listed.contains("mode=elastic overage_cap=20"), "{listed}");
+
+    cli.run(&["account", "suspend", &strict.get().to_string()])
+        .ok();
+    assert!(
+        cli.run(&["account", "show", &strict.to_string()])
+            .ok()
+            .contains("status=suspended")
+    );
+    cli.run(&["account", "resume", &strict.to_string()]).ok();
+    assert!(
+        cli.run(&["account", "show", &strict.to_string()])
+            .ok()
+            .contains("status=active")
+    );
+    cli.run(&[
+        "account",
+        "set-mode",
+        &elastic.to_string(),
+        "--mode",
+        "strict",
+    ])
+    .ok();
+    assert!(
+        cli.run(&["account", "show", &elastic.to_string()])
+            .ok()
+            .contains("mode=strict")
+    );
+
+    cli.run(&["account", "show", "acct_999"])
+        .fails(1, "unknown account");
+    cli.run(&["account", "show", "acct_x"])
+        .fails(2, "expected acct_N");
+    cli.run(&["account", "show", "0"])
+        .fails(2, "positive integer");
+}
+
+#[test]
+fn top_ups_apply_once_per_idempotency_key_and_adjustments_never_go_below_zero() {
+    let Some(cli) = Cli::new("cli_balance") else {
+        return;
+    };
+    cli.run(&["migrate"]).ok();
+    let account = account_of(
+        &cli.run(&["account", "create", "--balance", "100", "--mode", "strict"])
+            .ok(),
+    );
+    let id = account.to_string();
+    let top_up = |units: &str, key: &str| {
+        cli.run(&[
+            "balance",
+            "top-up",
+            &id,
+            units,
+            "--idempotency-key",
+            key,
+            "--reason",
+            "invoice 7",
+        ])
+    };
+    assert!(top_up("50", "inv-7").ok().contains("balance=150"));
+    let again = top_up("50", "inv-7").ok();
+    assert!(
+        again.contains("balance=150") && again.contains("already applied"),
+        "{again}"
+    );
+    top_up("60", "inv-7").fails(1, "idempotency key");
+    top_up("5", "").fails(1, "idempotency");
+    assert!(
+        cli.run(&["account", "show", &id])
+            .ok()
+            .contains("balance=150"),
+        "applied once"
+    );
+
+    let adjust = |delta: &str, key: &str| {
+        cli.run(&[
+            "balance",
+            "adjust",
+            &id,
+            delta,
+            "--idempotency-key",
+            key,
+            "--reason",
+            "goodwill",
+        ])
+    };
+    adjust("-151", "adj-1").fails(1, "below zero");
+    assert!(adjust("-20", "adj-2").ok().contains("balance=130"));
+    assert!(adjust("5", "adj-3").ok().contains("balance=135"));
+
+    let history = cli.run(&["balance", "history", &id]).ok();
+    let kinds: Vec<(&str, &str)> = history
+        .lines()
+        .map(|line| {
+            let fields: Vec<&str> = line.split(' ').collect();
+            (fields[2], fields[3])
+        })
+        .collect();
+    assert_eq!(
+        kinds,
+        [
+            ("open", "+100"),
+            ("top_up", "+50"),
+            ("adjustment", "-20"),
+            ("adjustment", "+5")
+        ],
+        "{history}"
+    );
+    assert!(history.contains("reason=\"invoice 7\""), "{history}");
+    assert!(history.contains("idempotency_key=\"inv-7\""), "{history}");
+}
+
+#[test]
+fn refills_are_set_and_cleared() {
+    let Some(cli) = Cli::new("cli_refill") else {
+        return;
+    };
+    cli.run(&["migrate"]).ok();
+    let id = account_of(
+        &cli.run(&["account", "create", "--balance", "0", "--mode", "strict"])
+            .ok(),
+    )
+    .to_string();
+    let set = cli.run(&["refill", "set", &id, "--amount", "500", "--every", "30d"]);
+    let set = set.ok();
+    assert!(
+        set.contains("refill=500/") && set.contains("period_end="),
+        "{set}"
+    );
+    cli.run(&["refill", "set", &id, "--amount", "500", "--every", "0s"])
+        .fails(2, "positive duration");
+    cli.run(&["refill", "clear", &id]).ok();
+    assert!(!cli.run(&["account", "show", &id]).ok().contains("refill="));
+}
+
+#[test]
+fn keys_are_issued_once_listed_by_prefix_and_revoked() {
+    let Some(cli) = Cli::new("cli_keys") else {
+        return;
+    };
+    cli.run(&["migrate"]).ok();
+    let id = account_of(
+        &cli.run(&["account", "create", "--balance", "10", "--mode", "strict"])
+            .ok(),
+    )
+    .to_string();
+    let issued = cli.run(&["key", "issue", &id, "--permissions", "0,1"]);
+    assert!(issued.stderr.contains("shown once"), "{}", issued.stderr);
+    let key = issued.ok().trim().to_owned();
+    assert!(key.starts_with("tg_") && key.len() == 51, "{key}");
+    let listed = cli.run(&["key", "list", &id]).ok();
+    assert!(
+        listed.contains(&format!("prefix={}", &key[..11])),
+        "{listed}"
+    );
+    assert!(listed.contains("permissions=0x3 status=active"), "{listed}");
+    assert!(!listed.contains(&key), "the plaintext is never shown again");
+    let key_id = listed.split(' ').next().unwrap().to_owned();
+    cli.run(&["key", "revoke", &key_id]).ok();
+    let revoked = cli.run(&["key", "list", &id]).ok();
+    assert!(
+        revoked.contains("status=revoked") && revoked.contains("revoked_at="),
+        "{revoked}"
+    );
+    cli.run(&["key", "issue", &id, "--permissions", "read"])
+        .fails(2, "bit indices");
+    cli.run(&["key", "issue", "acct_999", "--permissions", "all"])
+        .fails(1, "unknown account");
+    cli.run(&["key", "revoke", "key_999"])
+        .fails(1, "unknown key");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn usage_is_listed_by_window_reclaim_settles_expired_leases_and_audit_catches_tampering() {
+    let Some(cli) = Cli::new("cli_usage_reclaim_audit") else {
+        return;
+    };
+    cli.run(&["migrate"]).ok();
+    let account = account_of(
+        &cli.run(&["account", "create", "--balance", "1000", "--mode", "strict"])
+            .ok(),
+    );
+    let store = cli.store().await;
+    // A lease granted long ago, whose holder never came back, with two
+    // charges billed against it.
+    let long_ago = Timestamp::from_second(1_700_000_000).unwrap();
+    let allocation = store
+        .acquire(
+            account,
+            CostUnits(100),
+            SignedDuration::from_secs(30),
+            long_ago,
+        )
+        .await
+        .unwrap();
+    let event = |request: u128, second: i64, units: u64| UsageEvent {
+        request_id: RequestId(request),
+        account_id: account,
+        source: UsageSource::Leased {
+            lease_id: allocation.grant.lease_id,
+            fencing_token: allocation.grant.fencing_token,
+        },
+        units: CostUnits(units),
+        at: Timestamp::from_second(second).unwrap(),
+        policy_revision: PolicyRevision(1),
+        key_id: None,
+    };
+    let outcomes = store
+        .ingest(&[event(1, 1_700_000_001, 3), event(2, 1_700_000_005, 4)])
+        .await
+        .unwrap();
+    assert_eq!(outcomes, [IngestOutcome::Accepted, IngestOutcome::Accepted]);
+
+    let id = account.to_string();
+    let all = cli.run(&["usage", &id]).ok();
+    assert_eq!(all.lines().count(), 2, "{all}");
+    let windowed = cli
+        .run(&[
+            "usage",
+            &id,
+            "--since",
+            "2023-11-14T22:13:22Z",
+            "--until",
+            "2023-11-14T22:13:30Z",
+        ])
+        .ok();
+    assert_eq!(windowed.lines().count(), 1, "{windowed}");
+    assert!(windowed.contains("units=4"), "{windowed}");
+    cli.run(&["usage", &id, "--since", "yesterday"])
+        .fails(2, "RFC 3339");
+
+    cli.run(&["reclaim"]).fails(1, "--reclaim-grace");
+    let reclaimed = cli.run(&["reclaim", "--reclaim-grace", "10s"]).ok();
+    assert!(
+        reclaimed.contains("1 leases reclaimed, 93 units credited"),
+        "granted 100, billed 7: {reclaimed}"
+    );
+    assert!(
+        cli.run(&["account", "show", &id])
+            .ok()
+            .contains("balance=993 leased=0")
+    );
+    assert!(cli.run(&["audit"]).ok().contains("the ledger balances"));
+
+    // Someone edits a balance behind the ledger's back.
+    sqlx::query(&format!(
+        "UPDATE {}.accounts SET balance = balance + 1 WHERE id = $1",
+        cli.schema
+    ))
+    .bind(i64::try_from(account.get()).unwrap())
+    .execute(store.pool())
+    .await
+    .unwrap();
+    let audit = cli.run(&["audit"]).fails(3, "violation:");
+    assert!(audit.stdout.contains(&id), "{}", audit.stdout);
+}
+
+#[test]
+fn settings_come_from_a_file_then_the_environment_then_flags() {
+    let Some(cli) = Cli::new("cli_settings") else {
+        return;
+    };
+    let dir = std::env::temp_dir().join(unique_schema("cli_settings_dir"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("tollgate.toml");
+    std::fs::write(
+        &file,
+        format!("database_url = {:?}\nschema = {:?}\n", cli.url, cli.schema),
+    )
+    .unwrap();
+    let run = |command: &mut Command| finish(&command.output().unwrap());
+
+    // The file alone.
+    let migrated = run(Cli::bare().arg("--config").arg(&file).arg("migrate")).ok();
+    assert!(
+        migrated.contains(&format!("schema {}", cli.schema)),
+        "{migrated}"
+    );
+    // tollgate.toml in the working directory is read without --config.
+    let found = run(Cli::bare().current_dir(&dir).arg("check-schema")).ok();
+    assert!(found.contains("is current"), "{found}");
+    // The environment overrides the file; a flag overrides the environment.
+    let other = unique_schema("cli_settings_other");
+    run(Cli::bare()
+        .current_dir(&dir)
+        .env("TOLLGATE_SCHEMA", &other)
+        .arg("check-schema"))
+    .fails(3, &other);
+    let flagged = run(Cli::bare()
+        .current_dir(&dir)
+        .env("TOLLGATE_SCHEMA", &other)
+        .args(["--schema", &cli.schema, "check-schema"]))
+    .ok();
+    assert!(flagged.contains("is current"), "{flagged}");
+
+    // A misspelt setting is an error, not ignored.
+    let typo = dir.join("typo.toml");
+    std::fs::write(&typo, "databse_url = \"postgres://x\"\n").unwrap();
+    run(Cli::bare().arg("--config").arg(&typo).arg("audit")).fails(1, "databse_url");
+    run(Cli::bare()
+        .arg("--config")
+        .arg(Path::new("/nonexistent.toml"))
+        .arg("audit"))
+    .fails(1, "no configuration file");
+    run(Cli::bare().arg("audit")).fails(1, "no database");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
