@@ -7,6 +7,15 @@
 //! shows the money move; `/livez`, `/readyz` and `/metrics` are the ops
 //! endpoints. Ctrl-C shuts down in order (stop admitting, drain usage,
 //! return leases) and prints what happened.
+//!
+//! With `--store postgres://…` (build with `--features postgres`) the
+//! gateway uses a shared PostgreSQL store instead, so several gateway
+//! processes can serve the same accounts; accounts and keys then come from
+//! the `tollgate` operator command, and `--migrate` creates the schema.
+#![allow(
+    clippy::doc_markdown,
+    reason = "the argument docs are the --help text, read without markdown"
+)]
 
 use std::fmt::Write as _;
 use std::net::SocketAddr;
@@ -38,18 +47,42 @@ const READ: PermissionBits = PermissionBits::bit(0);
 const WRITE: PermissionBits = PermissionBits::bit(1);
 
 #[derive(Debug, Parser)]
-#[command(about = "A metered API on tollgate's embedded store")]
+#[command(about = "A metered API on tollgate's embedded store, or on a shared PostgreSQL store")]
 struct Args {
     /// The address to listen on.
     #[arg(long, default_value = "127.0.0.1:3000")]
     listen: SocketAddr,
-    /// The starting balance of both demo accounts, in cost units.
+    /// The starting balance of both demo accounts, in cost units (embedded
+    /// store only).
     #[arg(long, default_value_t = 1_000)]
     balance: u64,
+    /// `memory` for the embedded store with two demo accounts, or a
+    /// `postgres://` URL for a store shared by several gateways.
+    #[arg(long, default_value = "memory")]
+    store: String,
+    /// With a PostgreSQL store: create or upgrade the schema first.
+    #[arg(long)]
+    migrate: bool,
+    /// With a PostgreSQL store: the schema tollgate's tables live in.
+    #[arg(long, default_value = "tollgate")]
+    schema: String,
 }
 
 fn ms(n: u64) -> Duration {
     Duration::from_millis(n)
+}
+
+/// How grants are sized and how long they live. On a shared store every
+/// gateway and the operator command's `reclaim` must agree on it.
+fn grant_policy() -> GrantPolicy {
+    GrantPolicy {
+        max_ttl: SignedDuration::from_secs(60),
+        reclaim_grace: SignedDuration::from_secs(10),
+        tail: TailSharing {
+            instances: 3,
+            min_grant: CostUnits(10),
+        },
+    }
 }
 
 /// Every setting stated, as tollgate requires; these suit a demo on one
@@ -131,52 +164,174 @@ async fn slow(admitted: Admitted) -> String {
     format!("slow ok: charged {}\n", admitted.units)
 }
 
+/// Where the accounts live.
+#[derive(Clone)]
+enum Backend {
+    Memory(Arc<MemoryStore>),
+    #[cfg(feature = "postgres")]
+    Postgres(Arc<tollgate::store::PostgresStore>),
+}
+
+impl Backend {
+    async fn open(args: &Args) -> Result<Self, Box<dyn std::error::Error>> {
+        if args.store == "memory" {
+            return Ok(Self::Memory(Arc::new(MemoryStore::new(grant_policy())?)));
+        }
+        if !args.store.starts_with("postgres://") && !args.store.starts_with("postgresql://") {
+            return Err(format!(
+                "--store takes `memory` or a postgres:// URL, not {:?}",
+                args.store
+            )
+            .into());
+        }
+        Self::postgres(args).await
+    }
+
+    #[cfg(feature = "postgres")]
+    async fn postgres(args: &Args) -> Result<Self, Box<dyn std::error::Error>> {
+        use tollgate::store::{PostgresConfig, PostgresStore, SchemaStatus};
+        let store = PostgresStore::connect(
+            &args.store,
+            PostgresConfig {
+                schema: args.schema.clone(),
+                policy: grant_policy(),
+            },
+        )
+        .await?;
+        if args.migrate {
+            store.migrate().await?;
+        }
+        match store.check_schema().await? {
+            SchemaStatus::Current { .. } => Ok(Self::Postgres(Arc::new(store))),
+            other => Err(format!(
+                "schema {} is not ready ({other:?}): run with --migrate, or `tollgate migrate`",
+                args.schema
+            )
+            .into()),
+        }
+    }
+
+    #[cfg(not(feature = "postgres"))]
+    #[allow(
+        clippy::unused_async,
+        reason = "the same shape as the PostgreSQL build's"
+    )]
+    async fn postgres(_: &Args) -> Result<Self, Box<dyn std::error::Error>> {
+        Err("this build has no PostgreSQL store: run with `--features postgres`".into())
+    }
+
+    fn spawn(
+        &self,
+        clock: &Arc<dyn Clock>,
+    ) -> Result<(InstanceRuntime, tollgate::runtime::RuntimeHandle), Box<dyn std::error::Error>>
+    {
+        let spawned = match self {
+            Self::Memory(store) => InstanceRuntime::spawn(
+                Arc::clone(store) as _,
+                Arc::clone(store) as _,
+                Arc::clone(store) as _,
+                Arc::clone(clock),
+                runtime_config(),
+            ),
+            #[cfg(feature = "postgres")]
+            Self::Postgres(store) => InstanceRuntime::spawn(
+                Arc::clone(store) as _,
+                Arc::clone(store) as _,
+                Arc::clone(store) as _,
+                Arc::clone(clock),
+                runtime_config(),
+            ),
+        };
+        Ok(spawned?)
+    }
+
+    /// One line per account: balance, leased units, billed usage, debt.
+    #[cfg_attr(
+        not(feature = "postgres"),
+        allow(
+            clippy::unused_async,
+            reason = "only the PostgreSQL store is asked over the network"
+        )
+    )]
+    async fn report(&self, now: jiff::Timestamp) -> String {
+        let mut out = String::new();
+        match self {
+            Self::Memory(store) => {
+                for account in 1.. {
+                    let account = AccountId(account);
+                    let Ok(view) = store.account(account, now) else {
+                        break;
+                    };
+                    let billed: u64 = store
+                        .usage(account)
+                        .map_or(0, |events| events.iter().map(|e| e.units.get()).sum());
+                    let _ = writeln!(
+                        out,
+                        "{account} ({}): balance {} · leased {} · billed {billed} units · overage debt {}",
+                        mode_name(view.mode),
+                        view.balance.get(),
+                        view.leased.get(),
+                        view.overage_debt.get()
+                    );
+                }
+            }
+            #[cfg(feature = "postgres")]
+            Self::Postgres(store) => match store.accounts(now).await {
+                Ok(views) => {
+                    for view in views {
+                        let _ = writeln!(
+                            out,
+                            "{} ({}): balance {} · leased {} · overage debt {}",
+                            view.id,
+                            mode_name(view.mode),
+                            view.balance.get(),
+                            view.leased.get(),
+                            view.overage_debt.get()
+                        );
+                    }
+                }
+                Err(error) => {
+                    let _ = writeln!(out, "the store did not answer: {error}");
+                }
+            },
+        }
+        out
+    }
+}
+
+fn mode_name(mode: EnforcementMode) -> &'static str {
+    match mode {
+        EnforcementMode::Strict => "strict",
+        EnforcementMode::Elastic { .. } => "elastic",
+    }
+}
+
 #[derive(Clone)]
 struct Demo {
-    store: Arc<MemoryStore>,
+    backend: Backend,
     clock: Arc<dyn Clock>,
-    accounts: [(AccountId, &'static str); 2],
 }
 
-/// Balance, leased units and billed usage of each demo account.
+/// Balance, leased units and billed usage of each account.
 async fn accounts(State(demo): State<Demo>) -> String {
-    let mut out = String::new();
-    for (account, label) in demo.accounts {
-        let Ok(view) = demo.store.account(account, demo.clock.now()) else {
-            continue;
-        };
-        let billed: u64 = demo
-            .store
-            .usage(account)
-            .map_or(0, |events| events.iter().map(|e| e.units.get()).sum());
-        let _ = writeln!(
-            out,
-            "{label} {account}: balance {} · leased {} · billed {billed} units · overage debt {}",
-            view.balance.get(),
-            view.leased.get(),
-            view.overage_debt.get()
-        );
-    }
-    out
+    demo.backend.report(demo.clock.now()).await
 }
 
-#[tokio::main]
-async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let args = Args::parse();
-    // The request path reads time with one atomic load; the ticker keeps it
-    // within two milliseconds, far inside the leases' safety margin.
-    let clock: Arc<dyn Clock> = Arc::new(CoarseClock::start(Duration::from_millis(1))?);
-    let store = Arc::new(MemoryStore::new(GrantPolicy {
-        max_ttl: SignedDuration::from_secs(60),
-        reclaim_grace: SignedDuration::from_secs(10),
-        tail: TailSharing {
-            instances: 2,
-            min_grant: CostUnits(10),
-        },
-    })?);
-    let now = clock.now();
+/// A demo account's key, as printed at start.
+struct DemoKey {
+    label: &'static str,
+    key: String,
+    write_too: bool,
+}
+
+/// Opens the two demo accounts of the embedded store and returns their keys.
+fn open_demo_accounts(
+    store: &MemoryStore,
+    balance: u64,
+    now: jiff::Timestamp,
+) -> Result<Vec<DemoKey>, Box<dyn std::error::Error>> {
     let open = |mode| AccountSpec {
-        balance: CostUnits(args.balance),
+        balance: CostUnits(balance),
         mode,
         status: AccountStatus::Active,
         refill: None,
@@ -190,23 +345,42 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     )?;
     let strict_key = store.issue_key(strict, READ.union(WRITE), now)?;
     let elastic_key = store.issue_key(elastic, READ, now)?;
+    Ok(vec![
+        DemoKey {
+            label: "Strict account (reads and writes; never spends past its balance)",
+            key: strict_key.key.expose().to_owned(),
+            write_too: true,
+        },
+        DemoKey {
+            label: "Elastic account (reads; may run 50 units into overage)",
+            key: elastic_key.key.expose().to_owned(),
+            write_too: false,
+        },
+    ])
+}
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let args = Args::parse();
+    // The request path reads time with one atomic load; the ticker keeps it
+    // within two milliseconds, far inside the leases' safety margin.
+    let clock: Arc<dyn Clock> = Arc::new(CoarseClock::start(Duration::from_millis(1))?);
+    let backend = Backend::open(&args).await?;
+    let demo_keys = match &backend {
+        Backend::Memory(store) => open_demo_accounts(store, args.balance, clock.now())?,
+        #[cfg(feature = "postgres")]
+        Backend::Postgres(_) => Vec::new(),
+    };
 
     let prometheus = PrometheusBuilder::new().install_recorder()?;
-    let (runtime, handle) = InstanceRuntime::spawn(
-        Arc::clone(&store) as _,
-        Arc::clone(&store) as _,
-        Arc::clone(&store) as _,
-        Arc::clone(&clock),
-        runtime_config(),
-    )?;
+    let (runtime, handle) = backend.spawn(&clock)?;
     let tollgate = TollgateLayer::builder(handle.clone())
         .price(price)
         .build()?;
 
     let demo = Demo {
-        store: Arc::clone(&store),
+        backend: backend.clone(),
         clock: Arc::clone(&clock),
-        accounts: [(strict, "strict "), (elastic, "elastic")],
     };
     let metered = Router::new()
         .route("/v1/read", get(read))
@@ -226,25 +400,22 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let listener = tokio::net::TcpListener::bind(args.listen).await?;
     let bound = listener.local_addr()?;
     println!("tollgate demo gateway on http://{bound}\n");
-    for (label, key, write_too) in [
-        (
-            "Strict account (reads and writes; never spends past its balance)",
-            &strict_key,
-            true,
-        ),
-        (
-            "Elastic account (reads; may run 50 units into overage)",
-            &elastic_key,
-            false,
-        ),
-    ] {
-        let key = key.key.expose();
+    for DemoKey {
+        label,
+        key,
+        write_too,
+    } in &demo_keys
+    {
         println!("{label}\n  key: {key}");
         println!("  curl -i -H 'Authorization: Bearer {key}' http://{bound}/v1/read");
-        if write_too {
+        if *write_too {
             println!("  curl -i -X POST -H 'Authorization: Bearer {key}' http://{bound}/v1/write");
         }
         println!("  curl -i -H 'x-api-key: {key}' http://{bound}/v1/slow\n");
+    }
+    if demo_keys.is_empty() {
+        println!("Shared store: issue keys with `tollgate key issue <account> --permissions all`,");
+        println!("then: curl -i -H 'Authorization: Bearer <key>' http://{bound}/v1/read\n");
     }
     println!("Watch the money: curl http://{bound}/admin/accounts");
     println!("Ops: http://{bound}/livez  http://{bound}/readyz  http://{bound}/metrics\n");
@@ -263,14 +434,6 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         report.released(),
         report.abandoned()
     );
-    let demo_now = clock.now();
-    for (account, label) in [(strict, "strict"), (elastic, "elastic")] {
-        let view = store.account(account, demo_now)?;
-        println!(
-            "{label} {account}: balance {} · leased {}",
-            view.balance.get(),
-            view.leased.get()
-        );
-    }
+    print!("{}", backend.report(clock.now()).await);
     Ok(())
 }
