@@ -209,7 +209,21 @@ fn fund(
     if let Some(cap) = snapshot.mode.overage_cap() {
         return Reservation::reserve_overage(slot.overage(), quote, cap);
     }
-    Err(shortfall_denial(slot, quote, held, now).unwrap_or(refusal))
+    Err(shortfall_denial(slot, quote, held, now)
+        .unwrap_or_else(|| unreachable_denial(slot, refusal)))
+}
+
+/// A lease that cannot fund the quote while the allocator cannot be
+/// reached will not be restocked soon: that is the instance failing closed
+/// (`LeaseUnavailable`, answered 503), not a momentary shortage (I5).
+#[cold]
+fn unreachable_denial(slot: &LeaseSlot, refusal: DenyReason) -> DenyReason {
+    match refusal {
+        DenyReason::LeaseExhausted | DenyReason::LeaseExpired if slot.allocator_unreachable() => {
+            DenyReason::LeaseUnavailable
+        }
+        other => other,
+    }
 }
 
 /// The exhaustion denial for a quote the allocator's evidence rules out:
@@ -638,6 +652,25 @@ mod tests {
             0b10_0011,
             "newest first"
         );
+    }
+
+    #[test]
+    fn a_drained_lease_the_allocator_cannot_restock_fails_closed() {
+        let f = fixture(8);
+        f.map.publish([snapshot(EnforcementMode::Strict, READ)]);
+        f.lease(3);
+        denied(f.begin(5, 0), DenyReason::LeaseExhausted);
+        // The lease manager's grant call went unanswered (I5).
+        f.slot().publish_allocator_reachable(false);
+        denied(f.begin(5, 0), DenyReason::LeaseUnavailable);
+        denied(f.begin(1, 100), DenyReason::LeaseUnavailable);
+        let spent = f
+            .begin(3, 0)
+            .expect("what the lease holds is still spent while the allocator is away");
+        // Any answer, even a refusal, means the allocator is back.
+        f.slot().publish_allocator_reachable(true);
+        denied(f.begin(1, 0), DenyReason::LeaseExhausted);
+        drop(spent);
     }
 
     #[test]

@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 use std::fmt;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use arc_swap::{ArcSwap, ArcSwapOption};
 use jiff::Timestamp;
@@ -22,6 +22,9 @@ pub struct LeaseSlot {
     lease: ArcSwapOption<LocalLease>,
     overage: Arc<AccountOverage>,
     evidence: ArcSwapOption<BalanceShortfall>,
+    /// Whether the lease manager's last grant call failed without an answer
+    /// (a storage error or a timeout).
+    allocator_unreachable: AtomicBool,
     sharding: LocalSharding,
     /// Lost debit races of leases no longer in the slot.
     retired_contention: AtomicU64,
@@ -36,6 +39,7 @@ impl LeaseSlot {
             lease: ArcSwapOption::empty(),
             overage: Arc::new(AccountOverage::new(account)),
             evidence: ArcSwapOption::empty(),
+            allocator_unreachable: AtomicBool::new(false),
             sharding,
             retired_contention: AtomicU64::new(0),
         }
@@ -101,6 +105,23 @@ impl LeaseSlot {
     /// later grant showed funds.
     pub fn publish_funding(&self, evidence: Option<BalanceShortfall>) {
         self.evidence.store(evidence.map(Arc::new));
+    }
+
+    /// Records whether the allocator answered the lease manager's last
+    /// grant call: `false` after a storage error or a timeout, `true` after
+    /// any answer, a refusal included.
+    pub fn publish_allocator_reachable(&self, reachable: bool) {
+        self.allocator_unreachable
+            .store(!reachable, Ordering::Relaxed);
+    }
+
+    /// Whether the lease manager's last grant call went unanswered, so a
+    /// drained lease cannot be restocked now: the instance cannot vouch for
+    /// the account's funds, and fails closed (I5) rather than calling it a
+    /// momentary shortage.
+    #[must_use]
+    pub fn allocator_unreachable(&self) -> bool {
+        self.allocator_unreachable.load(Ordering::Relaxed)
     }
 
     /// The evidence in force at `now`. Evidence whose period has ended says

@@ -36,7 +36,9 @@ pub enum DenyReason {
     /// The principal's snapshot is older than the configured maximum
     /// staleness; admitting on it could honour a revoked key.
     SnapshotStale,
-    /// The account has no lease on this instance right now.
+    /// The account has no usable lease on this instance right now: none is
+    /// installed, or the installed one cannot fund the quote while the
+    /// allocator does not answer, so it will not be restocked soon.
     LeaseUnavailable,
     /// The account's lease cannot fund the quote right now.
     LeaseExhausted,

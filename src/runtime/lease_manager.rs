@@ -979,6 +979,8 @@ impl Task {
         match end {
             CallEnd::Answered(Ok(allocation)) => self.install(allocation),
             CallEnd::Answered(Err(error)) => {
+                self.slot
+                    .publish_allocator_reachable(!matches!(error, AllocateError::Storage(_)));
                 counters.grant_refused(&error);
                 if let Some(evidence) = error.evidence() {
                     self.slot.publish_funding(Some(evidence));
@@ -988,6 +990,7 @@ impl Task {
             CallEnd::TimedOut => {
                 // I22: cut off, and treated as a storage error: a grant may
                 // exist that nobody holds; it comes back at TTL reclaim.
+                self.slot.publish_allocator_reachable(false);
                 counters.grant_timed_out();
                 self.log_unfunded(&"the allocator did not answer in time");
             }
@@ -1048,6 +1051,7 @@ impl Task {
             return;
         }
         self.slot.publish_funding(allocation.funding);
+        self.slot.publish_allocator_reachable(true);
         if let Some(previous) = self.slot.replace(lease) {
             // I28: rotation. The old lease keeps serving the requests that
             // hold it, and is released once they let go (I26).
@@ -1128,8 +1132,13 @@ impl Task {
                 self.install(allocation);
                 return Ok(());
             }
-            CallEnd::Answered(Err(error)) => error,
+            CallEnd::Answered(Err(error)) => {
+                self.slot
+                    .publish_allocator_reachable(!matches!(error, AllocateError::Storage(_)));
+                error
+            }
             CallEnd::TimedOut => {
+                self.slot.publish_allocator_reachable(false);
                 counters.grant_timed_out();
                 tracing::warn!(
                     lease = %grant.lease_id,
