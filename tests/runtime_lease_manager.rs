@@ -1149,6 +1149,35 @@ async fn a_hanging_allocator_is_cut_off_by_the_store_call_timeout_and_the_task_k
     assert_eq!(stats.uncertain_acquires, 2);
 }
 
+#[tokio::test(start_paused = true)]
+async fn an_unanswered_grant_call_marks_the_allocator_unreachable_until_the_next_answer() {
+    let allocator = Scripted::new();
+    allocator.plan_acquires([
+        Reply::Refuse(AllocateError::AccountInactive),
+        Reply::Hang,
+        Reply::Refuse(storage_error()),
+    ]);
+    let h = Harness::start(allocator);
+    // A refusal is an answer: the allocator is there, the account is not
+    // fundable.
+    h.allocator.calls_reach(1).await;
+    settle().await;
+    assert!(!h.slot.allocator_unreachable());
+    // A hang cut off by the call timeout (I22) is no answer...
+    h.allocator.calls_reach(2).await;
+    tokio::time::sleep(CALL_TIMEOUT + ms(1)).await;
+    assert!(h.slot.allocator_unreachable());
+    // ...nor is a storage error.
+    h.allocator.calls_reach(3).await;
+    settle().await;
+    assert!(h.slot.allocator_unreachable());
+    // A grant is.
+    h.allocator.calls_reach(4).await;
+    settle().await;
+    assert!(!h.slot.allocator_unreachable());
+    assert_eq!(h.serving(), Some((1, 100)));
+}
+
 /// Parks leases 1, 2 and 3 behind reservations, rotating to lease 4, then
 /// lets the reservations go.
 async fn three_parked_leases(h: &Harness) {
