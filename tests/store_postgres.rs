@@ -1,7 +1,12 @@
-//! The `PostgreSQL` store against a real server: migrations, every allocator
-//! path and refusal, usage ingest (checked event for event against the
-//! memory store), operator movements, keys and snapshots, and concurrency,
-//! with the ledger audited after every scenario.
+//! The `PostgreSQL` store against a real server, in what only it can get
+//! wrong: migrations and the schema check, the journal, ids and balances at
+//! the bigint limit, microsecond instants, idempotent operator movements,
+//! key storage, usage ingest (checked event for event against the memory
+//! store), and concurrency across pools, with the ledger audited after every
+//! scenario. The store contract itself (every allocator path and refusal,
+//! reclaim, refills, ingest outcomes, keys and snapshots) is the shared
+//! behavioural suite in `tests/store_memory.rs`, which also runs against
+//! this store.
 //!
 //! The server comes from `TOLLGATE_TEST_DATABASE_URL`. Without it the tests
 //! print a loud `SKIPPED` line and pass, except under CI (`CI` set), where
@@ -21,9 +26,8 @@ use tollgate::store::{
     TailSharing, UsageSink,
 };
 use tollgate::{
-    AccountId, AccountStatus, BalanceExhaustion, BalanceShortfall, CostUnits, EnforcementMode,
-    FencingToken, KeyId, KeyStatus, LeaseId, PermissionBits, PolicyRevision, Principal, RequestId,
-    UsageEvent, UsageSource,
+    AccountId, AccountStatus, CostUnits, EnforcementMode, FencingToken, KeyId, KeyStatus, LeaseId,
+    PermissionBits, PolicyRevision, Principal, RequestId, UsageEvent, UsageSource,
 };
 
 fn at(second: i64) -> Timestamp {
@@ -224,43 +228,133 @@ async fn three_pools_migrating_at_once_apply_the_schema_once() {
     audited(&third).await;
 }
 
-// ---- acquire ------------------------------------------------------------------
+// ---- the journal, bigint ids and microseconds ------------------------------------
 
 #[tokio::test]
-async fn acquire_moves_units_from_the_balance_to_a_lease() {
-    let Some(store) = store("acquire", 1).await else {
+async fn every_movement_is_journalled_with_its_delta() {
+    let Some(store) = store("journal", 4).await else {
         return;
     };
-    let acct = account(&store, 1_000).await;
-    let allocation = store
-        .acquire(acct, CostUnits(100), TTL, at(5))
+    let acct = account(&store, 200).await;
+    let old = store
+        .acquire(acct, CostUnits(50), TTL, at(0))
         .await
-        .unwrap();
-    assert_eq!(allocation.grant.units, CostUnits(100));
-    assert_eq!(allocation.grant.account_id, acct);
-    assert_eq!(allocation.grant.expires_at, at(35));
-    assert_eq!(allocation.funding, None);
-    assert_eq!(balance(&store, acct, at(5)).await, 900);
-    assert_eq!(
-        store.account(acct, at(5)).await.unwrap().leased,
-        CostUnits(100)
-    );
-    let second = store
-        .acquire(acct, CostUnits(100), secs(3_600), at(5))
+        .unwrap()
+        .grant;
+    let fresh = store
+        .consolidate(
+            old.lease_id,
+            old.fencing_token,
+            CostUnits(30),
+            CostUnits(50),
+            CostUnits(120),
+            TTL,
+            at(1),
+        )
         .await
-        .unwrap();
-    assert_ne!(second.grant.lease_id, allocation.grant.lease_id);
-    assert_ne!(second.grant.fencing_token, allocation.grant.fencing_token);
-    assert_eq!(second.grant.expires_at, at(65), "clamped to max_ttl");
+        .unwrap()
+        .grant;
+    // I19: the new lease expires at 31 and is due at 41.
+    let reclaimed = store.reclaim_expired_batch(at(41), 10).await.unwrap();
+    assert_eq!(reclaimed.reclaimed.len(), 1);
     let history = store.history(acct).await.unwrap();
-    let kinds: Vec<_> = history.iter().map(|entry| entry.kind).collect();
+    let rows: Vec<_> = history
+        .iter()
+        .map(|entry| {
+            (
+                entry.kind,
+                entry.delta,
+                entry.balance_after.get(),
+                entry.lease_id,
+            )
+        })
+        .collect();
     assert_eq!(
-        kinds,
-        vec![JournalKind::Open, JournalKind::Grant, JournalKind::Grant]
+        rows,
+        vec![
+            (JournalKind::Open, 200, 200, None),
+            (JournalKind::Grant, -50, 150, Some(old.lease_id)),
+            (JournalKind::Consolidation, 30, 180, Some(old.lease_id)),
+            (JournalKind::Grant, -120, 60, Some(fresh.lease_id)),
+            (JournalKind::Reclaim, 120, 180, Some(fresh.lease_id)),
+        ]
     );
-    assert_eq!(history[1].delta, -100);
-    assert_eq!(history[2].balance_after, CostUnits(800));
-    assert_eq!(history[2].lease_id, Some(second.grant.lease_id));
+    assert_eq!(balance(&store, acct, at(41)).await, 180);
+    audited(&store).await;
+}
+
+#[tokio::test]
+async fn ids_past_the_largest_bigint_are_unknown_never_an_error() {
+    let Some(store) = store("far_ids", 1).await else {
+        return;
+    };
+    let acct = account(&store, 100).await;
+    let g = store
+        .acquire(acct, CostUnits(10), TTL, at(0))
+        .await
+        .unwrap()
+        .grant;
+    let far = AccountId(u64::MAX);
+    assert_eq!(
+        store.acquire(far, CostUnits(10), TTL, at(0)).await,
+        Err(AllocateError::UnknownAccount)
+    );
+    assert_eq!(
+        store
+            .acquire(far, CostUnits(10), SignedDuration::ZERO, at(0))
+            .await,
+        Err(AllocateError::InvalidTtl),
+        "the ttl is judged before the account"
+    );
+    assert_eq!(
+        store
+            .release(LeaseId(u64::MAX), g.fencing_token, CostUnits(1), at(1))
+            .await,
+        Err(AllocateError::UnknownLease)
+    );
+    assert_eq!(
+        store
+            .release(g.lease_id, FencingToken(u64::MAX), CostUnits(10), at(1))
+            .await,
+        Err(AllocateError::Fenced)
+    );
+    for lease in [LeaseId(g.lease_id.get() + 1_000), LeaseId(u64::MAX)] {
+        assert_eq!(
+            store
+                .consolidate(
+                    lease,
+                    g.fencing_token,
+                    CostUnits(5),
+                    CostUnits(10),
+                    CostUnits(5),
+                    TTL,
+                    at(1)
+                )
+                .await,
+            Err(AllocateError::UnknownLease)
+        );
+    }
+    for account in [AccountId(acct.get() + 1_000), far] {
+        assert_eq!(
+            store.set_mode(account, EnforcementMode::Strict).await,
+            Err(AdminError::UnknownAccount)
+        );
+    }
+    let issued = store
+        .issue_key(acct, PermissionBits::ALL, at(0))
+        .await
+        .unwrap();
+    let fetched = store
+        .fetch(&[issued.principal, Principal(u64::MAX)], at(1))
+        .await
+        .unwrap();
+    assert_eq!(fetched.len(), 1, "unknown principals are left out");
+    let beyond = store
+        .changed_since(SnapshotCursor(u64::MAX), 3, at(1))
+        .await
+        .unwrap();
+    assert!(beyond.snapshots.is_empty() && beyond.complete);
+    assert_eq!(balance(&store, acct, at(1)).await, 90);
     audited(&store).await;
 }
 
@@ -288,215 +382,46 @@ async fn instants_are_kept_to_the_microsecond_and_returned_as_stored() {
     );
     let history = store.history(acct).await.unwrap();
     assert_eq!(history[1].at, at(5) + SignedDuration::from_micros(1_234));
-}
-
-#[tokio::test]
-async fn acquire_refuses_each_invalid_request_without_touching_the_balance() {
-    let Some(store) = store("acquire_refusals", 1).await else {
-        return;
-    };
-    let acct = account(&store, 100).await;
-    let suspended = account(&store, 100).await;
-    store
-        .set_status(suspended, AccountStatus::Suspended)
-        .await
-        .unwrap();
-    let empty = account(&store, 0).await;
-    let cases = [
-        (
-            AccountId(999),
-            CostUnits(10),
-            TTL,
-            AllocateError::UnknownAccount,
-        ),
-        (
-            AccountId(u64::MAX),
-            CostUnits(10),
-            TTL,
-            AllocateError::UnknownAccount,
-        ),
-        (
-            suspended,
-            CostUnits(10),
-            TTL,
-            AllocateError::AccountInactive,
-        ),
-        (
-            empty,
-            CostUnits(10),
-            TTL,
-            AllocateError::BalanceExhausted(BalanceExhaustion { period_end: None }),
-        ),
-        (
-            acct,
-            CostUnits(10),
-            SignedDuration::ZERO,
-            AllocateError::InvalidTtl,
-        ),
-        (acct, CostUnits(10), secs(-5), AllocateError::InvalidTtl),
-        (acct, CostUnits::ZERO, TTL, AllocateError::InvalidRequest),
-        // The ttl is judged before the account.
-        (
-            AccountId(999),
-            CostUnits(10),
-            SignedDuration::ZERO,
-            AllocateError::InvalidTtl,
-        ),
-    ];
-    for (account, requested, ttl, expected) in cases {
-        assert_eq!(
-            store.acquire(account, requested, ttl, at(0)).await,
-            Err(expected.clone()),
-            "{expected}"
-        );
-    }
+    // The last instant there is, nanoseconds and all: a lease from it would
+    // expire past the end of time.
     assert_eq!(
         store
             .acquire(acct, CostUnits(10), TTL, Timestamp::MAX)
             .await,
         Err(AllocateError::InvalidTtl)
     );
-    assert_eq!(balance(&store, acct, at(0)).await, 100);
-    assert_eq!(balance(&store, suspended, at(0)).await, 100);
-    audited(&store).await;
+    assert_eq!(balance(&store, acct, at(5)).await, 999);
 }
 
+/// The memory store's boundary is exact to the nanosecond; this store keeps
+/// microseconds, so its boundary is exact to the microsecond.
 #[tokio::test]
-async fn grants_shrink_in_the_tail_and_say_what_is_left() {
-    let Some(store) = store("tail", 4).await else {
-        return;
-    };
-    let acct = account(&store, 300).await;
-    let first = store
-        .acquire(acct, CostUnits(100), TTL, at(0))
-        .await
-        .unwrap();
-    assert_eq!(first.grant.units, CostUnits(75));
-    assert_eq!(first.funding, None);
-    let second = store
-        .acquire(acct, CostUnits(100), TTL, at(0))
-        .await
-        .unwrap();
-    assert_eq!(second.grant.units, CostUnits(57));
-    let mut left = 300 - 75 - 57;
-    while left > 0 {
-        let next = store
-            .acquire(acct, CostUnits(100), TTL, at(0))
-            .await
-            .unwrap();
-        left -= next.grant.units.get();
-        if left < 100 {
-            assert_eq!(
-                next.funding,
-                Some(BalanceShortfall {
-                    remaining: CostUnits(left),
-                    period_end: None
-                })
-            );
-        }
-    }
-    assert_eq!(
-        store.acquire(acct, CostUnits(100), TTL, at(0)).await,
-        Err(AllocateError::BalanceExhausted(BalanceExhaustion {
-            period_end: None
-        }))
-    );
-    audited(&store).await;
-}
-
-// ---- release ---------------------------------------------------------------------
-
-#[tokio::test]
-async fn release_credits_the_unspent_units_and_settles_once() {
-    let Some(store) = store("release", 1).await else {
+async fn reclaim_is_due_not_a_microsecond_early() {
+    let Some(store) = store("reclaim_micros", 1).await else {
         return;
     };
     let acct = account(&store, 1_000).await;
-    let a = store
-        .acquire(acct, CostUnits(100), TTL, at(0))
-        .await
-        .unwrap();
-    let g = a.grant;
-    assert_eq!(
-        store
-            .release(
-                g.lease_id,
-                FencingToken(g.fencing_token.get() + 100),
-                CostUnits(100),
-                at(1)
-            )
-            .await,
-        Err(AllocateError::Fenced)
-    );
-    assert_eq!(
-        store
-            .release(g.lease_id, FencingToken(u64::MAX), CostUnits(100), at(1))
-            .await,
-        Err(AllocateError::Fenced)
-    );
-    assert_eq!(
-        store
-            .release(LeaseId(12_345), g.fencing_token, CostUnits(1), at(1))
-            .await,
-        Err(AllocateError::UnknownLease)
-    );
-    assert_eq!(
-        store
-            .release(LeaseId(u64::MAX), g.fencing_token, CostUnits(1), at(1))
-            .await,
-        Err(AllocateError::UnknownLease)
-    );
-    let outcome = store.ingest(&[leased(1, acct, &a, 30)]).await.unwrap();
-    assert_eq!(outcome, vec![IngestOutcome::Accepted]);
-    assert_eq!(
-        store
-            .release(g.lease_id, g.fencing_token, CostUnits(71), at(1))
-            .await,
-        Err(AllocateError::InvalidRelease)
-    );
-    assert_eq!(balance(&store, acct, at(1)).await, 900);
-    let released = store
-        .release(g.lease_id, g.fencing_token, CostUnits(60), at(1))
-        .await
-        .unwrap();
-    assert_eq!(released.credited, CostUnits(60));
-    assert_eq!(balance(&store, acct, at(1)).await, 960);
-    assert_eq!(
-        store
-            .release(g.lease_id, g.fencing_token, CostUnits(0), at(1))
-            .await,
-        Err(AllocateError::LeaseNotActive)
-    );
-    assert_eq!(balance(&store, acct, at(1)).await, 960);
-    assert_eq!(
-        store.account(acct, at(1)).await.unwrap().settled_unbilled,
-        CostUnits(10)
-    );
-    audited(&store).await;
-}
-
-#[tokio::test]
-async fn a_release_to_a_suspended_account_still_returns_its_units() {
-    let Some(store) = store("release_suspended", 1).await else {
-        return;
-    };
-    let acct = account(&store, 100).await;
     let g = store
         .acquire(acct, CostUnits(100), TTL, at(0))
         .await
         .unwrap()
         .grant;
-    store
-        .set_status(acct, AccountStatus::Suspended)
-        .await
-        .unwrap();
-    store
-        .release(g.lease_id, g.fencing_token, CostUnits(100), at(1))
-        .await
-        .unwrap();
-    assert_eq!(balance(&store, acct, at(1)).await, 100);
+    // A batch of none reclaims nothing but says more are due.
+    let zero = store.reclaim_expired_batch(at(40), 0).await.unwrap();
+    assert_eq!((zero.reclaimed.len(), zero.more), (0, true));
+    // I19: expires at 30, grace 10: due at 40, not a microsecond before.
+    let just_before = at(40) - SignedDuration::from_micros(1);
+    let early = store.reclaim_expired_batch(just_before, 10).await.unwrap();
+    assert!(early.reclaimed.is_empty() && !early.more);
+    let batch = store.reclaim_expired_batch(at(40), 10).await.unwrap();
+    assert_eq!(batch.reclaimed.len(), 1);
+    assert_eq!(batch.reclaimed[0].lease_id, g.lease_id);
+    assert_eq!(batch.reclaimed[0].account_id, acct);
+    assert_eq!(balance(&store, acct, at(40)).await, 1_000);
     audited(&store).await;
 }
+
+// ---- balances at the bigint limit ------------------------------------------------
 
 #[tokio::test]
 async fn crediting_past_the_largest_balance_is_refused_and_changes_nothing() {
@@ -558,286 +483,7 @@ async fn crediting_past_the_largest_balance_is_refused_and_changes_nothing() {
     audited(&store).await;
 }
 
-// ---- consolidate -------------------------------------------------------------------
-
-#[tokio::test]
-async fn a_consolidation_settles_the_old_lease_and_grants_what_is_needed_in_one_step() {
-    let Some(store) = store("consolidate", 4).await else {
-        return;
-    };
-    let acct = account(&store, 200).await;
-    let old = store
-        .acquire(acct, CostUnits(50), TTL, at(0))
-        .await
-        .unwrap()
-        .grant;
-    let fresh = store
-        .consolidate(
-            old.lease_id,
-            old.fencing_token,
-            CostUnits(30),
-            CostUnits(50),
-            CostUnits(120),
-            TTL,
-            at(1),
-        )
-        .await
-        .unwrap();
-    assert_eq!(fresh.grant.units, CostUnits(120));
-    assert_eq!(fresh.grant.expires_at, at(31));
-    assert_eq!(balance(&store, acct, at(1)).await, 60);
-    assert_eq!(
-        fresh.funding,
-        Some(BalanceShortfall {
-            remaining: CostUnits(60),
-            period_end: None
-        })
-    );
-    assert_eq!(
-        store
-            .release(old.lease_id, old.fencing_token, CostUnits(30), at(2))
-            .await,
-        Err(AllocateError::LeaseNotActive)
-    );
-    let kinds: Vec<_> = store
-        .history(acct)
-        .await
-        .unwrap()
-        .iter()
-        .map(|entry| (entry.kind, entry.delta))
-        .collect();
-    assert_eq!(
-        kinds,
-        vec![
-            (JournalKind::Open, 200),
-            (JournalKind::Grant, -50),
-            (JournalKind::Consolidation, 30),
-            (JournalKind::Grant, -120),
-        ]
-    );
-    audited(&store).await;
-}
-
-#[tokio::test]
-#[allow(
-    clippy::too_many_lines,
-    reason = "one table of refusals, each leaving the lease as it was"
-)]
-async fn a_refused_consolidation_leaves_the_old_lease_active_and_releasable() {
-    let Some(store) = store("consolidate_refusals", 1).await else {
-        return;
-    };
-    let acct = account(&store, 100).await;
-    let old = store
-        .acquire(acct, CostUnits(60), TTL, at(0))
-        .await
-        .unwrap()
-        .grant;
-    assert_eq!(
-        store
-            .consolidate(
-                old.lease_id,
-                old.fencing_token,
-                CostUnits(50),
-                CostUnits(60),
-                CostUnits(95),
-                TTL,
-                at(1),
-            )
-            .await,
-        Err(AllocateError::BalanceInsufficient(BalanceShortfall {
-            remaining: CostUnits(90),
-            period_end: None
-        }))
-    );
-    assert_eq!(balance(&store, acct, at(1)).await, 40, "I18: rolled back");
-    for (lease, token, unspent, requested, needed, ttl, expected) in [
-        (
-            old.lease_id,
-            FencingToken(999),
-            50,
-            60,
-            10,
-            TTL,
-            AllocateError::Fenced,
-        ),
-        (
-            LeaseId(999),
-            old.fencing_token,
-            50,
-            60,
-            10,
-            TTL,
-            AllocateError::UnknownLease,
-        ),
-        (
-            old.lease_id,
-            old.fencing_token,
-            61,
-            60,
-            10,
-            TTL,
-            AllocateError::InvalidRelease,
-        ),
-        (
-            old.lease_id,
-            old.fencing_token,
-            50,
-            60,
-            10,
-            SignedDuration::ZERO,
-            AllocateError::InvalidTtl,
-        ),
-        (
-            old.lease_id,
-            old.fencing_token,
-            50,
-            0,
-            0,
-            TTL,
-            AllocateError::InvalidRequest,
-        ),
-    ] {
-        let outcome = store
-            .consolidate(
-                lease,
-                token,
-                CostUnits(unspent),
-                CostUnits(requested),
-                CostUnits(needed),
-                ttl,
-                at(1),
-            )
-            .await;
-        assert_eq!(outcome, Err(expected.clone()), "{expected}");
-    }
-    store
-        .set_status(acct, AccountStatus::Suspended)
-        .await
-        .unwrap();
-    assert_eq!(
-        store
-            .consolidate(
-                old.lease_id,
-                old.fencing_token,
-                CostUnits(50),
-                CostUnits(60),
-                CostUnits(10),
-                TTL,
-                at(1)
-            )
-            .await,
-        Err(AllocateError::AccountInactive)
-    );
-    assert_eq!(balance(&store, acct, at(1)).await, 40);
-    store
-        .release(old.lease_id, old.fencing_token, CostUnits(50), at(2))
-        .await
-        .unwrap();
-    assert_eq!(balance(&store, acct, at(2)).await, 90);
-    audited(&store).await;
-}
-
-#[tokio::test]
-async fn consolidating_an_empty_account_with_nothing_unspent_is_exhaustion() {
-    let Some(store) = store("consolidate_empty", 1).await else {
-        return;
-    };
-    let acct = account(&store, 10).await;
-    let old = store
-        .acquire(acct, CostUnits(10), TTL, at(0))
-        .await
-        .unwrap()
-        .grant;
-    assert_eq!(
-        store
-            .consolidate(
-                old.lease_id,
-                old.fencing_token,
-                CostUnits(0),
-                CostUnits(10),
-                CostUnits(5),
-                TTL,
-                at(1)
-            )
-            .await,
-        Err(AllocateError::BalanceExhausted(BalanceExhaustion {
-            period_end: None
-        }))
-    );
-    audited(&store).await;
-}
-
 // ---- reclaim -------------------------------------------------------------------------
-
-#[tokio::test]
-async fn reclaim_waits_for_the_grace_and_credits_the_remainder_net_of_usage() {
-    let Some(store) = store("reclaim", 1).await else {
-        return;
-    };
-    let acct = account(&store, 1_000).await;
-    let a = store
-        .acquire(acct, CostUnits(100), TTL, at(0))
-        .await
-        .unwrap();
-    store.ingest(&[leased(1, acct, &a, 25)]).await.unwrap();
-    // I19: expires at 30, grace 10: due at 40, not a microsecond before.
-    let just_before = at(40) - SignedDuration::from_micros(1);
-    let early = store.reclaim_expired_batch(just_before, 10).await.unwrap();
-    assert!(early.reclaimed.is_empty() && !early.more);
-    let batch = store.reclaim_expired_batch(at(40), 10).await.unwrap();
-    assert_eq!(batch.reclaimed.len(), 1);
-    assert_eq!(batch.reclaimed[0].lease_id, a.grant.lease_id);
-    assert_eq!(batch.reclaimed[0].account_id, acct);
-    assert_eq!(batch.reclaimed[0].credited, CostUnits(75));
-    assert_eq!(balance(&store, acct, at(40)).await, 975);
-    assert_eq!(
-        store.ingest(&[leased(2, acct, &a, 5)]).await.unwrap(),
-        vec![IngestOutcome::Rejected(RejectReason::LeaseSettled)]
-    );
-    let g = a.grant;
-    assert_eq!(
-        store
-            .release(g.lease_id, g.fencing_token, CostUnits(75), at(41))
-            .await,
-        Err(AllocateError::LeaseNotActive)
-    );
-    assert!(
-        store
-            .reclaim_expired_batch(at(100), 10)
-            .await
-            .unwrap()
-            .reclaimed
-            .is_empty()
-    );
-    assert_eq!(
-        store.history(acct).await.unwrap()[2].kind,
-        JournalKind::Reclaim
-    );
-    audited(&store).await;
-}
-
-#[tokio::test]
-async fn reclaim_pages_through_due_leases() {
-    let Some(store) = store("reclaim_pages", 1).await else {
-        return;
-    };
-    let acct = account(&store, 1_000).await;
-    for _ in 0..5 {
-        store
-            .acquire(acct, CostUnits(10), TTL, at(0))
-            .await
-            .unwrap();
-    }
-    let zero = store.reclaim_expired_batch(at(40), 0).await.unwrap();
-    assert_eq!((zero.reclaimed.len(), zero.more), (0, true));
-    for expected in [(2, true), (2, true), (1, false)] {
-        let batch = store.reclaim_expired_batch(at(40), 2).await.unwrap();
-        assert_eq!((batch.reclaimed.len(), batch.more), expected);
-    }
-    assert_eq!(balance(&store, acct, at(40)).await, 1_000);
-    audited(&store).await;
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn three_concurrent_reclaimers_settle_each_lease_exactly_once() {
@@ -891,7 +537,7 @@ async fn three_concurrent_reclaimers_settle_each_lease_exactly_once() {
 // ---- refills and operator movements ------------------------------------------------
 
 #[tokio::test]
-async fn a_refill_resets_the_balance_at_each_period_end() {
+async fn a_refill_is_journalled_as_the_units_it_restored_and_stops_when_removed() {
     let Some(store) = store("refill", 1).await else {
         return;
     };
@@ -910,33 +556,16 @@ async fn a_refill_resets_the_balance_at_each_period_end() {
         )
         .await
         .unwrap();
-    let first = store
+    store
         .acquire(acct, CostUnits(50), TTL, at(1))
         .await
         .unwrap();
-    assert_eq!(
-        store.acquire(acct, CostUnits(10), TTL, at(2)).await,
-        Err(AllocateError::BalanceExhausted(BalanceExhaustion {
-            period_end: Some(at(100))
-        }))
-    );
-    assert_eq!(first.funding.unwrap().period_end, Some(at(100)));
-    let refilled = store
+    store
         .acquire(acct, CostUnits(10), TTL, at(100))
         .await
         .unwrap();
-    assert_eq!(refilled.grant.units, CostUnits(10));
-    assert_eq!(balance(&store, acct, at(100)).await, 190);
-    assert_eq!(
-        store.account(acct, at(100)).await.unwrap().period_end,
-        Some(at(200))
-    );
-    // Three periods later: one reset, not three, and the next end follows.
+    // Three periods later: one reset, from 190 back to 200.
     assert_eq!(balance(&store, acct, at(450)).await, 200);
-    assert_eq!(
-        store.account(acct, at(450)).await.unwrap().period_end,
-        Some(at(500))
-    );
     store
         .top_up(acct, CostUnits(5), &movement("refill-top-up"), at(450))
         .await
@@ -951,19 +580,6 @@ async fn a_refill_resets_the_balance_at_each_period_end() {
         .collect();
     assert_eq!(refills, vec![(200, at(100)), (10, at(450))]);
     assert_eq!(balance(&store, acct, at(450)).await, 205);
-    assert_eq!(
-        store
-            .configure_refill(
-                acct,
-                Some(RefillSchedule {
-                    amount: CostUnits(1),
-                    interval: SignedDuration::ZERO
-                }),
-                at(450)
-            )
-            .await,
-        Err(AdminError::InvalidRefill)
-    );
     store.configure_refill(acct, None, at(450)).await.unwrap();
     assert_eq!(balance(&store, acct, at(10_000)).await, 205);
     audited(&store).await;
@@ -1190,25 +806,12 @@ async fn ingest_reports_every_outcome_per_event_in_order_exactly_as_the_memory_s
         huge,
         leased(11, acct, &a, 60),
     ];
-    let outcomes = store.ingest(&batch).await.unwrap();
+    // What each outcome must be is the shared suite's to say; here the two
+    // stores must agree on every one of them.
     assert_eq!(
-        outcomes,
-        vec![
-            IngestOutcome::Accepted,
-            IngestOutcome::Duplicate,
-            IngestOutcome::Rejected(RejectReason::ConflictingDuplicate),
-            IngestOutcome::Rejected(RejectReason::FencingMismatch),
-            IngestOutcome::Rejected(RejectReason::UnknownLease),
-            IngestOutcome::Rejected(RejectReason::AccountMismatch),
-            IngestOutcome::Rejected(RejectReason::UnknownAccount),
-            IngestOutcome::Rejected(RejectReason::LeaseSettled),
-            IngestOutcome::Rejected(RejectReason::ExceedsLease),
-            IngestOutcome::Accepted,
-            IngestOutcome::Rejected(RejectReason::Malformed),
-            IngestOutcome::Accepted,
-        ]
+        store.ingest(&batch).await.unwrap(),
+        memory.ingest(&batch).await.unwrap()
     );
-    assert_eq!(memory.ingest(&batch).await.unwrap(), outcomes);
 
     // Ids no bigint can hold are answered as the memory store answers them.
     let mut far_account = leased(20, acct, &a, 1);
@@ -1248,14 +851,10 @@ async fn ingest_reports_every_outcome_per_event_in_order_exactly_as_the_memory_s
     );
     assert_eq!(memory.ingest(&edge).await.unwrap(), outcomes);
 
-    let recorded = store.usage(acct, None, None).await.unwrap();
-    assert_eq!(recorded, memory.usage(acct).unwrap(), "arrival order");
     assert_eq!(
-        recorded
-            .iter()
-            .map(|event| event.request_id.get())
-            .collect::<Vec<_>>(),
-        vec![1, 7, 11]
+        store.usage(acct, None, None).await.unwrap(),
+        memory.usage(acct).unwrap(),
+        "arrival order"
     );
     assert_eq!(
         store.account(acct, at(1)).await.unwrap(),
@@ -1271,21 +870,6 @@ async fn ingest_reports_every_outcome_per_event_in_order_exactly_as_the_memory_s
     assert_eq!(
         store.usage(AccountId(999), None, None).await,
         Err(AdminError::UnknownAccount)
-    );
-    let g = a.grant;
-    assert_eq!(
-        store
-            .release(g.lease_id, g.fencing_token, CostUnits(1), at(2))
-            .await,
-        Err(AllocateError::InvalidRelease)
-    );
-    store
-        .release(g.lease_id, g.fencing_token, CostUnits(0), at(2))
-        .await
-        .unwrap();
-    assert_eq!(
-        store.ingest(&[ok]).await.unwrap(),
-        vec![IngestOutcome::Duplicate]
     );
     audited(&store).await;
 }
@@ -1316,67 +900,34 @@ async fn the_same_batch_from_two_instances_at_once_is_recorded_once() {
 // ---- keys and snapshots -------------------------------------------------------------------
 
 #[tokio::test]
-async fn a_key_resolves_by_its_hash_until_revoked() {
+async fn a_key_keeps_all_64_permission_bits_and_its_hash_but_never_its_secret() {
     let Some(store) = store("keys", 1).await else {
         return;
     };
     let acct = account(&store, 10).await;
-    let read = PermissionBits::bit(0);
-    let issued = store.issue_key(acct, read, at(3)).await.unwrap();
-    let hash = KeyHash::of(issued.key.expose().as_bytes());
-    let snapshot = store
-        .lookup_key(&hash, at(4))
+    let issued = store
+        .issue_key(acct, PermissionBits::bit(0), at(3))
         .await
-        .unwrap()
-        .expect("resolves");
-    assert_eq!(snapshot.principal, issued.principal);
-    assert_eq!(snapshot.account_id, acct);
-    assert_eq!(snapshot.key_id, Some(issued.key_id));
+        .unwrap();
+    let hash = KeyHash::of(issued.key.expose().as_bytes());
+    let snapshot = store.lookup_key(&hash, at(4)).await.unwrap().unwrap();
     assert_eq!(snapshot.key_hash, Some(hash));
-    assert_eq!(snapshot.permissions, read);
-    assert_eq!(snapshot.key_status, KeyStatus::Active);
-    assert_eq!(snapshot.fetched_at, at(4));
-    assert_eq!(
-        store
-            .lookup_key(&KeyHash::of(b"tg_not_a_key"), at(4))
-            .await
-            .unwrap(),
-        None
-    );
     let all = store
         .issue_key(acct, PermissionBits::ALL, at(3))
         .await
         .unwrap();
     let fetched = store.fetch(&[all.principal], at(4)).await.unwrap();
     assert_eq!(fetched[0].permissions, PermissionBits::ALL, "all 64 bits");
-
-    let listed = store.list_keys(acct).await.unwrap();
-    assert_eq!(listed.len(), 2);
-    assert_eq!(listed[0].prefix, issued.key.prefix());
-    assert_eq!(listed[0].status, KeyStatus::Active);
-    assert_eq!(listed[0].created_at, at(3));
-
+    assert_eq!(store.list_keys(acct).await.unwrap()[0].created_at, at(3));
     store.revoke_key(issued.key_id, at(5)).await.unwrap();
     store.revoke_key(issued.key_id, at(6)).await.unwrap();
+    let listed = store.list_keys(acct).await.unwrap();
+    assert_eq!(listed[0].status, KeyStatus::Revoked);
     assert_eq!(
-        store.lookup_key(&hash, at(6)).await.unwrap(),
-        None,
-        "a revoked key no longer resolves"
+        listed[0].revoked_at,
+        Some(at(5)),
+        "revoking again is a no-op"
     );
-    let fetched = store.fetch(&[issued.principal], at(6)).await.unwrap();
-    assert_eq!(fetched[0].key_status, KeyStatus::Revoked);
-    assert_eq!(
-        store.list_keys(acct).await.unwrap()[0].revoked_at,
-        Some(at(5))
-    );
-    assert_eq!(
-        store.revoke_key(KeyId(99), at(5)).await,
-        Err(AdminError::UnknownKey)
-    );
-    assert!(matches!(
-        store.issue_key(AccountId(99), read, at(5)).await,
-        Err(AdminError::UnknownAccount)
-    ));
     // I16: the table holds the hash and the prefix, never the secret.
     let secret = &issued.key.expose()[11..];
     let dump: Vec<String> =
@@ -1389,40 +940,27 @@ async fn a_key_resolves_by_its_hash_until_revoked() {
 }
 
 #[tokio::test]
-async fn changes_are_enumerated_incrementally_by_revision() {
-    let Some(store) = store("changes", 1).await else {
+async fn an_account_change_reaches_its_keys_in_key_order() {
+    let Some(store) = store("changes_order", 1).await else {
         return;
     };
     let acct = account(&store, 10).await;
     let other = account(&store, 10).await;
     let mut keys = Vec::new();
-    for _ in 0..3 {
+    for owner in [acct, other, acct, acct] {
         keys.push(
             store
-                .issue_key(acct, PermissionBits::ALL, at(0))
+                .issue_key(owner, PermissionBits::ALL, at(0))
                 .await
-                .unwrap(),
+                .unwrap()
+                .principal,
         );
     }
-    let lone = store
-        .issue_key(other, PermissionBits::ALL, at(0))
+    let cursor = store
+        .changed_since(SnapshotCursor::START, 10, at(1))
         .await
-        .unwrap();
-
-    let first = store
-        .changed_since(SnapshotCursor::START, 3, at(1))
-        .await
-        .unwrap();
-    assert_eq!(first.snapshots.len(), 3);
-    assert!(!first.complete);
-    let second = store.changed_since(first.next, 3, at(1)).await.unwrap();
-    assert_eq!(second.snapshots.len(), 1);
-    assert_eq!(second.snapshots[0].principal, lone.principal);
-    assert!(second.complete);
-    let idle = store.changed_since(second.next, 3, at(1)).await.unwrap();
-    assert!(idle.snapshots.is_empty() && idle.complete);
-    assert_eq!(idle.next, second.next);
-
+        .unwrap()
+        .next;
     store
         .set_mode(
             acct,
@@ -1432,43 +970,9 @@ async fn changes_are_enumerated_incrementally_by_revision() {
         )
         .await
         .unwrap();
-    let changed = store.changed_since(second.next, 10, at(2)).await.unwrap();
+    let changed = store.changed_since(cursor, 10, at(2)).await.unwrap();
     let principals: Vec<_> = changed.snapshots.iter().map(|s| s.principal).collect();
-    assert_eq!(
-        principals,
-        keys.iter().map(|k| k.principal).collect::<Vec<_>>(),
-        "every key of the account, in key order, and only them"
-    );
-    assert!(changed.snapshots.iter().all(|s| s.mode
-        == EnforcementMode::Elastic {
-            overage_cap: CostUnits(5)
-        }));
-    store
-        .set_status(acct, AccountStatus::Suspended)
-        .await
-        .unwrap();
-    let fetched = store
-        .fetch(
-            &[keys[0].principal, Principal(999), Principal(u64::MAX)],
-            at(3),
-        )
-        .await
-        .unwrap();
-    assert_eq!(fetched.len(), 1, "unknown principals are left out");
-    assert_eq!(fetched[0].account_status, AccountStatus::Suspended);
-    assert!(fetched[0].policy_revision > changed.snapshots[0].policy_revision);
-    let beyond = store
-        .changed_since(SnapshotCursor(u64::MAX), 3, at(3))
-        .await
-        .unwrap();
-    assert!(beyond.snapshots.is_empty() && beyond.complete);
-    assert_eq!(
-        store
-            .set_mode(AccountId(999), EnforcementMode::Strict)
-            .await,
-        Err(AdminError::UnknownAccount)
-    );
-    audited(&store).await;
+    assert_eq!(principals, vec![keys[0], keys[2], keys[3]]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
