@@ -131,3 +131,192 @@ fn four_threads_on_one_unsharded_account_queue_one_event_per_commit() {
 fn four_threads_on_one_sharded_account_queue_one_event_per_commit() {
     run(LocalSharding::shards(4).unwrap());
 }
+
+/// A warm engine for one account: `principals` published, a lease of
+/// `GRANTED` units installed.
+fn warm(principals: u64) -> (AdmissionEngine, Arc<ArcSwapSnapshotMap>, Arc<SlotRegistry>) {
+    let registry = Arc::new(SlotRegistry::new(LocalSharding::Single));
+    let map = Arc::new(
+        ArcSwapSnapshotMap::new(
+            SnapshotMapConfig {
+                max_staleness: SignedDuration::from_secs(3_600),
+                negative_capacity: 4,
+                history_depth: 1,
+                lookup_queue_capacity: 4,
+            },
+            Arc::clone(&registry),
+        )
+        .unwrap(),
+    );
+    map.publish((1..=principals).map(|principal| snapshot(principal, KeyStatus::Active)));
+    registry
+        .get(AccountId(1))
+        .unwrap()
+        .replace(Arc::new(lease(1)));
+    let engine = AdmissionEngine::new(
+        Arc::clone(&map),
+        UsageRecorder::with_capacity(100_000, 100_000),
+        RequestIds::with_prefix(1),
+    );
+    (engine, map, registry)
+}
+
+fn snapshot(principal: u64, key_status: KeyStatus) -> PrincipalSnapshot {
+    PrincipalSnapshot {
+        principal: Principal(principal),
+        account_id: AccountId(1),
+        key_id: Some(KeyId(principal)),
+        key_hash: None,
+        permissions: PermissionBits::ALL,
+        key_status,
+        account_status: AccountStatus::Active,
+        mode: EnforcementMode::Strict,
+        policy_revision: PolicyRevision(1),
+        fetched_at: at(0),
+    }
+}
+
+fn lease(id: u64) -> LocalLease {
+    LocalLease::new(
+        LeaseGrant {
+            lease_id: LeaseId(id),
+            account_id: AccountId(1),
+            fencing_token: FencingToken(id),
+            units: CostUnits(GRANTED * 1_000),
+            expires_at: at(1_000),
+        },
+        CostUnits::ZERO,
+    )
+}
+
+/// I23, I24: each thread reads policy through its cached generation of the
+/// snapshot map, and a publish that happened before an admission (here: the
+/// publisher's flag, read with acquire) is always seen by it, on every
+/// thread, however warm its cache.
+#[test]
+fn a_publish_is_seen_by_every_thread_that_admits_after_it() {
+    let (engine, map, _registry) = warm(THREADS as u64);
+    // A sequence: `2r - 1` while round `r` is being published, `2r` once it
+    // has been. Odd rounds revoke the keys, even rounds reinstate them.
+    let sequence = std::sync::atomic::AtomicU64::new(0);
+    let start = Barrier::new(THREADS + 1);
+    std::thread::scope(|scope| {
+        for principal in 1..=THREADS as u64 {
+            let (engine, sequence, start) = (&engine, &sequence, &start);
+            scope.spawn(move || {
+                start.wait();
+                loop {
+                    let before = sequence.load(std::sync::atomic::Ordering::Acquire);
+                    if before == 80 {
+                        break;
+                    }
+                    let outcome = engine.begin(
+                        Principal(principal),
+                        PermissionBits::NONE,
+                        CostUnits(1),
+                        at(1),
+                    );
+                    // Only an admission that ran wholly between two
+                    // publishes is checked: it must see the earlier one.
+                    let after = sequence.load(std::sync::atomic::Ordering::Acquire);
+                    if before != after || before % 2 == 1 {
+                        continue;
+                    }
+                    let revoked = (before / 2) % 2 == 1;
+                    match (revoked, outcome) {
+                        (false, Ok(_)) | (true, Err(DenyReason::KeyRevoked)) => {}
+                        // Admitted after a revocation it was told of, or
+                        // refused after a reinstatement: a stale cache.
+                        (revoked, outcome) => panic!(
+                            "revoked {revoked} at {before}: {:?}",
+                            outcome.map(|context| context.request_id())
+                        ),
+                    }
+                }
+            });
+        }
+        start.wait();
+        for round in 1..=40_u64 {
+            std::thread::yield_now();
+            let status = if round % 2 == 1 {
+                KeyStatus::Revoked
+            } else {
+                KeyStatus::Active
+            };
+            sequence.store(2 * round - 1, std::sync::atomic::Ordering::Release);
+            map.publish((1..=THREADS as u64).map(|principal| snapshot(principal, status)));
+            sequence.store(2 * round, std::sync::atomic::Ordering::Release);
+        }
+    });
+}
+
+/// I26: a thread's cached snapshot generation holds no lease, so once its
+/// requests' events are delivered a superseded lease is quiescent even
+/// though the threads that used it are alive and have not admitted since.
+#[test]
+fn a_cached_generation_never_keeps_a_superseded_lease_busy() {
+    let (engine, _map, registry) = warm(THREADS as u64);
+    let slot = registry.get(AccountId(1)).unwrap();
+    let admitted = Barrier::new(THREADS + 1);
+    let checked = Barrier::new(THREADS + 1);
+    std::thread::scope(|scope| {
+        for principal in 1..=THREADS as u64 {
+            let (engine, admitted, checked) = (&engine, &admitted, &checked);
+            scope.spawn(move || {
+                for _ in 0..100 {
+                    let mut context = engine
+                        .begin(
+                            Principal(principal),
+                            PermissionBits::NONE,
+                            CostUnits(1),
+                            at(1),
+                        )
+                        .unwrap();
+                    context.commit(at(2)).unwrap();
+                }
+                admitted.wait();
+                // Stay alive, cache warm, until the lease has been checked.
+                checked.wait();
+            });
+        }
+        admitted.wait();
+        let old = slot.replace(Arc::new(lease(2))).unwrap();
+        assert!(!old.is_only_local_view(), "undelivered events hold it");
+        let mut delivered = Vec::new();
+        engine.recorder().take_recorded(&mut delivered, usize::MAX);
+        assert_eq!(delivered.len(), 100 * THREADS);
+        assert_eq!(Arc::strong_count(&old), 1, "no thread holds the lease");
+        assert!(old.is_only_local_view(), "I26: quiescent");
+        assert_eq!(
+            old.remaining().get(),
+            GRANTED * 1_000 - 100 * THREADS as u64
+        );
+        checked.wait();
+    });
+}
+
+/// Admission counts are exact however many threads admit: the first
+/// threads count on stripes of their own, later ones share.
+#[test]
+fn admission_counts_are_exact_across_many_threads() {
+    const MANY: u64 = 160;
+    let (engine, _map, _registry) = warm(1);
+    std::thread::scope(|scope| {
+        for _ in 0..MANY {
+            let engine = &engine;
+            scope.spawn(move || {
+                for _ in 0..50 {
+                    engine
+                        .begin(Principal(1), PermissionBits::NONE, CostUnits(1), at(1))
+                        .unwrap();
+                }
+                // One denial each, counted on the same stripe.
+                let denied = engine.begin(Principal(99), PermissionBits::NONE, CostUnits(1), at(1));
+                assert!(denied.is_err());
+            });
+        }
+    });
+    let stats = engine.counters().read();
+    assert_eq!(stats.admitted, MANY * 50);
+    assert_eq!(stats.denied_total(), MANY);
+}

@@ -30,23 +30,37 @@ pub struct AdmissionEngine {
 /// before that releases the charge for zero and gives the queue place back
 /// (I4, I20).
 pub struct RequestContext {
+    // Laid out to fit two cache lines (128 bytes): the context is moved
+    // into the caller's result and on into its future, and a larger one is
+    // copied with a call to `memcpy`.
     /// The pending charge; once committed it travels with its usage event
     /// (see [`UsagePermit`]) and this is `None`.
     reservation: Option<Reservation>,
-    units: CostUnits,
-    account_id: AccountId,
-    admitted_as_overage: bool,
-    permit: Option<UsagePermit>,
-    request_id: RequestId,
+    /// The place reserved at admission; empty once its event is recorded.
+    /// Not an `Option`: the permit has its own empty state, and a second
+    /// one would add a word.
+    permit: UsagePermit,
     /// The account's overage counter and cap, held only for Elastic
     /// accounts, whose commit may fall back to overage.
     elastic: Option<(Arc<AccountOverage>, CostUnits)>,
+    units: CostUnits,
+    account_id: AccountId,
+    /// The request id's prefix and counter halves: two words rather than a
+    /// `u128`, whose alignment would pad the context.
+    request_id: (u64, u64),
     // What the request needs of its pinned snapshot, copied at admission so
     // every later decision uses the generation admission read.
     principal: Principal,
-    key_id: Option<KeyId>,
     policy_revision: PolicyRevision,
+    /// The key's id, meaningful when `flags` has [`HAS_KEY`].
+    key_id: KeyId,
+    flags: u8,
 }
+
+/// [`RequestContext::flags`]: the principal has a key.
+const HAS_KEY: u8 = 1;
+/// [`RequestContext::flags`]: admission funded the request from overage.
+const ADMITTED_AS_OVERAGE: u8 = 2;
 
 impl AdmissionEngine {
     /// An engine reading policy from `snapshots`, queueing usage through
@@ -84,14 +98,8 @@ impl AdmissionEngine {
         quote: CostUnits,
         now: Timestamp,
     ) -> Result<RequestContext, DenyReason> {
-        let admitted = self
-            .snapshots
-            .with_entry(principal, |entry| self.admit(entry, required, quote, now));
-        match &admitted {
-            Ok(context) => self.counters.admitted(context.admitted_as_overage()),
-            Err(reason) => self.counters.denied(*reason),
-        }
-        admitted
+        self.snapshots
+            .with_entry(principal, |entry| self.admit(entry, required, quote, now))
     }
 
     /// [`begin`](Self::begin) for the principal whose API key hashes to
@@ -110,14 +118,8 @@ impl AdmissionEngine {
         quote: CostUnits,
         now: Timestamp,
     ) -> Result<RequestContext, DenyReason> {
-        let admitted = self
-            .snapshots
-            .with_entry_by_key(key, |entry| self.admit(entry, required, quote, now));
-        match &admitted {
-            Ok(context) => self.counters.admitted(context.admitted_as_overage()),
-            Err(reason) => self.counters.denied(*reason),
-        }
-        admitted
+        self.snapshots
+            .with_entry_by_key(key, |entry| self.admit(entry, required, quote, now))
     }
 
     /// The admission counters.
@@ -145,15 +147,75 @@ impl AdmissionEngine {
     #[inline(always)]
     fn admit(
         &self,
-        entry: &Entry,
+        entry: Result<&Entry, DenyReason>,
         required: PermissionBits,
         quote: CostUnits,
         now: Timestamp,
     ) -> Result<RequestContext, DenyReason> {
+        // The caller's thread's locality, read once for the lease shard, the
+        // usage stripe and the counter stripe.
+        let locality = Locality::current();
+        // Each refusal is counted where it is decided, and the admitted
+        // context is counted before it is built, so it is written once,
+        // straight into the caller's result.
+        let entry = match entry {
+            Ok(entry) => entry,
+            Err(reason) => return Err(self.counters.denied_at(locality, reason)),
+        };
         // Read in place; what the request keeps is copied into its context,
         // so no reference count is touched.
         let snapshot = &*entry.snapshot;
-        self.snapshots.check_fresh(snapshot, now)?;
+        if let Err(reason) = self.check_policy(entry, required, now) {
+            return Err(self.counters.denied_at(locality, reason));
+        }
+        let reservation = match fund(&entry.slot, snapshot, quote, now, locality) {
+            Ok(reservation) => reservation,
+            Err(reason) => return Err(self.counters.denied_at(locality, reason)),
+        };
+        // A refused place drops the reservation, which releases it (I4).
+        let permit = match self.recorder.try_permit_at(locality) {
+            Ok(permit) => permit,
+            Err(reason) => return Err(self.counters.denied_at(locality, reason)),
+        };
+        let admitted_as_overage = reservation.admitted_as_overage();
+        self.counters.admitted(locality, admitted_as_overage);
+        let elastic = snapshot
+            .mode
+            .overage_cap()
+            .map(|cap| (Arc::clone(entry.slot.overage()), cap));
+        let mut flags = 0;
+        if admitted_as_overage {
+            flags |= ADMITTED_AS_OVERAGE;
+        }
+        if snapshot.key_id.is_some() {
+            flags |= HAS_KEY;
+        }
+        Ok(RequestContext {
+            units: reservation.units(),
+            account_id: reservation.account_id(),
+            reservation: Some(reservation),
+            permit,
+            request_id: self.ids.next_parts(),
+            elastic,
+            principal: snapshot.principal,
+            key_id: snapshot.key_id.unwrap_or(KeyId(0)),
+            policy_revision: snapshot.policy_revision,
+            flags,
+        })
+    }
+
+    /// The policy checks, in their fixed order (I23): staleness, key and
+    /// account status, permissions. Funding and the usage place follow.
+    #[allow(clippy::inline_always, reason = "part of the inlined admission")]
+    #[inline(always)]
+    fn check_policy(
+        &self,
+        entry: &Entry,
+        required: PermissionBits,
+        now: Timestamp,
+    ) -> Result<(), DenyReason> {
+        let snapshot = &*entry.snapshot;
+        self.snapshots.check_fresh(entry, now)?;
         if snapshot.key_status == KeyStatus::Revoked {
             return Err(DenyReason::KeyRevoked);
         }
@@ -165,25 +227,7 @@ impl AdmissionEngine {
                 missing: snapshot.permissions.missing(required),
             });
         }
-        let reservation = fund(&entry.slot, snapshot, quote, now)?;
-        // A refused place drops the reservation, which releases it (I4).
-        let permit = self.recorder.try_permit()?;
-        let elastic = snapshot
-            .mode
-            .overage_cap()
-            .map(|cap| (Arc::clone(entry.slot.overage()), cap));
-        Ok(RequestContext {
-            units: reservation.units(),
-            account_id: reservation.account_id(),
-            admitted_as_overage: reservation.admitted_as_overage(),
-            reservation: Some(reservation),
-            permit: Some(permit),
-            request_id: self.ids.next(),
-            elastic,
-            principal: snapshot.principal,
-            key_id: snapshot.key_id,
-            policy_revision: snapshot.policy_revision,
-        })
+        Ok(())
     }
 }
 
@@ -196,9 +240,10 @@ fn fund(
     snapshot: &PrincipalSnapshot,
     quote: CostUnits,
     now: Timestamp,
+    locality: Locality,
 ) -> Result<Reservation, DenyReason> {
     let leased = slot.with_lease(|lease| match lease {
-        Some(lease) => Reservation::reserve_at_locality(lease, quote, now, Locality::current())
+        Some(lease) => Reservation::reserve_at_locality(lease, quote, now, locality)
             .map_err(|refusal| (refusal, lease.remaining())),
         None => Err((DenyReason::LeaseUnavailable, CostUnits::ZERO)),
     });
@@ -264,19 +309,19 @@ impl RequestContext {
             return Err(CommitError::AlreadyCommitted);
         };
         let units = reservation.commit_owned(now, funding)?;
-        let event =
-            reservation.usage_event(self.request_id, now, self.policy_revision, self.key_id);
-        match (self.permit.take(), event, self.reservation.take()) {
-            // I26: the committed charge rides with its event, keeping the
-            // lease that funded it from being released before the event is
-            // written.
-            (Some(permit), Some(event), Some(charge)) => {
-                permit.record_holding(event, charge.into_hold());
-            }
-            _ => debug_assert!(
-                false,
-                "I8: a first successful commit has a place and an event"
+        match (self.permit.take_place(), self.reservation.take()) {
+            // I8: one committed charge, one event, in the place reserved at
+            // admission (I20). I26: the committed charge's hold rides with
+            // its event, keeping the lease that funded it from being
+            // released before the event is written.
+            (Some(permit), Some(charge)) => permit.record_committed(
+                charge,
+                self.request_id(),
+                now,
+                self.policy_revision,
+                self.key_id(),
             ),
+            _ => debug_assert!(false, "I8: a first successful commit has a place"),
         }
         Ok(units)
     }
@@ -308,7 +353,7 @@ impl RequestContext {
     /// The key that made the request, if the principal has one.
     #[must_use]
     pub fn key_id(&self) -> Option<KeyId> {
-        self.key_id
+        (self.flags & HAS_KEY != 0).then_some(self.key_id)
     }
 
     /// The revision stamped on this request's usage event.
@@ -320,13 +365,13 @@ impl RequestContext {
     /// The request's id: its usage event's idempotency key.
     #[must_use]
     pub fn request_id(&self) -> RequestId {
-        self.request_id
+        RequestId::from_parts(self.request_id.0, self.request_id.1)
     }
 
     /// Whether admission funded the request from overage.
     #[must_use]
     pub fn admitted_as_overage(&self) -> bool {
-        self.admitted_as_overage
+        self.flags & ADMITTED_AS_OVERAGE != 0
     }
 
     /// Whether the charge has been committed.
@@ -339,7 +384,7 @@ impl RequestContext {
 impl fmt::Debug for RequestContext {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RequestContext")
-            .field("request_id", &self.request_id)
+            .field("request_id", &self.request_id())
             .field("principal", &self.principal)
             .field("account", &self.account_id())
             .field("units", &self.units)
@@ -362,9 +407,21 @@ const REASONS: usize = DenyReason::ALL.len();
 
 /// Admissions and denials, counted per thread stripe so that counting never
 /// contends, and summed when read.
+///
+/// The first threads to admit (by their [`Locality`], which numbers threads
+/// once and never reuses a number) each own a stripe: only that thread ever
+/// writes it, so it counts an admission with a plain load and store rather
+/// than a read-modify-write. Later threads share the remaining stripes and
+/// count with read-modify-writes. Either way every count is exact.
 pub struct AdmissionCounters {
     stripes: Box<[CachePadded<Stripe>]>,
+    /// Stripes `0..owned` belong to the threads of those localities.
+    owned: usize,
 }
+
+/// Threads that get a stripe of their own: at least this many, and at least
+/// two per core.
+const OWNED_STRIPES_MIN: usize = 64;
 
 struct Stripe {
     admitted: AtomicU64,
@@ -399,9 +456,11 @@ impl AdmissionStats {
 
 impl AdmissionCounters {
     fn new() -> Self {
-        let stripes = LocalSharding::per_core().count();
+        let shared = LocalSharding::per_core().count();
+        let owned = (2 * shared).max(OWNED_STRIPES_MIN);
         Self {
-            stripes: (0..stripes)
+            owned,
+            stripes: (0..owned + shared)
                 .map(|_| {
                     CachePadded(Stripe {
                         admitted: AtomicU64::new(0),
@@ -413,17 +472,34 @@ impl AdmissionCounters {
         }
     }
 
+    /// The stripe of `locality`, and whether that thread owns it.
+    /// `locality` must be the calling thread's own ([`Locality::current`]),
+    /// never a fixed one: ownership rests on thread numbers being unique.
     #[inline]
-    fn stripe(&self) -> &Stripe {
-        &self.stripes[Locality::current().shard_of(self.stripes.len())]
+    fn stripe(&self, locality: Locality) -> (&Stripe, bool) {
+        let index = locality.index();
+        if index < self.owned {
+            return (&self.stripes[index], true);
+        }
+        let shared = &self.stripes[self.owned..];
+        (&shared[locality.shard_of(shared.len())], false)
     }
 
     #[inline]
-    fn admitted(&self, overage: bool) {
-        let stripe = self.stripe();
-        stripe.admitted.fetch_add(1, Ordering::Relaxed);
-        if overage {
-            stripe.admitted_overage.fetch_add(1, Ordering::Relaxed);
+    fn admitted(&self, locality: Locality, overage: bool) {
+        let (stripe, owned) = self.stripe(locality);
+        if owned {
+            // Only this thread writes its stripe, so a load and a store
+            // cannot lose a count; readers see each count whole.
+            bump_owned(&stripe.admitted);
+            if overage {
+                bump_owned(&stripe.admitted_overage);
+            }
+        } else {
+            stripe.admitted.fetch_add(1, Ordering::Relaxed);
+            if overage {
+                stripe.admitted_overage.fetch_add(1, Ordering::Relaxed);
+            }
         }
     }
 
@@ -431,7 +507,17 @@ impl AdmissionCounters {
     /// layer refused before admission, or a commit refused at handler start.
     #[cold]
     pub(crate) fn denied(&self, reason: DenyReason) {
-        self.stripe().denied[reason.index()].fetch_add(1, Ordering::Relaxed);
+        self.denied_at(Locality::current(), reason);
+    }
+
+    /// Counts a denial and hands it back.
+    #[cold]
+    fn denied_at(&self, locality: Locality, reason: DenyReason) -> DenyReason {
+        // A read-modify-write whether owned or shared: on an owned stripe
+        // the only writer is this thread, so it mixes safely with the plain
+        // stores of `admitted`.
+        self.stripe(locality).0.denied[reason.index()].fetch_add(1, Ordering::Relaxed);
+        reason
     }
 
     /// Sums the stripes. Each count is exact; counts read while requests run
@@ -452,6 +538,15 @@ impl AdmissionCounters {
         }
         stats
     }
+}
+
+/// Adds one to a counter only the calling thread writes.
+#[inline]
+fn bump_owned(counter: &AtomicU64) {
+    counter.store(
+        counter.load(Ordering::Relaxed).wrapping_add(1),
+        Ordering::Relaxed,
+    );
 }
 
 impl fmt::Debug for AdmissionCounters {
@@ -567,6 +662,13 @@ mod tests {
             Err(reason) => assert_eq!(reason, expected),
             Ok(context) => panic!("expected {expected:?}, admitted {context:?}"),
         }
+    }
+
+    #[test]
+    fn a_context_fits_two_cache_lines() {
+        // Moved on every admission: larger, and each move becomes a call to
+        // `memcpy` on the request path (I5's budget).
+        assert!(std::mem::size_of::<RequestContext>() <= 128);
     }
 
     #[test]

@@ -51,6 +51,14 @@ impl RequestIds {
     #[inline]
     #[must_use]
     pub fn next(&self) -> RequestId {
+        let (prefix, low) = self.next_parts();
+        RequestId::from_parts(prefix, low)
+    }
+
+    /// The next id as its prefix and counter halves, for
+    /// [`RequestId::from_parts`].
+    #[inline]
+    pub(crate) fn next_parts(self) -> (u64, u64) {
         let low = LOCAL.with(|local| {
             let (thread, counter) = match local.get() {
                 Some((thread, counter)) if counter < 1 << COUNTER_BITS => (thread, counter),
@@ -64,7 +72,7 @@ impl RequestIds {
             local.set(Some((thread, counter + 1)));
             thread | counter
         });
-        RequestId::from_parts(self.prefix, low)
+        (self.prefix, low)
     }
 }
 

@@ -1,8 +1,9 @@
 //! Principals' policy snapshots, published for lock-free reads.
 
+use std::cell::Cell;
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::fmt;
-use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use arc_swap::ArcSwap;
@@ -87,6 +88,13 @@ impl SnapshotMapConfig {
 /// lookup gives a request both its policy and its funding.
 pub struct ArcSwapSnapshotMap {
     published: ArcSwap<Published>,
+    /// Which map this is, for the per-thread cache of the published
+    /// generation: unique for the life of the process.
+    id: u64,
+    /// Bumped after every store to `published`, so a thread whose cached
+    /// generation still matches holds the current one (see
+    /// [`pin`](Self::pin)).
+    generation: AtomicU64,
     config: SnapshotMapConfig,
     registry: Arc<SlotRegistry>,
     /// When the source last confirmed every published snapshot current, in
@@ -110,6 +118,48 @@ struct Published {
 pub(crate) struct Entry {
     pub(crate) snapshot: Arc<PrincipalSnapshot>,
     pub(crate) slot: Arc<LeaseSlot>,
+    /// `fetched_at + max_staleness`: until then the snapshot is fresh on its
+    /// own, whatever the map's verification says (I24), so the request path
+    /// decides the common case with one comparison.
+    fresh_until: Timestamp,
+}
+
+/// A generation pinned for one read. [`unpin`](Self::unpin) puts it back in
+/// the thread's cache; if the read unwinds instead, it is simply dropped and
+/// the next read loads afresh.
+struct Pinned {
+    map_id: u64,
+    generation: u64,
+    published: Arc<Published>,
+}
+
+impl Pinned {
+    #[allow(clippy::inline_always, reason = "the request path's last step")]
+    #[inline(always)]
+    fn unpin(self) {
+        let cached = Some((self.map_id, self.generation, self.published));
+        // A thread being torn down simply drops it. What the cache held was
+        // taken by `pin`, so nothing is dropped here otherwise.
+        let _ = CACHED.try_with(|cache| cache.set(cached));
+    }
+}
+
+/// Source of [`ArcSwapSnapshotMap::id`].
+static NEXT_MAP_ID: AtomicU64 = AtomicU64::new(0);
+
+/// One thread's cached generation: the map's id, the generation number it
+/// was loaded at, and the generation itself.
+type CachedGeneration = (u64, u64, Arc<Published>);
+
+thread_local! {
+    /// The generation this thread last read, from the last map it read.
+    ///
+    /// I24: bounded at one generation per thread. It holds no lease: entries
+    /// name slots, and a slot's lease is read through the slot at admission,
+    /// so a cached generation never keeps a lease from quiescing (I26). A
+    /// generation of a dropped map is freed when the thread next reads
+    /// another map, or exits.
+    static CACHED: Cell<Option<CachedGeneration>> = const { Cell::new(None) };
 }
 
 /// Bookkeeping only the publisher touches.
@@ -132,6 +182,8 @@ impl ArcSwapSnapshotMap {
         config.validate()?;
         Ok(Self {
             published: ArcSwap::from_pointee(Published::default()),
+            id: NEXT_MAP_ID.fetch_add(1, Ordering::Relaxed),
+            generation: AtomicU64::new(0),
             config,
             registry,
             verified_at: AtomicI64::new(i64::MIN),
@@ -152,13 +204,13 @@ impl ArcSwapSnapshotMap {
         &self.registry
     }
 
-    /// Runs `f` on `principal`'s entry: the request path's read (I23).
+    /// Runs `f` on `principal`'s entry, or on why there is none: the request
+    /// path's read (I23).
     ///
-    /// # Errors
-    ///
-    /// [`DenyReason::UnknownPrincipal`] for a principal the source said does
-    /// not exist, and [`DenyReason::SnapshotUnavailable`] for one not loaded
-    /// yet (which is queued for the snapshot manager to look up).
+    /// The lookup's refusals are [`DenyReason::UnknownPrincipal`] for a
+    /// principal the source said does not exist, and
+    /// [`DenyReason::SnapshotUnavailable`] for one not loaded yet (which is
+    /// queued for the snapshot manager to look up).
     #[allow(
         clippy::inline_always,
         reason = "inlined so the admitted context is built in place, not copied out of a call"
@@ -167,27 +219,33 @@ impl ArcSwapSnapshotMap {
     pub(crate) fn with_entry<R>(
         &self,
         principal: Principal,
-        f: impl FnOnce(&Entry) -> Result<R, DenyReason>,
-    ) -> Result<R, DenyReason> {
-        self.with_published(|published| match published.entries.get(&principal) {
-            Some(entry) => f(entry),
-            None if published.unknown.contains(&principal) => Err(DenyReason::UnknownPrincipal),
-            None => {
-                // A hint for the snapshot manager; a full queue just means it
-                // already has plenty to look up.
-                let _ = self.lookups.push(principal);
-                Err(DenyReason::SnapshotUnavailable)
-            }
-        })
+        f: impl FnOnce(Result<&Entry, DenyReason>) -> R,
+    ) -> R {
+        let pinned = self.pin();
+        let published = &*pinned.published;
+        let result = f(match published.entries.get(&principal) {
+            Some(entry) => Ok(entry),
+            None => Err(self.missing(published, principal)),
+        });
+        pinned.unpin();
+        result
+    }
+
+    #[cold]
+    fn missing(&self, published: &Published, principal: Principal) -> DenyReason {
+        if published.unknown.contains(&principal) {
+            return DenyReason::UnknownPrincipal;
+        }
+        // A hint for the snapshot manager; a full queue just means it
+        // already has plenty to look up.
+        let _ = self.lookups.push(principal);
+        DenyReason::SnapshotUnavailable
     }
 
     /// Runs `f` on the entry of the principal whose API key hashes to
-    /// `hash`: the HTTP layer's read.
-    ///
-    /// # Errors
-    ///
-    /// [`DenyReason::UnknownPrincipal`] for a key no published principal
-    /// has. A key issued since the last refresh is known after the next one.
+    /// `hash`, or on [`DenyReason::UnknownPrincipal`] for a key no published
+    /// principal has: the HTTP layer's read. A key issued since the last
+    /// refresh is known after the next one.
     #[allow(
         clippy::inline_always,
         reason = "inlined so the admitted context is built in place, not copied out of a call"
@@ -196,18 +254,17 @@ impl ArcSwapSnapshotMap {
     pub(crate) fn with_entry_by_key<R>(
         &self,
         hash: &KeyHash,
-        f: impl FnOnce(&Entry) -> Result<R, DenyReason>,
-    ) -> Result<R, DenyReason> {
-        self.with_published(|published| {
-            match published
-                .by_key
-                .get(hash)
-                .and_then(|principal| published.entries.get(principal))
-            {
-                Some(entry) => f(entry),
-                None => Err(DenyReason::UnknownPrincipal),
-            }
-        })
+        f: impl FnOnce(Result<&Entry, DenyReason>) -> R,
+    ) -> R {
+        let pinned = self.pin();
+        let published = &*pinned.published;
+        let result = f(published
+            .by_key
+            .get(hash)
+            .and_then(|principal| published.entries.get(principal))
+            .ok_or(DenyReason::UnknownPrincipal));
+        pinned.unpin();
+        result
     }
 
     /// The principal whose API key hashes to `hash`, if one is published.
@@ -216,15 +273,39 @@ impl ArcSwapSnapshotMap {
         self.published.load().by_key.get(hash).copied()
     }
 
-    /// Runs `f` on the current generation. An arc-swap load takes no lock
-    /// and no reference count in the common case.
-    #[allow(
-        clippy::inline_always,
-        reason = "inlined so the admitted context is built in place, not copied out of a call"
-    )]
+    /// The current generation, from this thread's cache when its number
+    /// still matches.
+    ///
+    /// Each thread keeps the generation it last read with the number it was
+    /// read at. Every store to `published` is followed by a release bump of
+    /// `generation`, and the cached generation was loaded *after* its number
+    /// was read, so while the number still matches the cache is no older
+    /// than what a fresh load would give: a publish that happens before this
+    /// read (in the happens-before sense, such as an earlier publish on this
+    /// thread) is always seen (I23).
+    #[allow(clippy::inline_always, reason = "the request path's first step")]
     #[inline(always)]
-    fn with_published<R>(&self, f: impl FnOnce(&Published) -> R) -> R {
-        f(&self.published.load())
+    fn pin(&self) -> Pinned {
+        let generation = self.generation.load(Ordering::Acquire);
+        // Moved out while pinned, so a nested read finds no cache and loads
+        // afresh rather than conflict. A thread being torn down has none.
+        let cached = CACHED.try_with(Cell::take).ok().flatten();
+        let published = match cached {
+            Some((id, at, published)) if id == self.id && at == generation => published,
+            _ => self.published.load_full(),
+        };
+        Pinned {
+            map_id: self.id,
+            generation,
+            published,
+        }
+    }
+
+    /// Stores a new generation and then announces it (see
+    /// [`pin`](Self::pin)).
+    fn publish_generation(&self, update: impl FnMut(&Arc<Published>) -> Published) {
+        self.published.rcu(update);
+        self.generation.fetch_add(1, Ordering::Release);
     }
 
     /// Refuses a snapshot that has not been confirmed current within the
@@ -234,7 +315,17 @@ impl ArcSwapSnapshotMap {
     ///
     /// [`DenyReason::SnapshotStale`].
     #[inline]
-    pub(crate) fn check_fresh(
+    pub(crate) fn check_fresh(&self, entry: &Entry, now: Timestamp) -> Result<(), DenyReason> {
+        // I24: fresh on its own fetch time; `now − fetched_at ≤ max_staleness`
+        // implies `now − max(fetched_at, verified) ≤ max_staleness`.
+        if now <= entry.fresh_until {
+            return Ok(());
+        }
+        self.check_verified(&entry.snapshot, now)
+    }
+
+    #[cold]
+    fn check_verified(
         &self,
         snapshot: &PrincipalSnapshot,
         now: Timestamp,
@@ -292,6 +383,12 @@ impl ArcSwapSnapshotMap {
             .into_iter()
             .map(|snapshot| Entry {
                 slot: self.registry.ensure(snapshot.account_id),
+                // Past the representable range it can only be checked the
+                // long way.
+                fresh_until: snapshot
+                    .fetched_at
+                    .checked_add(self.config.max_staleness)
+                    .unwrap_or(snapshot.fetched_at),
                 snapshot: Arc::new(snapshot),
             })
             .collect();
@@ -309,7 +406,7 @@ impl ArcSwapSnapshotMap {
         writer
             .unknown_order
             .retain(|principal| !principals.contains(principal));
-        self.published.rcu(|current| {
+        self.publish_generation(|current| {
             let mut next = Published {
                 entries: current.entries.clone(),
                 unknown: current.unknown.clone(),
@@ -348,7 +445,7 @@ impl ArcSwapSnapshotMap {
         while writer.unknown_order.len() > capacity {
             evicted.extend(writer.unknown_order.pop_front());
         }
-        self.published.rcu(|current| {
+        self.publish_generation(|current| {
             let mut next = Published {
                 entries: current.entries.clone(),
                 unknown: current.unknown.clone(),

@@ -19,7 +19,12 @@ use atomic_waker::AtomicWaker;
 use crossbeam_queue::ArrayQueue;
 
 use crate::model::sharding::split_evenly;
-use crate::model::{CachePadded, DenyReason, LeaseHold, LocalSharding, Locality, UsageEvent};
+use jiff::Timestamp;
+
+use crate::model::{
+    CachePadded, DenyReason, KeyId, LeaseHold, LocalSharding, Locality, PolicyRevision, RequestId,
+    Reservation, UsageEvent,
+};
 
 /// Hands usage events to the writer. Cheap to clone; every clone feeds the
 /// same queue.
@@ -146,14 +151,23 @@ impl UsageRecorder {
     /// [`DenyReason::ShuttingDown`] once the writer has been told to stop.
     #[inline]
     pub fn try_permit(&self) -> Result<UsagePermit, DenyReason> {
+        self.try_permit_at(Locality::current())
+    }
+
+    /// [`try_permit`](Self::try_permit), preferring the stripe of
+    /// `locality`: admission reads the thread's locality once for all its
+    /// striped state.
+    #[inline]
+    pub(crate) fn try_permit_at(&self, locality: Locality) -> Result<UsagePermit, DenyReason> {
         let queue = &*self.queue;
         if queue.hub.closed.load(Ordering::Acquire) {
             return Err(DenyReason::ShuttingDown);
         }
         let count = queue.stripes.len();
-        let home = Locality::current().shard_of(count);
-        for offset in 0..count {
-            let stripe = &queue.stripes[(home + offset) % count];
+        let home = locality.shard_of(count);
+        // Home first, then the others in turn, without a division per step.
+        let (before_home, from_home) = queue.stripes.split_at(home);
+        for stripe in from_home.iter().chain(before_home) {
             // I20: a place is taken only if one is free.
             if stripe
                 .available
@@ -232,12 +246,29 @@ impl UsagePermit {
         self.record_entry(Recorded { event, hold: None });
     }
 
-    /// Queues `event` with the hold of the committed charge that produced
-    /// it; the hold is dropped when the event leaves the process (see
-    /// [`Recorded`]).
+    /// Queues the usage event of `charge`, which has committed, with the
+    /// charge's hold: the hold is dropped when the event leaves the process
+    /// (see [`Recorded`], I26). The entry is built in the call that queues
+    /// it, so the event is written once before the queue copies it in.
     #[inline]
-    pub(crate) fn record_holding(self, event: UsageEvent, hold: Option<LeaseHold>) {
-        self.record_entry(Recorded { event, hold });
+    pub(crate) fn record_committed(
+        self,
+        charge: Reservation,
+        request_id: RequestId,
+        now: Timestamp,
+        policy_revision: PolicyRevision,
+        key_id: Option<KeyId>,
+    ) {
+        let Some(event) = charge.usage_event(request_id, now, policy_revision, key_id) else {
+            // I8: a pending or released charge yields no event; the permit
+            // is dropped and its place comes back.
+            debug_assert!(false, "I8: only a committed charge is recorded");
+            return;
+        };
+        self.record_entry(Recorded {
+            event,
+            hold: charge.into_hold(),
+        });
     }
 
     #[inline]
@@ -255,6 +286,17 @@ impl UsagePermit {
         if stripe.events.len() >= stripe.wake_at {
             stripe.hub.waker.wake();
         }
+    }
+}
+
+impl UsagePermit {
+    /// Moves the place out, leaving this permit empty (dropping it then
+    /// frees nothing).
+    #[inline]
+    pub(crate) fn take_place(&mut self) -> Option<Self> {
+        self.stripe.take().map(|stripe| Self {
+            stripe: Some(stripe),
+        })
     }
 }
 

@@ -85,8 +85,9 @@ pub struct LocalLease {
 /// non-quiescent while any reservation on it exists. Crediting it returns the
 /// units to the same shard; dropping it without a credit leaves them spent.
 pub struct LeaseDebit {
+    /// The shard knows its own index, so a debit is two words: it is moved
+    /// with every reservation on the request path.
     shard: Arc<CachePadded<Shard>>,
-    index: usize,
     units: CostUnits,
 }
 
@@ -108,6 +109,8 @@ pub(crate) struct LeaseTerms {
 #[derive(Debug)]
 struct Shard {
     remaining: AtomicU64,
+    /// This shard's place in its lease.
+    index: usize,
     /// This shard's part of the lease's low-water mark; the parts add up to
     /// the whole mark, so when the lease is at or below it some shard is too.
     low_water: u64,
@@ -171,6 +174,7 @@ impl LocalLease {
             .map(|index| {
                 Arc::new(CachePadded(Shard {
                     remaining: AtomicU64::new(split_evenly(grant.units.get(), count, index)),
+                    index,
                     low_water: split_evenly(low_water.get(), count, index),
                     rung: AtomicBool::new(false),
                     contended: AtomicU64::new(0),
@@ -267,7 +271,7 @@ impl LocalLease {
     pub fn credit(&self, debit: &LeaseDebit) {
         debug_assert!(
             self.shards
-                .get(debit.index)
+                .get(debit.shard.index)
                 .is_some_and(|shard| Arc::ptr_eq(shard, &debit.shard)),
             "a debit must be credited to the lease it came from"
         );
@@ -396,7 +400,6 @@ impl LocalLease {
         }
         LeaseDebit {
             shard: Arc::clone(shard),
-            index,
             units,
         }
     }
@@ -522,7 +525,7 @@ impl LeaseDebit {
     /// Which shard gave the units; a credit returns them there.
     #[must_use]
     pub fn shard(&self) -> usize {
-        self.index
+        self.shard.index
     }
 
     /// The grant of the lease the units came from.
@@ -557,7 +560,7 @@ impl fmt::Debug for LeaseDebit {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("LeaseDebit")
             .field("lease_id", &self.shard.terms.grant.lease_id)
-            .field("shard", &self.index)
+            .field("shard", &self.shard.index)
             .field("units", &self.units)
             .finish()
     }

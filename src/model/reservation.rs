@@ -451,6 +451,7 @@ impl Reservation {
     /// # Panics
     ///
     /// In debug builds, when the charge is not committed.
+    #[inline]
     pub(crate) fn into_hold(mut self) -> Option<LeaseHold> {
         debug_assert!(self.is_committed(), "only a committed charge is handed on");
         match std::mem::replace(&mut self.funding, Funding::HandedOn) {
