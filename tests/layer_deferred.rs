@@ -7,9 +7,6 @@
 
 mod support;
 
-use std::io::{Read as _, Write as _};
-use std::net::TcpStream;
-use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
@@ -17,13 +14,10 @@ use axum::extract::{FromRequest, Request};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use http::StatusCode;
-use tokio::net::TcpListener;
+use support::http::{TestServer, priced_by_path, wait_started};
+use support::runtime::ms;
 use tokio::sync::mpsc;
-use tokio::task::JoinHandle;
-use tollgate::layer::{Charged, CommitMarkerLayer, Price, TollgateLayer};
-use tollgate::runtime::{InstanceRuntime, RuntimeHandle};
-use tollgate::store::{Clock, MemoryStore, SystemClock};
-use tollgate::{AccountId, CostUnits, PermissionBits};
+use tollgate::layer::{Charged, CommitMarkerLayer};
 use tower::limit::GlobalConcurrencyLimitLayer;
 
 const INITIAL: u64 = 10_000;
@@ -33,10 +27,6 @@ const WORK_PRICE: u64 = 3;
 const SLOW_PRICE: u64 = 11;
 /// How long `/slow` runs once started.
 const SLOW_FOR: Duration = Duration::from_millis(600);
-
-fn ms(n: u64) -> Duration {
-    Duration::from_millis(n)
-}
 
 /// Which app the server runs.
 #[derive(Clone, Copy)]
@@ -66,41 +56,20 @@ impl<S: Send + Sync> FromRequest<S> for Validated {
     }
 }
 
-struct Server {
-    store: Arc<MemoryStore>,
-    clock: Arc<SystemClock>,
-    account: AccountId,
-    key: String,
-    runtime: InstanceRuntime,
-    handle: RuntimeHandle,
-    address: std::net::SocketAddr,
-    serving: JoinHandle<()>,
-    /// One message each time `/slow` starts running.
-    slow_started: mpsc::UnboundedReceiver<()>,
-}
-
-async fn serve(app: App) -> Server {
-    let support::runtime::RealTimeWorld {
-        clock,
-        store,
-        account,
-        key,
-        runtime,
-        handle,
-    } = support::runtime::start_real_time(INITIAL).await;
-
-    let layer = TollgateLayer::builder(handle.clone())
-        .price(|parts: &http::request::Parts| Price {
-            units: CostUnits(if parts.uri.path() == "/slow" {
-                SLOW_PRICE
-            } else {
-                WORK_PRICE
-            }),
-            required: PermissionBits::NONE,
-        })
-        .commit_in_handler()
-        .build()
-        .unwrap();
+/// The server running `app`, and one message each time `/slow` starts
+/// running.
+async fn serve(app: App) -> (TestServer, mpsc::UnboundedReceiver<()>) {
+    let world = support::runtime::start_real_time(INITIAL).await;
+    let layer = priced_by_path(&world.handle, |path| {
+        if path == "/slow" {
+            SLOW_PRICE
+        } else {
+            WORK_PRICE
+        }
+    })
+    .commit_in_handler()
+    .build()
+    .unwrap();
     let (started, slow_started) = mpsc::unbounded_channel();
     let router = match app {
         App::LimitInside => Router::new()
@@ -125,112 +94,24 @@ async fn serve(app: App) -> Server {
             )
             .layer(layer),
     };
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let address = listener.local_addr().unwrap();
-    let serving = tokio::spawn(async move {
-        axum::serve(listener, router).await.unwrap();
-    });
-    Server {
-        store,
-        clock,
-        account,
-        key,
-        runtime,
-        handle,
-        address,
-        serving,
+    (
+        TestServer::serve(world, INITIAL, router).await,
         slow_started,
-    }
+    )
 }
 
-impl Server {
-    /// Opens a connection and sends `method path` with the key and `body`.
-    fn send_with(&self, method: &str, path: &str, body: &str) -> TcpStream {
-        let mut stream = TcpStream::connect(self.address).unwrap();
-        let request = format!(
-            "{method} {path} HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer {}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-            self.key,
-            body.len(),
-        );
-        stream.write_all(request.as_bytes()).unwrap();
-        stream
-    }
-
-    fn send(&self, path: &str) -> TcpStream {
-        self.send_with("GET", path, "")
-    }
-
-    /// Reads the whole response from `stream`.
-    async fn read(mut stream: TcpStream) -> String {
-        stream.set_read_timeout(Some(ms(5_000))).unwrap();
-        tokio::task::spawn_blocking(move || {
-            let mut response = String::new();
-            stream
-                .read_to_string(&mut response)
-                .expect("the server answers within five seconds");
-            response
-        })
-        .await
-        .unwrap()
-    }
-
-    async fn request(&self, method: &str, path: &str, body: &str) -> String {
-        Self::read(self.send_with(method, path, body)).await
-    }
-
-    /// The units left in this instance's lease for the account.
-    fn remaining(&self) -> u64 {
-        self.handle
-            .account_reports()
-            .into_iter()
-            .find(|report| report.account == self.account)
-            .and_then(|report| report.remaining)
-            .expect("the account has a lease")
-            .get()
-    }
-
-    async fn started(&mut self) {
-        tokio::time::timeout(ms(5_000), self.slow_started.recv())
-            .await
-            .expect("the slow handler starts")
-            .unwrap();
-    }
-
-    /// Stops serving, shuts the runtime down, and returns the units of
-    /// every usage event the store received, after checking the balance
-    /// adds up to them and the audit is clean.
-    async fn finish(self) -> Vec<u64> {
-        self.serving.abort();
-        let report = self.runtime.shutdown().await;
-        assert_eq!(report.lost_events(), 0, "I25: no usage lost at shutdown");
-        assert_eq!(report.abandoned(), 0, "no request held a lease");
-        let units: Vec<u64> = self
-            .store
-            .usage(self.account)
-            .unwrap()
-            .iter()
-            .map(|event| event.units.get())
-            .collect();
-        let view = self.store.account(self.account, self.clock.now()).unwrap();
-        assert_eq!(view.leased, CostUnits::ZERO, "every lease went back");
-        assert_eq!(
-            view.balance,
-            CostUnits(INITIAL - units.iter().sum::<u64>()),
-            "balance + usage add up to the initial balance exactly"
-        );
-        assert!(self.store.audit().unwrap().is_empty());
-        units
-    }
+async fn started(slow_started: &mut mpsc::UnboundedReceiver<()>) {
+    wait_started(slow_started, "the slow handler starts").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_queued_inside_the_layer_holds_its_reservation_and_pays_nothing_if_its_client_leaves()
  {
-    let mut server = serve(App::LimitInside).await;
+    let (server, mut slow_started) = serve(App::LimitInside).await;
 
     // A: admitted, committed at the marker, its handler holding the limit.
     let first = server.send("/slow");
-    server.started().await;
+    started(&mut slow_started).await;
     let before_queued = server.remaining();
 
     // B: admitted by tollgate, then queued in the limit inside it.
@@ -256,13 +137,13 @@ async fn a_request_queued_inside_the_layer_holds_its_reservation_and_pays_nothin
         "I4: the queued request's reservation was released for zero"
     );
 
-    let response = Server::read(first).await;
+    let response = TestServer::read(first).await;
     assert!(response.starts_with("HTTP/1.1 200"), "{response}");
     assert!(
-        server.slow_started.try_recv().is_err(),
+        slow_started.try_recv().is_err(),
         "the queued request's handler never started"
     );
-    let response = server.request("GET", "/work", "").await;
+    let response = server.get("/work").await;
     assert!(response.starts_with("HTTP/1.1 200"), "{response}");
 
     assert_eq!(
@@ -274,18 +155,18 @@ async fn a_request_queued_inside_the_layer_holds_its_reservation_and_pays_nothin
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_queued_inside_the_layer_that_then_runs_is_charged_in_full_once() {
-    let mut server = serve(App::LimitInside).await;
+    let (server, mut slow_started) = serve(App::LimitInside).await;
 
     let first = server.send("/slow");
-    server.started().await;
+    started(&mut slow_started).await;
     let second = server.send("/slow");
     tokio::time::sleep(ms(150)).await;
     assert_eq!(server.handle.counters().admitted, 2);
 
-    let (first, second) = tokio::join!(Server::read(first), Server::read(second));
+    let (first, second) = tokio::join!(TestServer::read(first), TestServer::read(second));
     assert!(first.starts_with("HTTP/1.1 200"), "{first}");
     assert!(second.starts_with("HTTP/1.1 200"), "{second}");
-    server.started().await;
+    started(&mut slow_started).await;
 
     assert_eq!(
         server.finish().await,
@@ -296,7 +177,7 @@ async fn a_request_queued_inside_the_layer_that_then_runs_is_charged_in_full_onc
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_charged_extractor_charges_nothing_when_its_input_is_rejected_and_once_when_accepted() {
-    let server = serve(App::ChargedExtractor).await;
+    let (server, _slow_started) = serve(App::ChargedExtractor).await;
 
     let rejected = server.request("POST", "/validate", "bad").await;
     assert!(rejected.starts_with("HTTP/1.1 422"), "{rejected}");

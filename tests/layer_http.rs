@@ -7,21 +7,14 @@
 
 mod support;
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use axum::routing::get;
 use axum::{Extension, Router};
-use std::io::{Read as _, Write as _};
-use std::net::TcpStream;
-
-use tokio::net::TcpListener;
+use support::http::{TestServer, priced_by_path, wait_started};
+use support::runtime::ms;
 use tokio::sync::mpsc;
-use tokio::task::JoinHandle;
-use tollgate::layer::{Admitted, Price, TollgateLayer};
-use tollgate::runtime::{InstanceRuntime, RuntimeHandle};
-use tollgate::store::{Clock, MemoryStore, SystemClock};
-use tollgate::{AccountId, CostUnits, PermissionBits};
+use tollgate::layer::Admitted;
 use tower::limit::GlobalConcurrencyLimitLayer;
 
 const INITIAL: u64 = 10_000;
@@ -32,48 +25,21 @@ const SLOW_PRICE: u64 = 11;
 /// How long `/slow` runs once started.
 const SLOW_FOR: Duration = Duration::from_millis(600);
 
-fn ms(n: u64) -> Duration {
-    Duration::from_millis(n)
-}
-
-struct Server {
-    store: Arc<MemoryStore>,
-    clock: Arc<SystemClock>,
-    account: AccountId,
-    key: String,
-    runtime: InstanceRuntime,
-    handle: RuntimeHandle,
-    address: std::net::SocketAddr,
-    serving: JoinHandle<()>,
-    /// One message each time `/slow` starts running.
-    slow_started: mpsc::UnboundedReceiver<()>,
-}
-
 /// A store, a runtime over it (ready), and an axum app on 127.0.0.1:0:
 /// `/work` and `/slow` behind tollgate, behind one global concurrency limit
 /// of one request placed OUTSIDE tollgate, so a queued request has not been
-/// admitted.
-async fn serve() -> Server {
-    let support::runtime::RealTimeWorld {
-        clock,
-        store,
-        account,
-        key,
-        runtime,
-        handle,
-    } = support::runtime::start_real_time(INITIAL).await;
-
-    let layer = TollgateLayer::builder(handle.clone())
-        .price(|parts: &http::request::Parts| Price {
-            units: CostUnits(if parts.uri.path() == "/slow" {
-                SLOW_PRICE
-            } else {
-                WORK_PRICE
-            }),
-            required: PermissionBits::NONE,
-        })
-        .build()
-        .unwrap();
+/// admitted; and one message each time `/slow` starts running.
+async fn serve() -> (TestServer, mpsc::UnboundedReceiver<()>) {
+    let world = support::runtime::start_real_time(INITIAL).await;
+    let layer = priced_by_path(&world.handle, |path| {
+        if path == "/slow" {
+            SLOW_PRICE
+        } else {
+            WORK_PRICE
+        }
+    })
+    .build()
+    .unwrap();
     let (started, slow_started) = mpsc::unbounded_channel();
     let app = Router::new()
         .route(
@@ -93,76 +59,13 @@ async fn serve() -> Server {
         .layer(layer)
         // Added last, so outermost: requests wait here before tollgate.
         .layer(GlobalConcurrencyLimitLayer::new(1));
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let address = listener.local_addr().unwrap();
-    let serving = tokio::spawn(async move {
-        axum::serve(listener, app).await.unwrap();
-    });
-    Server {
-        store,
-        clock,
-        account,
-        key,
-        runtime,
-        handle,
-        address,
-        serving,
-        slow_started,
-    }
-}
-
-impl Server {
-    /// Opens a connection and sends `GET path` with the key. A blocking
-    /// std stream (tokio's `io-util` is not enabled here): connecting to
-    /// and writing a few bytes to a local socket does not block in
-    /// practice, and dropping it closes the connection at once.
-    fn send(&self, path: &str) -> TcpStream {
-        let mut stream = TcpStream::connect(self.address).unwrap();
-        let request = format!(
-            "GET {path} HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer {}\r\nConnection: close\r\n\r\n",
-            self.key
-        );
-        stream.write_all(request.as_bytes()).unwrap();
-        stream
-    }
-
-    /// Sends `GET path` and reads the whole response.
-    async fn get(&self, path: &str) -> String {
-        let mut stream = self.send(path);
-        stream.set_read_timeout(Some(ms(5_000))).unwrap();
-        tokio::task::spawn_blocking(move || {
-            let mut response = String::new();
-            stream
-                .read_to_string(&mut response)
-                .expect("the server answers within five seconds");
-            response
-        })
-        .await
-        .unwrap()
-    }
-
-    /// Stops serving, shuts the runtime down, and returns the units of
-    /// every usage event the store received.
-    async fn finish(self) -> (Vec<u64>, Arc<MemoryStore>, AccountId, Arc<SystemClock>) {
-        self.serving.abort();
-        let report = self.runtime.shutdown().await;
-        assert_eq!(report.lost_events(), 0, "I25: no usage lost at shutdown");
-        assert_eq!(report.abandoned(), 0, "no request held a lease");
-        let units = self
-            .store
-            .usage(self.account)
-            .unwrap()
-            .iter()
-            .map(|event| event.units.get())
-            .collect();
-        (units, self.store, self.account, self.clock)
-    }
+    (TestServer::serve(world, INITIAL, app).await, slow_started)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_served_request_is_charged_exactly_once() {
     const N: u64 = 20;
-    let server = serve().await;
+    let (server, _slow_started) = serve().await;
     let mut request_ids = Vec::new();
     for _ in 0..N {
         let response = server.get("/work").await;
@@ -183,29 +86,24 @@ async fn every_served_request_is_charged_exactly_once() {
     assert_eq!(request_ids.len(), 20, "I8: each request has its own id");
     assert_eq!(server.handle.counters().admitted, N);
 
-    let (units, store, account, clock) = server.finish().await;
-    assert_eq!(units, vec![WORK_PRICE; 20], "I8: one event per request");
-    let view = store.account(account, clock.now()).unwrap();
-    assert_eq!(view.leased, CostUnits::ZERO, "every lease went back");
+    // `finish` checks every lease went back, the balance is INITIAL minus
+    // the events' units (so INITIAL - N * WORK_PRICE here) and the audit is
+    // clean.
     assert_eq!(
-        view.balance,
-        CostUnits(INITIAL - N * WORK_PRICE),
-        "balance + usage add up to the initial balance exactly"
+        server.finish().await,
+        vec![WORK_PRICE; 20],
+        "I8: one event per request"
     );
-    assert!(store.audit().unwrap().is_empty());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_leaves_after_its_handler_started_pays_in_full_and_one_that_leaves_while_queued_pays_nothing()
  {
-    let mut server = serve().await;
+    let (server, mut slow_started) = serve().await;
 
     // A: admitted, committed, its handler running and holding the limit.
     let first = server.send("/slow");
-    tokio::time::timeout(ms(5_000), server.slow_started.recv())
-        .await
-        .expect("the slow handler starts")
-        .unwrap();
+    wait_started(&mut slow_started, "the slow handler starts").await;
     assert_eq!(server.handle.counters().admitted, 1);
 
     // B: waits in the concurrency limit, outside tollgate, so it has not
@@ -230,7 +128,7 @@ async fn a_client_that_leaves_after_its_handler_started_pays_in_full_and_one_tha
         "I4: the queued request never reached admission"
     );
     assert!(
-        server.slow_started.try_recv().is_err(),
+        slow_started.try_recv().is_err(),
         "the queued request's handler never started"
     );
 
@@ -238,14 +136,12 @@ async fn a_client_that_leaves_after_its_handler_started_pays_in_full_and_one_tha
     let response = server.get("/work").await;
     assert!(response.starts_with("HTTP/1.1 200"), "{response}");
 
-    let (units, store, account, clock) = server.finish().await;
+    // `finish` checks every lease went back, the balance is INITIAL minus
+    // the events' units (so INITIAL - SLOW_PRICE - WORK_PRICE here) and the
+    // audit is clean.
     assert_eq!(
-        units,
+        server.finish().await,
         vec![SLOW_PRICE, WORK_PRICE],
         "the started request paid in full, the queued one nothing"
     );
-    let view = store.account(account, clock.now()).unwrap();
-    assert_eq!(view.balance, CostUnits(INITIAL - SLOW_PRICE - WORK_PRICE));
-    assert_eq!(view.leased, CostUnits::ZERO);
-    assert!(store.audit().unwrap().is_empty());
 }

@@ -16,22 +16,16 @@
 
 mod support;
 
-use std::io::{Read as _, Write as _};
-use std::net::TcpStream;
-use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
 use axum::response::IntoResponse;
 use axum::routing::get;
 use http::StatusCode;
-use tokio::net::TcpListener;
+use support::http::{TestServer, priced_by_path, wait_started};
+use support::runtime::ms;
 use tokio::sync::mpsc;
-use tokio::task::JoinHandle;
-use tollgate::layer::{CommitMarkerLayer, Price, TollgateLayer};
-use tollgate::runtime::{InstanceRuntime, RuntimeHandle};
-use tollgate::store::{Clock, MemoryStore, SystemClock};
-use tollgate::{AccountId, CostUnits, PermissionBits};
+use tollgate::layer::CommitMarkerLayer;
 use tower::limit::GlobalConcurrencyLimitLayer;
 use tower::util::MapResponseLayer;
 use tower_http::timeout::TimeoutLayer;
@@ -52,23 +46,6 @@ const SHORT_TIMEOUT: Duration = Duration::from_millis(300);
 const LONG_TIMEOUT: Duration = Duration::from_secs(2);
 /// The status the timeout layer answers with.
 const TIMED_OUT: StatusCode = StatusCode::REQUEST_TIMEOUT;
-
-fn ms(n: u64) -> Duration {
-    Duration::from_millis(n)
-}
-
-struct Server {
-    store: Arc<MemoryStore>,
-    clock: Arc<SystemClock>,
-    account: AccountId,
-    key: String,
-    runtime: InstanceRuntime,
-    handle: RuntimeHandle,
-    address: std::net::SocketAddr,
-    serving: JoinHandle<()>,
-    /// One message each time `/slow` or `/stuck` starts running.
-    slow_started: mpsc::UnboundedReceiver<()>,
-}
 
 /// The routes under tollgate: `/slow` with the long timeout, `/work` and
 /// `/stuck` with the short one, all sharing one limit. `started` gets one
@@ -116,121 +93,28 @@ fn app(started: mpsc::UnboundedSender<()>) -> Router {
     Router::new().merge(slow).merge(short)
 }
 
-async fn serve() -> Server {
-    let support::runtime::RealTimeWorld {
-        clock,
-        store,
-        account,
-        key,
-        runtime,
-        handle,
-    } = support::runtime::start_real_time(INITIAL).await;
-
-    let layer = TollgateLayer::builder(handle.clone())
-        .price(|parts: &http::request::Parts| Price {
-            units: CostUnits(match parts.uri.path() {
-                "/slow" => SLOW_PRICE,
-                "/stuck" => STUCK_PRICE,
-                _ => WORK_PRICE,
-            }),
-            required: PermissionBits::NONE,
-        })
-        .commit_in_handler()
-        .build()
-        .unwrap();
+/// The server running [`app`] under tollgate, and one message each time
+/// `/slow` or `/stuck` starts running.
+async fn serve() -> (TestServer, mpsc::UnboundedReceiver<()>) {
+    let world = support::runtime::start_real_time(INITIAL).await;
+    let layer = priced_by_path(&world.handle, |path| match path {
+        "/slow" => SLOW_PRICE,
+        "/stuck" => STUCK_PRICE,
+        _ => WORK_PRICE,
+    })
+    .commit_in_handler()
+    .build()
+    .unwrap();
     let (started, slow_started) = mpsc::unbounded_channel();
     let router = app(started).layer(layer);
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let address = listener.local_addr().unwrap();
-    let serving = tokio::spawn(async move {
-        axum::serve(listener, router).await.unwrap();
-    });
-    Server {
-        store,
-        clock,
-        account,
-        key,
-        runtime,
-        handle,
-        address,
-        serving,
+    (
+        TestServer::serve(world, INITIAL, router).await,
         slow_started,
-    }
+    )
 }
 
-impl Server {
-    /// Opens a connection and sends `GET path` with the key.
-    fn send(&self, path: &str) -> TcpStream {
-        let mut stream = TcpStream::connect(self.address).unwrap();
-        let request = format!(
-            "GET {path} HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer {}\r\nConnection: close\r\n\r\n",
-            self.key,
-        );
-        stream.write_all(request.as_bytes()).unwrap();
-        stream
-    }
-
-    /// Reads the whole response from `stream`.
-    async fn read(mut stream: TcpStream) -> String {
-        stream.set_read_timeout(Some(ms(5_000))).unwrap();
-        tokio::task::spawn_blocking(move || {
-            let mut response = String::new();
-            stream
-                .read_to_string(&mut response)
-                .expect("the server answers within five seconds");
-            response
-        })
-        .await
-        .unwrap()
-    }
-
-    async fn request(&self, path: &str) -> String {
-        Self::read(self.send(path)).await
-    }
-
-    /// The units left in this instance's lease for the account.
-    fn remaining(&self) -> u64 {
-        self.handle
-            .account_reports()
-            .into_iter()
-            .find(|report| report.account == self.account)
-            .and_then(|report| report.remaining)
-            .expect("the account has a lease")
-            .get()
-    }
-
-    async fn started(&mut self) {
-        tokio::time::timeout(ms(5_000), self.slow_started.recv())
-            .await
-            .expect("a slow handler starts")
-            .unwrap();
-    }
-
-    /// Stops serving, shuts the runtime down, and returns the units of
-    /// every usage event the store received, after checking the balance
-    /// adds up to them and the audit is clean.
-    async fn finish(self) -> Vec<u64> {
-        self.serving.abort();
-        let report = self.runtime.shutdown().await;
-        assert_eq!(report.lost_events(), 0, "I25: no usage lost at shutdown");
-        assert_eq!(report.abandoned(), 0, "no request held a lease");
-        let units: Vec<u64> = self
-            .store
-            .usage(self.account)
-            .unwrap()
-            .iter()
-            .map(|event| event.units.get())
-            .collect();
-        let view = self.store.account(self.account, self.clock.now()).unwrap();
-        assert_eq!(view.leased, CostUnits::ZERO, "every lease went back");
-        assert_eq!(
-            view.balance,
-            CostUnits(INITIAL - units.iter().sum::<u64>()),
-            "balance + usage add up to the initial balance exactly"
-        );
-        assert!(self.store.audit().unwrap().is_empty());
-        units
-    }
+async fn started(slow_started: &mut mpsc::UnboundedReceiver<()>) {
+    wait_started(slow_started, "a slow handler starts").await;
 }
 
 fn status(response: &str) -> &str {
@@ -239,12 +123,12 @@ fn status(response: &str) -> &str {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_that_times_out_while_queued_inside_the_layer_pays_nothing() {
-    let mut server = serve().await;
+    let (server, mut slow_started) = serve().await;
 
     // A: admitted, committed at the marker, its handler holding the limit
     // for 600 ms under a 2 s timeout.
     let slow = server.send("/slow");
-    server.started().await;
+    started(&mut slow_started).await;
     let before_queued = server.remaining();
 
     // B: admitted by tollgate, its 300 ms timeout started, then queued in
@@ -263,7 +147,7 @@ async fn a_request_that_times_out_while_queued_inside_the_layer_pays_nothing() {
     );
 
     // B's timeout fires while A still holds the limit.
-    let timed_out = Server::read(queued).await;
+    let timed_out = TestServer::read(queued).await;
     assert_eq!(status(&timed_out), TIMED_OUT.as_str(), "{timed_out}");
     assert_eq!(
         server.remaining(),
@@ -271,13 +155,10 @@ async fn a_request_that_times_out_while_queued_inside_the_layer_pays_nothing() {
         "I4: the timed-out queued request was released for zero"
     );
 
-    let response = Server::read(slow).await;
+    let response = TestServer::read(slow).await;
     assert!(response.starts_with("HTTP/1.1 200"), "{response}");
     assert!(response.ends_with("slow"), "{response}");
-    assert!(
-        server.slow_started.try_recv().is_err(),
-        "no other handler started"
-    );
+    assert!(slow_started.try_recv().is_err(), "no other handler started");
 
     assert_eq!(
         server.finish().await,
@@ -288,22 +169,22 @@ async fn a_request_that_times_out_while_queued_inside_the_layer_pays_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_whose_handler_started_before_the_timeout_pays_in_full() {
-    let mut server = serve().await;
+    let (server, mut slow_started) = serve().await;
     // A first request takes the account's lease.
-    let response = server.request("/work").await;
+    let response = server.get("/work").await;
     assert!(response.starts_with("HTTP/1.1 200"), "{response}");
     let before = server.remaining();
 
     // `/stuck` reaches the marker at once, starts, and runs 600 ms under a
     // 300 ms timeout.
     let stuck = server.send("/stuck");
-    server.started().await;
+    started(&mut slow_started).await;
     assert_eq!(
         server.remaining(),
         before - STUCK_PRICE,
         "I3: committed when its handler started"
     );
-    let timed_out = Server::read(stuck).await;
+    let timed_out = TestServer::read(stuck).await;
     assert_eq!(status(&timed_out), TIMED_OUT.as_str(), "{timed_out}");
     assert_eq!(
         server.remaining(),
@@ -313,7 +194,7 @@ async fn a_request_whose_handler_started_before_the_timeout_pays_in_full() {
 
     // The timeout dropped the handler and freed the limit: the next
     // request runs.
-    let response = server.request("/work").await;
+    let response = server.get("/work").await;
     assert!(response.starts_with("HTTP/1.1 200"), "{response}");
     assert!(response.ends_with("work"), "{response}");
 

@@ -5,6 +5,7 @@
 )]
 
 pub(crate) mod counting_allocator;
+pub(crate) mod http;
 #[cfg(feature = "postgres")]
 pub(crate) mod postgres;
 pub(crate) mod runtime;
