@@ -9,9 +9,13 @@ use jiff::{SignedDuration, Timestamp};
 use rustc_hash::FxHashMap;
 
 use crate::model::{
-    AccountId, AccountStatus, BalanceExhaustion, BalanceShortfall, CostUnits, EnforcementMode,
-    FencingToken, KeyId, KeyStatus, LeaseGrant, LeaseId, PermissionBits, PolicyRevision, Principal,
-    PrincipalSnapshot, RequestId, UsageEvent, UsageSource,
+    AccountId, AccountStatus, CostUnits, EnforcementMode, FencingToken, KeyId, KeyStatus,
+    LeaseGrant, LeaseId, PermissionBits, PolicyRevision, Principal, PrincipalSnapshot, RequestId,
+    UsageEvent, UsageSource,
+};
+use crate::store::rules::{
+    UNITS_MAX, credited_balance, first_period_end, next_period_end, plan_acquire,
+    plan_consolidation,
 };
 use crate::store::{
     AllocateError, Allocation, ApiKey, GrantPolicy, GrantPolicyError, IngestOutcome, KeyHash,
@@ -336,10 +340,6 @@ struct KeyRecord {
     revision: u64,
 }
 
-/// The largest units a stored amount may hold, so every store (including
-/// `PostgreSQL`'s signed 64-bit integers) accepts the same events.
-const UNITS_MAX: u64 = i64::MAX as u64;
-
 impl MemoryStore {
     /// An empty store following `policy`.
     ///
@@ -661,28 +661,18 @@ impl MemoryStore {
         let entry = ledger
             .account_at(account, now)
             .ok_or(AllocateError::UnknownAccount)??;
-        if entry.status == AccountStatus::Suspended {
-            return Err(AllocateError::AccountInactive);
-        }
-        let period_end = entry.period_end();
-        if entry.balance == 0 {
-            return Err(AllocateError::BalanceExhausted(BalanceExhaustion {
-                period_end,
-            }));
-        }
-        let size = self
-            .policy
-            .grant_size(requested, CostUnits(entry.balance))
-            .get();
-        entry.balance -= size;
-        let left = entry.balance;
-        let grant = ledger.open_lease(account, size, expires_at);
+        let planned = plan_acquire(
+            &self.policy,
+            entry.status,
+            entry.balance,
+            entry.period_end(),
+            requested,
+        )?;
+        entry.balance = planned.left;
+        let grant = ledger.open_lease(account, planned.size, expires_at);
         Ok(Allocation {
             grant,
-            funding: (left < requested.get()).then_some(BalanceShortfall {
-                remaining: CostUnits(left),
-                period_end,
-            }),
+            funding: planned.funding,
         })
     }
 
@@ -715,8 +705,7 @@ impl MemoryStore {
         now: Timestamp,
     ) -> Result<Allocation, AllocateError> {
         let expires_at = self.expiry(ttl, now)?;
-        let wanted = requested.max(needed);
-        if wanted.is_zero() {
+        if requested.max(needed).is_zero() {
             return Err(AllocateError::InvalidRequest);
         }
         let mut ledger = self.lock()?;
@@ -724,36 +713,23 @@ impl MemoryStore {
         let entry = ledger
             .account_at(account, now)
             .ok_or(AllocateError::UnknownAccount)??;
-        if entry.status == AccountStatus::Suspended {
-            return Err(AllocateError::AccountInactive);
-        }
-        let period_end = entry.period_end();
-        let available = credited_balance(entry.balance, unspent.get())?;
-        if available == 0 {
-            return Err(AllocateError::BalanceExhausted(BalanceExhaustion {
-                period_end,
-            }));
-        }
-        let size = self
-            .policy
-            .consolidation_size(requested, needed, CostUnits(available))
-            .ok_or(AllocateError::BalanceInsufficient(BalanceShortfall {
-                remaining: CostUnits(available),
-                period_end,
-            }))?
-            .get();
+        let planned = plan_consolidation(
+            &self.policy,
+            entry.status,
+            entry.balance,
+            entry.period_end(),
+            unspent,
+            requested,
+            needed,
+        )?;
         // I18: everything is checked; settle the old lease and grant the new
         // one as one step (the lock is held throughout).
-        entry.balance = available - size;
-        let left = entry.balance;
+        entry.balance = planned.left;
         ledger.settle(lease_id, unspent.get());
-        let grant = ledger.open_lease(account, size, expires_at);
+        let grant = ledger.open_lease(account, planned.size, expires_at);
         Ok(Allocation {
             grant,
-            funding: (left < wanted.get()).then_some(BalanceShortfall {
-                remaining: CostUnits(left),
-                period_end,
-            }),
+            funding: planned.funding,
         })
     }
 
@@ -1132,37 +1108,14 @@ impl Account {
         let Some((schedule, end)) = self.refill else {
             return Ok(());
         };
-        if now < end {
+        let Some(next_end) = next_period_end(schedule, end, now)? else {
             return Ok(());
-        }
-        let interval = schedule.interval.as_nanos();
-        let behind = now.as_nanosecond() - end.as_nanosecond();
-        let periods = behind / interval + 1;
-        let next_end = periods
-            .checked_mul(interval)
-            .and_then(|advance| end.as_nanosecond().checked_add(advance))
-            .and_then(|nanos| Timestamp::from_nanosecond(nanos).ok())
-            .ok_or_else(|| StoreError::new("the next refill period ends past the end of time"))?;
+        };
         self.credited_in += i128::from(schedule.amount.get()) - i128::from(self.balance);
         self.balance = schedule.amount.get();
         self.refill = Some((schedule, next_end));
         Ok(())
     }
-}
-
-fn first_period_end(schedule: RefillSchedule, now: Timestamp) -> Result<Timestamp, AdminError> {
-    if !schedule.interval.is_positive() || schedule.amount.get() > UNITS_MAX {
-        return Err(AdminError::InvalidRefill);
-    }
-    now.checked_add(schedule.interval)
-        .map_err(|_| AdminError::InvalidRefill)
-}
-
-fn credited_balance(balance: u64, units: u64) -> Result<u64, AllocateError> {
-    balance
-        .checked_add(units)
-        .filter(|balance| *balance <= UNITS_MAX)
-        .ok_or(AllocateError::BalanceOverflow)
 }
 
 /// Every key is its own principal, numbered like the key.

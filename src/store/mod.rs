@@ -38,6 +38,7 @@ mod memory;
 mod policy;
 #[cfg(feature = "postgres")]
 mod postgres;
+mod rules;
 
 use std::fmt;
 

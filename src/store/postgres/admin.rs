@@ -19,6 +19,7 @@ use crate::store::postgres::snapshots::{
 };
 use crate::store::postgres::tx::{begin, finish};
 use crate::store::postgres::{BalanceChange, JournalEntry, JournalKind, Movement, PostgresStore};
+use crate::store::rules;
 use crate::store::{
     AccountSpec, AccountView, AdminError, ApiKey, IssuedKey, KeyInfo, KeyPrefix, RefillSchedule,
     StoreError,
@@ -34,14 +35,10 @@ fn admin_storage(error: &AdminError) -> bool {
 fn first_period_end(schedule: RefillSchedule, now: Timestamp) -> Result<Timestamp, AdminError> {
     // PostgreSQL keeps microseconds, so a period must be a whole number of
     // them for its ends to be stored exactly.
-    if !schedule.interval.is_positive()
-        || schedule.amount.get() > UNITS_MAX
-        || schedule.interval.subsec_nanos() % 1_000 != 0
-    {
+    if schedule.interval.subsec_nanos() % 1_000 != 0 {
         return Err(AdminError::InvalidRefill);
     }
-    now.checked_add(schedule.interval)
-        .map_err(|_| AdminError::InvalidRefill)
+    rules::first_period_end(schedule, now)
 }
 
 /// A refill schedule as the account row stores it.

@@ -12,15 +12,13 @@ use jiff::{SignedDuration, Timestamp};
 use sqlx::PgConnection;
 use sqlx::postgres::PgRow;
 
-use crate::model::{
-    AccountId, AccountStatus, BalanceExhaustion, BalanceShortfall, CostUnits, FencingToken,
-    LeaseGrant, LeaseId,
-};
+use crate::model::{AccountId, CostUnits, FencingToken, LeaseGrant, LeaseId};
 use crate::store::postgres::JournalKind;
 use crate::store::postgres::PostgresStore;
 use crate::store::postgres::convert::{amount, get, id, micros, storage, to_i64, to_pg, units};
-use crate::store::postgres::ledger::{Entry, UNITS_MAX};
+use crate::store::postgres::ledger::Entry;
 use crate::store::postgres::tx::{begin, finish};
+use crate::store::rules::{credited_balance, plan_acquire, plan_consolidation};
 use crate::store::{
     AllocateError, Allocation, LeaseAllocator, ReclaimBatch, ReclaimedLease, Released, StoreError,
 };
@@ -63,13 +61,6 @@ impl LeaseRow {
 
 fn allocate_storage(error: &AllocateError) -> bool {
     matches!(error, AllocateError::Storage(_))
-}
-
-fn credited_balance(balance: u64, units: u64) -> Result<u64, AllocateError> {
-    balance
-        .checked_add(units)
-        .filter(|balance| *balance <= UNITS_MAX)
-        .ok_or(AllocateError::BalanceOverflow)
 }
 
 impl PostgresStore {
@@ -239,30 +230,20 @@ impl PostgresStore {
             .lock_account(conn, account, now)
             .await?
             .ok_or(AllocateError::UnknownAccount)?;
-        if entry.status == AccountStatus::Suspended {
-            return Err(AllocateError::AccountInactive);
-        }
-        let period_end = entry.period_end();
-        if entry.balance == 0 {
-            return Err(AllocateError::BalanceExhausted(BalanceExhaustion {
-                period_end,
-            }));
-        }
-        let size = self
-            .policy
-            .grant_size(requested, CostUnits(entry.balance))
-            .get();
-        let left = entry.balance - size;
-        self.set_balance(conn, account, left).await?;
+        let planned = plan_acquire(
+            &self.policy,
+            entry.status,
+            entry.balance,
+            entry.period_end(),
+            requested,
+        )?;
+        self.set_balance(conn, account, planned.left).await?;
         let grant = self
-            .open_lease(conn, account, size, left, expires_at, now)
+            .open_lease(conn, account, planned.size, planned.left, expires_at, now)
             .await?;
         Ok(Allocation {
             grant,
-            funding: (left < requested.get()).then_some(BalanceShortfall {
-                remaining: CostUnits(left),
-                period_end,
-            }),
+            funding: planned.funding,
         })
     }
 
@@ -307,7 +288,6 @@ impl PostgresStore {
         expires_at: Timestamp,
         now: Timestamp,
     ) -> Result<Allocation, AllocateError> {
-        let wanted = requested.max(needed);
         let lease = self
             .settleable(conn, lease_id, fencing_token, unspent)
             .await?;
@@ -315,27 +295,21 @@ impl PostgresStore {
             .lock_account(conn, lease.account_id, now)
             .await?
             .ok_or(AllocateError::UnknownAccount)?;
-        if entry.status == AccountStatus::Suspended {
-            return Err(AllocateError::AccountInactive);
-        }
-        let period_end = entry.period_end();
-        let available = credited_balance(entry.balance, unspent.get())?;
-        if available == 0 {
-            return Err(AllocateError::BalanceExhausted(BalanceExhaustion {
-                period_end,
-            }));
-        }
-        let size = self
-            .policy
-            .consolidation_size(requested, needed, CostUnits(available))
-            .ok_or(AllocateError::BalanceInsufficient(BalanceShortfall {
-                remaining: CostUnits(available),
-                period_end,
-            }))?
-            .get();
+        let planned = plan_consolidation(
+            &self.policy,
+            entry.status,
+            entry.balance,
+            entry.period_end(),
+            unspent,
+            requested,
+            needed,
+        )?;
+        // The balance once the old lease's unspent units are credited, as
+        // the journal records the consolidation's credit.
+        let available = planned.left + planned.size;
         // I18: everything is checked; settle the old lease and grant the new
         // one in this one transaction.
-        let left = available - size;
+        let (size, left) = (planned.size, planned.left);
         self.set_balance(conn, entry.id, left).await?;
         self.settle(
             conn,
@@ -351,10 +325,7 @@ impl PostgresStore {
             .await?;
         Ok(Allocation {
             grant,
-            funding: (left < wanted.get()).then_some(BalanceShortfall {
-                remaining: CostUnits(left),
-                period_end,
-            }),
+            funding: planned.funding,
         })
     }
 

@@ -8,11 +8,10 @@ use sqlx::postgres::PgRow;
 use crate::model::{AccountId, AccountStatus, CostUnits, EnforcementMode, LeaseId};
 use crate::store::postgres::convert::{amount, get, get_opt_at, id, storage, to_i64, to_pg, units};
 use crate::store::postgres::{JournalKind, PostgresStore};
+use crate::store::rules::next_period_end;
 use crate::store::{RefillSchedule, StoreError};
 
-/// The largest units a stored amount may hold: `PostgreSQL`'s bigint, the same
-/// limit the memory store keeps.
-pub(super) const UNITS_MAX: u64 = i64::MAX as u64;
+pub(super) use crate::store::rules::UNITS_MAX;
 
 /// The columns [`AccountRow::from_row`] reads.
 pub(super) const ACCOUNT_COLUMNS: &str = "id, status, balance, mode, overage_cap, refill_amount, \
@@ -108,17 +107,9 @@ impl AccountRow {
         let Some((schedule, end)) = self.refill else {
             return Ok(None);
         };
-        if now < end {
+        let Some(next_end) = next_period_end(schedule, end, now)? else {
             return Ok(None);
-        }
-        let interval = schedule.interval.as_nanos();
-        let behind = now.as_nanosecond() - end.as_nanosecond();
-        let periods = behind / interval + 1;
-        let next_end = periods
-            .checked_mul(interval)
-            .and_then(|advance| end.as_nanosecond().checked_add(advance))
-            .and_then(|nanos| Timestamp::from_nanosecond(nanos).ok())
-            .ok_or_else(|| StoreError::new("the next refill period ends past the end of time"))?;
+        };
         // Both are at most UNITS_MAX, so the difference fits.
         let delta =
             amount(schedule.amount.get(), "refill amount")? - amount(self.balance, "balance")?;

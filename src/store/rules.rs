@@ -1,0 +1,269 @@
+//! The ledger's decisions, shared by every store: what a grant or a
+//! consolidation may take and why it is refused, when a refill period ends,
+//! and the largest amount a store keeps. Each store only reads its rows,
+//! asks here, and writes the answer, so both stores refuse the same calls in
+//! the same order (I18).
+
+use jiff::Timestamp;
+
+use crate::model::{AccountStatus, BalanceExhaustion, BalanceShortfall, CostUnits};
+use crate::store::{AdminError, AllocateError, GrantPolicy, RefillSchedule, StoreError};
+
+/// The largest units a stored amount may hold, so every store (including
+/// `PostgreSQL`'s signed 64-bit integers) accepts the same events.
+pub(crate) const UNITS_MAX: u64 = i64::MAX as u64;
+
+/// A grant the ledger allows: its size, the balance left after it, and the
+/// evidence to hand back when that balance could not fund another such
+/// request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Grant {
+    pub(crate) size: u64,
+    pub(crate) left: u64,
+    pub(crate) funding: Option<BalanceShortfall>,
+}
+
+/// The grant an account with `balance` units may give for `requested`
+/// units, or why not: suspended, then empty.
+pub(crate) fn plan_acquire(
+    policy: &GrantPolicy,
+    status: AccountStatus,
+    balance: u64,
+    period_end: Option<Timestamp>,
+    requested: CostUnits,
+) -> Result<Grant, AllocateError> {
+    if status == AccountStatus::Suspended {
+        return Err(AllocateError::AccountInactive);
+    }
+    if balance == 0 {
+        return Err(AllocateError::BalanceExhausted(BalanceExhaustion {
+            period_end,
+        }));
+    }
+    let size = policy.grant_size(requested, CostUnits(balance)).get();
+    Ok(grant(size, balance - size, requested, period_end))
+}
+
+/// The grant a consolidation may give, counting the `unspent` units the
+/// settled lease returns, or why not: suspended, an overflowing credit,
+/// nothing at all, then not enough for `needed`. Nothing is applied on a
+/// refusal (I18).
+pub(crate) fn plan_consolidation(
+    policy: &GrantPolicy,
+    status: AccountStatus,
+    balance: u64,
+    period_end: Option<Timestamp>,
+    unspent: CostUnits,
+    requested: CostUnits,
+    needed: CostUnits,
+) -> Result<Grant, AllocateError> {
+    if status == AccountStatus::Suspended {
+        return Err(AllocateError::AccountInactive);
+    }
+    let available = credited_balance(balance, unspent.get())?;
+    if available == 0 {
+        return Err(AllocateError::BalanceExhausted(BalanceExhaustion {
+            period_end,
+        }));
+    }
+    let size = policy
+        .consolidation_size(requested, needed, CostUnits(available))
+        .ok_or(AllocateError::BalanceInsufficient(BalanceShortfall {
+            remaining: CostUnits(available),
+            period_end,
+        }))?
+        .get();
+    Ok(grant(
+        size,
+        available - size,
+        requested.max(needed),
+        period_end,
+    ))
+}
+
+fn grant(size: u64, left: u64, wanted: CostUnits, period_end: Option<Timestamp>) -> Grant {
+    Grant {
+        size,
+        left,
+        funding: (left < wanted.get()).then_some(BalanceShortfall {
+            remaining: CostUnits(left),
+            period_end,
+        }),
+    }
+}
+
+/// `balance` with `units` credited back, within [`UNITS_MAX`]. Units only
+/// come back to where they were granted from, so an overflow is an
+/// accounting fault.
+pub(crate) fn credited_balance(balance: u64, units: u64) -> Result<u64, AllocateError> {
+    balance
+        .checked_add(units)
+        .filter(|balance| *balance <= UNITS_MAX)
+        .ok_or(AllocateError::BalanceOverflow)
+}
+
+/// When a new refill schedule's first period ends: one interval after
+/// `now`. The interval must be positive and the amount storable.
+pub(crate) fn first_period_end(
+    schedule: RefillSchedule,
+    now: Timestamp,
+) -> Result<Timestamp, AdminError> {
+    if !schedule.interval.is_positive() || schedule.amount.get() > UNITS_MAX {
+        return Err(AdminError::InvalidRefill);
+    }
+    now.checked_add(schedule.interval)
+        .map_err(|_| AdminError::InvalidRefill)
+}
+
+/// The end of the period `now` falls in, for a schedule whose current
+/// period ends at `end`; `None` while `now` is still before `end`. Several
+/// missed periods collapse into one reset, which is what they would have
+/// amounted to (I14).
+pub(crate) fn next_period_end(
+    schedule: RefillSchedule,
+    end: Timestamp,
+    now: Timestamp,
+) -> Result<Option<Timestamp>, StoreError> {
+    if now < end {
+        return Ok(None);
+    }
+    let interval = schedule.interval.as_nanos();
+    let behind = now.as_nanosecond() - end.as_nanosecond();
+    let periods = behind / interval + 1;
+    periods
+        .checked_mul(interval)
+        .and_then(|advance| end.as_nanosecond().checked_add(advance))
+        .and_then(|nanos| Timestamp::from_nanosecond(nanos).ok())
+        .map(Some)
+        .ok_or_else(|| StoreError::new("the next refill period ends past the end of time"))
+}
+
+#[cfg(test)]
+mod tests {
+    use jiff::SignedDuration;
+
+    use super::*;
+    use crate::store::TailSharing;
+
+    const POLICY: GrantPolicy = GrantPolicy {
+        max_ttl: SignedDuration::from_secs(60),
+        reclaim_grace: SignedDuration::from_secs(10),
+        tail: TailSharing {
+            instances: 1,
+            min_grant: CostUnits(1),
+        },
+    };
+
+    fn at(second: i64) -> Timestamp {
+        Timestamp::from_second(second).unwrap()
+    }
+
+    #[test]
+    fn refusals_come_in_one_order() {
+        let end = Some(at(100));
+        let active = AccountStatus::Active;
+        assert_eq!(
+            plan_acquire(&POLICY, AccountStatus::Suspended, 0, end, CostUnits(5)),
+            Err(AllocateError::AccountInactive),
+            "suspension before emptiness"
+        );
+        assert_eq!(
+            plan_acquire(&POLICY, active, 0, end, CostUnits(5)),
+            Err(AllocateError::BalanceExhausted(BalanceExhaustion {
+                period_end: end
+            }))
+        );
+        assert_eq!(
+            plan_consolidation(
+                &POLICY,
+                active,
+                UNITS_MAX,
+                end,
+                CostUnits(1),
+                CostUnits(5),
+                CostUnits(5)
+            ),
+            Err(AllocateError::BalanceOverflow)
+        );
+        assert_eq!(
+            plan_consolidation(
+                &POLICY,
+                active,
+                2,
+                end,
+                CostUnits(1),
+                CostUnits(9),
+                CostUnits(4)
+            ),
+            Err(AllocateError::BalanceInsufficient(BalanceShortfall {
+                remaining: CostUnits(3),
+                period_end: end
+            }))
+        );
+    }
+
+    #[test]
+    fn a_grant_says_what_is_left_when_it_could_not_fund_another() {
+        let plenty = plan_acquire(&POLICY, AccountStatus::Active, 100, None, CostUnits(40));
+        assert_eq!(
+            plenty,
+            Ok(Grant {
+                size: 40,
+                left: 60,
+                funding: None
+            })
+        );
+        let tail = plan_acquire(&POLICY, AccountStatus::Active, 50, None, CostUnits(40));
+        assert_eq!(
+            tail,
+            Ok(Grant {
+                size: 40,
+                left: 10,
+                funding: Some(BalanceShortfall {
+                    remaining: CostUnits(10),
+                    period_end: None
+                })
+            })
+        );
+        // The unspent units count, and the evidence compares with the larger
+        // of requested and needed.
+        let folded = plan_consolidation(
+            &POLICY,
+            AccountStatus::Active,
+            5,
+            None,
+            CostUnits(5),
+            CostUnits(2),
+            CostUnits(8),
+        );
+        assert_eq!(
+            folded,
+            Ok(Grant {
+                size: 8,
+                left: 2,
+                funding: Some(BalanceShortfall {
+                    remaining: CostUnits(2),
+                    period_end: None
+                })
+            })
+        );
+    }
+
+    #[test]
+    fn missed_periods_collapse_into_one_reset() {
+        let schedule = RefillSchedule {
+            amount: CostUnits(10),
+            interval: SignedDuration::from_secs(100),
+        };
+        assert_eq!(next_period_end(schedule, at(100), at(99)), Ok(None));
+        assert_eq!(
+            next_period_end(schedule, at(100), at(100)),
+            Ok(Some(at(200)))
+        );
+        assert_eq!(
+            next_period_end(schedule, at(100), at(450)),
+            Ok(Some(at(500)))
+        );
+        assert_eq!(first_period_end(schedule, at(7)), Ok(at(107)));
+    }
+}
