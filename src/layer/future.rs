@@ -197,7 +197,7 @@ pub(super) fn render(
     if let Some(request_id) = request_id {
         insert_request_id(&mut response, request_id);
     }
-    if let Some(value) = balance_rate_limit(reason, shared.handle.clock().now()) {
+    if let Some(value) = balance_rate_limit(reason, || shared.handle.clock().now()) {
         response.headers_mut().insert(RATE_LIMIT, value);
     }
     response
@@ -213,7 +213,7 @@ pub(super) fn render(
 /// because its quota (`q`) is a refill amount the request path does not
 /// know. Both reasons come after the key was identified, so the field never
 /// reaches an unauthenticated caller.
-fn balance_rate_limit(reason: DenyReason, now: Timestamp) -> Option<HeaderValue> {
+fn balance_rate_limit(reason: DenyReason, now: impl FnOnce() -> Timestamp) -> Option<HeaderValue> {
     let (remaining, period_end) = match reason {
         DenyReason::BalanceExhausted { period_end } => (CostUnits::ZERO, period_end),
         DenyReason::BalanceInsufficient {
@@ -225,7 +225,7 @@ fn balance_rate_limit(reason: DenyReason, now: Timestamp) -> Option<HeaderValue>
     let mut field = format!("\"balance\";r={}", remaining.get());
     if let Some(end) = period_end {
         // Whole seconds, rounded up, so a client waiting `t` is never early.
-        let nanos = u128::try_from(end.as_nanosecond() - now.as_nanosecond()).unwrap_or(0);
+        let nanos = u128::try_from(end.as_nanosecond() - now().as_nanosecond()).unwrap_or(0);
         let _ = write!(field, ";t={}", nanos.div_ceil(1_000_000_000));
     }
     HeaderValue::from_str(&field).ok()
