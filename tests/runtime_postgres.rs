@@ -171,7 +171,12 @@ async fn three_instances_on_one_database_spend_exactly_even_when_one_crashes() {
     }
     // Mid-load, the third instance dies: its requests stop with it, and its
     // runtime is dropped without a shutdown.
-    tokio::time::sleep(ms(100)).await;
+    for _ in 0..500 {
+        if handles[2].counters().admitted >= 100 {
+            break;
+        }
+        tokio::time::sleep(ms(10)).await;
+    }
     stops[2].store(true, Ordering::Relaxed);
     let mut committed_by = [0_u64; 3];
     let mut survivors = Vec::new();
@@ -566,7 +571,8 @@ async fn a_server_outage_serves_from_held_leases_then_fails_closed_then_recovers
     );
     let longest = Duration::from_micros(timed.longest_us.load(Ordering::Relaxed));
     assert!(
-        longest <= store_call_timeout + ms(100),
+        // Slack for a busy machine to drop the abandoned call's future.
+        longest <= store_call_timeout + ms(300),
         "allocator calls stayed bounded by store_call_timeout ({store_call_timeout:?}): the longest took {longest:?}"
     );
     let violations = store.audit().await.unwrap();
