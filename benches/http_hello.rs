@@ -4,6 +4,10 @@
 //!
 //! - `bare`: no layer;
 //! - `noop`: a pass-through tower `Layer`/`Service` (the floor any layer pays);
+//! - `floor`: a layer doing only the HTTP-side work tollgate's surface
+//!   requires, with no accounting: find the key header, put a 48-byte
+//!   admission record in the request's extensions (what handlers read), and
+//!   add a 36-character request id to the response;
 //! - `tollgate`: `TollgateLayer` over a `MemoryStore` runtime, one Strict
 //!   account with a huge balance, price 1, a warm lease installed before the
 //!   server listens (the runtime's background planes keep running);
@@ -58,6 +62,8 @@ enum Variant {
     Bare,
     /// A pass-through layer.
     Noop,
+    /// Key header read, extension inserted, request-id header added.
+    Floor,
     /// `TollgateLayer` on a warm memory-store runtime.
     Tollgate,
     /// `tower_governor` with one global key and a limit nothing reaches.
@@ -67,11 +73,12 @@ enum Variant {
 /// Which clock the tollgate runtime reads.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum ClockKind {
-    /// `SystemClock`: one clock read per call, no background ticker. The
-    /// default, because a 1 ms ticker's cost grows with wall time, which
-    /// callgrind stretches about fifty-fold.
+    /// `SystemClock`: one system call per clock read, no background ticker.
     System,
-    /// `CoarseClock` ticking every millisecond, as the examples use.
+    /// `CoarseClock` ticking every millisecond, as the examples use: the
+    /// default. Its ticker's cost grows with wall time, which callgrind
+    /// stretches about fifty-fold, so the instruction script holds each
+    /// idle run open as long as its loaded run to cancel it out.
     Coarse,
 }
 
@@ -93,7 +100,7 @@ struct Args {
     #[arg(long, default_value_t = 0)]
     hold_ms: u64,
     /// The tollgate runtime's clock.
-    #[arg(long, value_enum, default_value = "system")]
+    #[arg(long, value_enum, default_value = "coarse")]
     clock: ClockKind,
     /// Accepted and ignored, so `cargo bench --bench http_hello` works.
     #[arg(long, hide = true)]
@@ -154,6 +161,104 @@ where
 
     fn call(&mut self, request: R) -> Self::Future {
         self.inner.call(request)
+    }
+}
+
+/// What the floor layer puts in a request's extensions: the size of
+/// tollgate's `Admitted`.
+#[derive(Debug, Clone, Copy)]
+struct FloorRecord {
+    _units: u64,
+    _account: u64,
+    _key: Option<u64>,
+    _request_id: u128,
+}
+
+/// The floor layer: the HTTP-side work of a metering layer with tollgate's
+/// surface, and nothing else.
+#[derive(Debug, Clone)]
+struct FloorLayer {
+    next: Arc<AtomicU64>,
+}
+
+impl<S> Layer<S> for FloorLayer {
+    type Service = Floor<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        Floor {
+            inner,
+            next: Arc::clone(&self.next),
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Floor<S> {
+    inner: S,
+    next: Arc<AtomicU64>,
+}
+
+const FLOOR_KEY: http::HeaderName = http::HeaderName::from_static("x-api-key");
+const FLOOR_ID: http::HeaderName = http::HeaderName::from_static("x-tollgate-request-id");
+
+impl<S, B, ResBody> Service<http::Request<B>> for Floor<S>
+where
+    S: Service<http::Request<B>, Response = http::Response<ResBody>>,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = FloorFuture<S::Future>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, mut request: http::Request<B>) -> Self::Future {
+        let key = request
+            .headers()
+            .get(FLOOR_KEY)
+            .map_or(0, |value| value.as_bytes().len() as u64);
+        let id = self.next.fetch_add(1, Ordering::Relaxed);
+        request.extensions_mut().insert(FloorRecord {
+            _units: 1,
+            _account: key,
+            _key: Some(key),
+            _request_id: u128::from(id),
+        });
+        FloorFuture {
+            future: self.inner.call(request),
+            id,
+        }
+    }
+}
+
+pin_project_lite::pin_project! {
+    struct FloorFuture<F> {
+        #[pin]
+        future: F,
+        id: u64,
+    }
+}
+
+impl<F, ResBody, E> Future for FloorFuture<F>
+where
+    F: Future<Output = Result<http::Response<ResBody>, E>>,
+{
+    type Output = F::Output;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.project();
+        let mut response = std::task::ready!(this.future.poll(cx))?;
+        let mut text = [b'0'; 36];
+        text[..4].copy_from_slice(b"req_");
+        let mut id = *this.id;
+        for digit in text[4..].iter_mut().rev() {
+            *digit = b"0123456789abcdef"[(id & 15) as usize];
+            id >>= 4;
+        }
+        let value = http::HeaderValue::from_bytes(&text).expect("hex is visible ASCII");
+        response.headers_mut().insert(FLOOR_ID, value);
+        Poll::Ready(Ok(response))
     }
 }
 
@@ -273,6 +378,9 @@ fn app(variant: Variant, served: Arc<Served>, handle: Option<&RuntimeHandle>) ->
     match variant {
         Variant::Bare => router,
         Variant::Noop => router.layer(NoopLayer),
+        Variant::Floor => router.layer(FloorLayer {
+            next: Arc::new(AtomicU64::new(0)),
+        }),
         Variant::Tollgate => {
             let handle = handle.expect("the tollgate variant starts a runtime");
             let layer = TollgateLayer::builder(handle.clone())

@@ -7,13 +7,18 @@
 #   benches/http_instructions.sh ab [PAIRS]  paired wall-clock A/B, bare vs tollgate
 #   benches/http_instructions.sh -h          this text
 #
-# Instruction mode (default N=20000): for each variant (bare, noop, tollgate,
-# governor) the server runs twice under `valgrind --tool=callgrind`: an idle
-# run (`--requests 0`: start, become ready, exit) and a loaded run that
-# serves N keep-alive requests from `wrk -c 4 -t 1` on loopback and then
-# shuts down gracefully. Instructions per request are
+# Instruction mode (default N=20000): for each variant (bare, noop, floor,
+# tollgate, governor) the server runs twice under `valgrind
+# --tool=callgrind`: an idle run (`--requests 0`: start, become ready, then
+# stay up as long as the loaded run served, so background work driven by
+# wall time, such as the coarse clock's ticker, cancels out) and a loaded
+# run that serves N keep-alive requests from `wrk -c 4 -t 1` on loopback and
+# then shuts down gracefully. Instructions per request are
 # (loaded total Ir - idle total Ir) / requests served, and the table gives
-# each variant's ratio to bare and tollgate - noop. Every response must be
+# each variant's ratio to bare, tollgate - noop, and the floor lines: what
+# the HTTP side of tollgate's surface costs with no accounting at all (find
+# the key header, a record in the request's extensions, a request-id
+# response header) and what tollgate adds on top. Every response must be
 # 2xx, or the script fails. The N-th request starts the graceful shutdown;
 # requests already read on the keep-alive connections are still served (a
 # handful more), so the server reports what its handler served and that
@@ -31,11 +36,11 @@
 # differences are the layers' own work; SAME_REQUEST=0 sends the header to
 # tollgate only.
 #
-# Environment: REQUESTS (same as N), VARIANTS (default "bare noop tollgate
-# governor"), CONNECTIONS (default 4), OUT, AB_SECONDS, CARGO_TARGET_DIR
-# (default <repo>/target), SAME_REQUEST (default 1), HOLD_IDLE=1 (hold each
-# idle run open as long as its loaded run served, so background work driven
-# by wall time cancels out too).
+# Environment: REQUESTS (same as N), VARIANTS (default "bare noop floor
+# tollgate governor"), CONNECTIONS (default 4), OUT, AB_SECONDS,
+# CARGO_TARGET_DIR (default <repo>/target), SAME_REQUEST (default 1),
+# CLOCK (tollgate's clock: coarse, the default and what the examples run,
+# or system), HOLD_IDLE (default 1; 0 ends idle runs at once).
 #
 # Needs valgrind (with callgrind) and wrk: `apt-get install -y valgrind wrk`.
 # Runs from any directory.
@@ -46,6 +51,8 @@ usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$ROOT/target}"
 CONNECTIONS="${CONNECTIONS:-4}"
+CLOCK="${CLOCK:-coarse}"
+HOLD_IDLE="${HOLD_IDLE:-1}"
 OUT="${OUT:-$CARGO_TARGET_DIR/http_instructions}"
 
 MODE=instructions
@@ -128,7 +135,7 @@ non_2xx() { sed -n 's/.*Non-2xx or 3xx responses: *\([0-9]*\).*/\1/p' "$1" | gre
 total_ir() { awk '/^(summary|totals):/ { print $2; exit }' "$1"; }
 
 instructions() {
-    local variants="${VARIANTS:-bare noop tollgate governor}"
+    local variants="${VARIANTS:-bare noop floor tollgate governor}"
     declare -A PER_REQ
     printf '%-9s %15s %15s %8s %12s\n' variant "loaded Ir" "idle Ir" served "Ir/request" \
         >"$OUT/table.txt.tmp"
@@ -139,7 +146,7 @@ instructions() {
         started="$(date +%s%N)"
         start_server "$base.loaded.stdout" valgrind --tool=callgrind \
             --callgrind-out-file="$base.loaded.callgrind" \
-            "$BIN" --variant "$variant" --requests "$REQUESTS"
+            "$BIN" --variant "$variant" --requests "$REQUESTS" --clock "$CLOCK"
         local serving
         serving="$(date +%s%N)"
         wrk -c "$CONNECTIONS" -t 1 -d 3600s --timeout 60s "${HEADER[@]}" \
@@ -166,11 +173,11 @@ instructions() {
         echo "    served $served in $((($(date +%s%N) - started) / 1000000)) ms under valgrind, non-2xx: $bad" >&2
 
         local hold=0
-        [ "${HOLD_IDLE:-0}" = 1 ] && hold="$held_ms"
+        [ "$HOLD_IDLE" = 1 ] && hold="$held_ms"
         echo "==> $variant: idle run (--requests 0, hold ${hold} ms) under callgrind" >&2
         start_server "$base.idle.stdout" valgrind --tool=callgrind \
             --callgrind-out-file="$base.idle.callgrind" \
-            "$BIN" --variant "$variant" --requests 0 --hold-ms "$hold"
+            "$BIN" --variant "$variant" --requests 0 --hold-ms "$hold" --clock "$CLOCK"
         rc=0
         wait "$SERVER_PID" || rc=$?
         SERVER_PID=""
@@ -199,6 +206,7 @@ instructions() {
     rm -f "$OUT/table.txt.tmp"
 
     local toll="${PER_REQ[tollgate]:-}" noop="${PER_REQ[noop]:-}" gov="${PER_REQ[governor]:-}"
+    local floor="${PER_REQ[floor]:-}"
     [ -n "$toll" ] || return 0
     echo
     echo "Targets:"
@@ -218,6 +226,16 @@ instructions() {
         printf '  tollgate - noop     = %.1f Ir/request   (target <= 400)   %s\n' \
             "$(awk -v t="$toll" -v n="$noop" 'BEGIN { print t - n }')" \
             "$(verdict "$toll - $noop <= 400")"
+    fi
+    if [ -n "$noop" ] && [ -n "$floor" ]; then
+        echo
+        echo "The floor (HTTP-side work of tollgate's surface, no accounting):"
+        printf '  floor - noop        = %.1f Ir/request\n' \
+            "$(awk -v f="$floor" -v n="$noop" 'BEGIN { print f - n }')"
+        printf '  tollgate - floor    = %.1f Ir/request   (accounting: key, admission, commit, usage)\n' \
+            "$(awk -v t="$toll" -v f="$floor" 'BEGIN { print t - f }')"
+        [ -n "$bare" ] && printf '  floor / bare        = %.3fx\n' \
+            "$(awk -v f="$floor" -v b="$bare" 'BEGIN { print f / b }')"
     fi
     echo
     echo "Profiles: callgrind_annotate --inclusive=yes $OUT/tollgate.loaded.callgrind"

@@ -125,6 +125,7 @@ mod credential;
 mod deferred;
 mod deny;
 mod future;
+mod key_memo;
 mod service;
 
 pub use body::{DenyBody, TollgateBody};

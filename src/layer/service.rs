@@ -11,8 +11,9 @@ use super::body::TollgateBody;
 use super::config::Shared;
 use super::deferred::{ChargeCell, PendingCharge};
 use super::future::ResponseFuture;
+use super::key_memo;
 use crate::store::ApiKey;
-use crate::{AccountId, CostUnits, DenyReason, KeyHash, KeyId, RequestId};
+use crate::{AccountId, CostUnits, DenyReason, KeyId, RequestId};
 
 /// The header that carries a request's id, the idempotency key of its
 /// usage event (I8).
@@ -82,30 +83,41 @@ where
         let shared = &self.shared;
         // One span per admission. Disabled (the usual case in production
         // at `info`), it costs one check of the callsite's interest.
-        let span = tracing::debug_span!(
-            "tollgate.admission",
-            route = route_of(&parts),
-            key_prefix = tracing::field::Empty,
-            account = tracing::field::Empty,
-            units = tracing::field::Empty,
-            request_id = tracing::field::Empty,
-            outcome = tracing::field::Empty,
-        );
+        // One span per admission, built only when a subscriber wants it:
+        // a disabled span still costs a call per field recorded (more with
+        // tracing's `log` feature), so nothing is recorded into it.
+        let span = if tracing::enabled!(tracing::Level::DEBUG) {
+            tracing::debug_span!(
+                "tollgate.admission",
+                route = route_of(&parts),
+                key_prefix = tracing::field::Empty,
+                account = tracing::field::Empty,
+                units = tracing::field::Empty,
+                request_id = tracing::field::Empty,
+                outcome = tracing::field::Empty,
+            )
+        } else {
+            tracing::Span::none()
+        };
+        let traced = !span.is_none();
         let _entered = span.enter();
         let key = match shared.extractor.extract(&parts.headers) {
             Ok(key) => {
                 // Only the visible prefix a store keeps anyway, never the
                 // secret part (I16).
-                if let Some(prefix) = visible_prefix(key) {
+                if traced && let Some(prefix) = visible_prefix(key) {
                     span.record("key_prefix", prefix);
                 }
                 // Hashed at once: the plaintext is borrowed from the headers
-                // and never leaves this statement.
-                KeyHash::of(key)
+                // and never leaves this statement but for the memo (see
+                // `key_memo`).
+                key_memo::key_hash(key)
             }
             Err(reason) => {
-                span.record("outcome", reason.code());
-                tracing::debug!("tollgate admission denied");
+                if traced {
+                    span.record("outcome", reason.code());
+                    tracing::debug!("tollgate admission denied");
+                }
                 // Counted with the engine's denials, so every refusal shows
                 // under its code in the metrics.
                 shared.handle.engine().counters().denied(reason);
@@ -113,7 +125,9 @@ where
             }
         };
         let price = (shared.price)(&parts);
-        span.record("units", price.units.get());
+        if traced {
+            span.record("units", price.units.get());
+        }
         let now = shared.handle.clock().now();
         match shared
             .handle
@@ -129,10 +143,12 @@ where
                     key_id: context.key_id(),
                     request_id: context.request_id(),
                 };
-                span.record("account", admitted.account_id.get());
-                span.record("request_id", tracing::field::display(admitted.request_id));
-                span.record("outcome", "admitted");
-                tracing::debug!("tollgate admission admitted");
+                if traced {
+                    span.record("account", admitted.account_id.get());
+                    span.record("request_id", tracing::field::display(admitted.request_id));
+                    span.record("outcome", "admitted");
+                    tracing::debug!("tollgate admission admitted");
+                }
                 parts.extensions.insert(admitted);
                 if shared.deferred {
                     let request_id = context.request_id();
@@ -149,11 +165,13 @@ where
                 // (it keys no usage event: nothing was charged); one that
                 // presented no usable key gets none.
                 let request_id = identified(reason).then(|| shared.denial_ids.next());
-                if let Some(request_id) = request_id {
-                    span.record("request_id", tracing::field::display(request_id));
+                if traced {
+                    if let Some(request_id) = request_id {
+                        span.record("request_id", tracing::field::display(request_id));
+                    }
+                    span.record("outcome", reason.code());
+                    tracing::debug!("tollgate admission denied");
                 }
-                span.record("outcome", reason.code());
-                tracing::debug!("tollgate admission denied");
                 ResponseFuture::denied(shared, reason, request_id)
             }
         }
