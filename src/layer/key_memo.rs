@@ -20,7 +20,8 @@
 //!
 //! Keys longer than [`WIDTH`] bytes are hashed directly. The plaintext of
 //! recently presented keys stays in this table until evicted or until the
-//! thread exits, as it stays in the connection's buffers.
+//! thread exits, as it stays in the connection's buffers; it is never
+//! written anywhere or logged (I16).
 
 use std::cell::RefCell;
 use std::collections::hash_map::RandomState;
