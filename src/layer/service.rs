@@ -81,11 +81,10 @@ where
     fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
         let (mut parts, body) = request.into_parts();
         let shared = &self.shared;
-        // One span per admission. Disabled (the usual case in production
-        // at `info`), it costs one check of the callsite's interest.
-        // One span per admission, built only when a subscriber wants it:
-        // a disabled span still costs a call per field recorded (more with
-        // tracing's `log` feature), so nothing is recorded into it.
+        // One span per admission, built only when a subscriber wants it: a
+        // disabled span still costs a call per field recorded (more with
+        // tracing's `log` feature), so its fields are recorded only into a
+        // live one. The events below go out either way.
         let span = if tracing::enabled!(tracing::Level::DEBUG) {
             tracing::debug_span!(
                 "tollgate.admission",
@@ -116,8 +115,8 @@ where
             Err(reason) => {
                 if traced {
                     span.record("outcome", reason.code());
-                    tracing::debug!("tollgate admission denied");
                 }
+                tracing::debug!("tollgate admission denied");
                 // Counted with the engine's denials, so every refusal shows
                 // under its code in the metrics.
                 shared.handle.engine().counters().denied(reason);
@@ -147,8 +146,8 @@ where
                     span.record("account", admitted.account_id.get());
                     span.record("request_id", tracing::field::display(admitted.request_id));
                     span.record("outcome", "admitted");
-                    tracing::debug!("tollgate admission admitted");
                 }
+                tracing::debug!("tollgate admission admitted");
                 parts.extensions.insert(admitted);
                 if shared.deferred {
                     let request_id = context.request_id();
@@ -170,8 +169,8 @@ where
                         span.record("request_id", tracing::field::display(request_id));
                     }
                     span.record("outcome", reason.code());
-                    tracing::debug!("tollgate admission denied");
                 }
+                tracing::debug!("tollgate admission denied");
                 ResponseFuture::denied(shared, reason, request_id)
             }
         }
