@@ -177,7 +177,7 @@ mod tests {
 
     #[test]
     fn threads_keep_their_own_tables() {
-        let key = b"tg_ffffffffffffffffffffffffffffffffffffffffffffffff";
+        let key: &'static [u8] = b"tg_ffffffffffffffffffffffffffffffffffffffffffffffff";
         let expected = KeyHash::of(key);
         let handles: Vec<_> = (0..4)
             .map(|_| std::thread::spawn(move || (0..100).all(|_| key_hash(key) == expected)))
@@ -185,5 +185,14 @@ mod tests {
         for handle in handles {
             assert!(handle.join().expect("no panic"));
         }
+        // Four other threads remembered the key; this one never asked, so
+        // its slot for the key does not hold it.
+        let remembered_here = TABLE.with(|table| {
+            table
+                .borrow()
+                .as_ref()
+                .is_some_and(|slots| same(&slots[index(&pad(key))].key, &pad(key)))
+        });
+        assert!(!remembered_here);
     }
 }
