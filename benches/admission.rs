@@ -1,7 +1,9 @@
 //! The request path end to end: `begin` + `commit` + usage hand-off on a warm
 //! account, against the model's bare reserve+commit and, as a peer anchor,
 //! `governor`'s keyed `check_key` on one hot key. Single-threaded and with
-//! two threads, all in one run so the ratios mean something.
+//! two threads, all in one run so the ratios mean something. `begin` + drop
+//! (a request that ends before its handler) splits the end-to-end figure
+//! into admission and commit + hand-off.
 //!
 //! ```sh
 //! cargo bench --bench admission
@@ -125,6 +127,20 @@ fn timed_admissions(engine: &AdmissionEngine, iters: u64, principal: Principal) 
     elapsed
 }
 
+/// A request that ends before its handler starts: admitted, then dropped,
+/// which releases the charge for zero and gives the usage place back.
+fn admit_and_release(engine: &AdmissionEngine, principal: Principal) {
+    let context = engine
+        .begin(
+            principal,
+            PermissionBits::bit(0),
+            black_box(CostUnits(1)),
+            black_box(now()),
+        )
+        .expect("a warm account admits");
+    drop(black_box(context));
+}
+
 fn bare_reserve_commit(lease: &LocalLease, counter: u64) {
     let mut reservation = Reservation::reserve_at_locality(
         black_box(lease),
@@ -147,6 +163,10 @@ fn single(c: &mut Criterion) {
     let warm = engine(LocalSharding::Single, CHUNK);
     group.bench_function("begin_commit_handoff", |b| {
         b.iter_custom(|iters| timed_admissions(&warm, iters, Principal(0)));
+    });
+    // Nothing is queued, so nothing needs draining.
+    group.bench_function("begin_release", |b| {
+        b.iter(|| admit_and_release(&warm, Principal(0)));
     });
     let bare = lease(LocalSharding::Single);
     let mut counter = 0;
