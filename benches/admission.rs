@@ -18,7 +18,8 @@ use criterion::{Criterion, criterion_group, criterion_main};
 use governor::{Quota, RateLimiter};
 use jiff::{SignedDuration, Timestamp};
 use tollgate::admission::{
-    AdmissionEngine, ArcSwapSnapshotMap, RequestIds, SlotRegistry, SnapshotMapConfig, UsageRecorder,
+    AdmissionEngine, ArcSwapSnapshotMap, RequestContext, RequestIds, SlotRegistry,
+    SnapshotMapConfig, UsageRecorder,
 };
 use tollgate::{
     AccountId, AccountStatus, CommitFunding, CostUnits, EnforcementMode, FencingToken, KeyId,
@@ -95,15 +96,20 @@ fn engine(sharding: LocalSharding, queue_capacity: u64) -> AdmissionEngine {
     )
 }
 
-fn admit(engine: &AdmissionEngine, principal: Principal) {
-    let mut context = engine
+/// One unit for `principal` on the warm account.
+fn begin(engine: &AdmissionEngine, principal: Principal) -> RequestContext {
+    engine
         .begin(
             principal,
             PermissionBits::bit(0),
             black_box(CostUnits(1)),
             black_box(now()),
         )
-        .expect("a warm account admits");
+        .expect("a warm account admits")
+}
+
+fn admit(engine: &AdmissionEngine, principal: Principal) {
+    let mut context = begin(engine, principal);
     black_box(context.commit(black_box(now()))).expect("inside the window");
 }
 
@@ -130,15 +136,7 @@ fn timed_admissions(engine: &AdmissionEngine, iters: u64, principal: Principal) 
 /// A request that ends before its handler starts: admitted, then dropped,
 /// which releases the charge for zero and gives the usage place back.
 fn admit_and_release(engine: &AdmissionEngine, principal: Principal) {
-    let context = engine
-        .begin(
-            principal,
-            PermissionBits::bit(0),
-            black_box(CostUnits(1)),
-            black_box(now()),
-        )
-        .expect("a warm account admits");
-    drop(black_box(context));
+    drop(black_box(begin(engine, principal)));
 }
 
 fn bare_reserve_commit(lease: &LocalLease, counter: u64) {
