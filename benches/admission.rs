@@ -3,7 +3,8 @@
 //! `governor`'s keyed `check_key` on one hot key. Single-threaded and with
 //! two threads, all in one run so the ratios mean something. `begin` + drop
 //! (a request that ends before its handler) splits the end-to-end figure
-//! into admission and commit + hand-off.
+//! into admission and commit + hand-off, and one uncontended atomic
+//! read-modify-write is the unit the design states the hot path's budget in.
 //!
 //! ```sh
 //! cargo bench --bench admission
@@ -11,6 +12,7 @@
 
 use std::hint::black_box;
 use std::num::NonZeroU32;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
@@ -173,6 +175,12 @@ fn single(c: &mut Criterion) {
             counter += 1;
             bare_reserve_commit(&bare, counter);
         });
+    });
+    // The unit of the design's budget: one read-modify-write on a line no
+    // other thread touches, as every lease debit and queue place costs.
+    let word = AtomicU64::new(0);
+    group.bench_function("uncontended_rmw", |b| {
+        b.iter(|| black_box(&word).fetch_add(1, Ordering::AcqRel));
     });
     let limiter = RateLimiter::keyed(Quota::per_second(NonZeroU32::MAX));
     group.bench_function("governor_check_key", |b| {
