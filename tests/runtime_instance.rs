@@ -381,6 +381,34 @@ async fn an_instance_is_ready_only_once_policy_and_funds_are_loaded_and_stops_ad
     assert!(w.store.audit().unwrap().is_empty());
 }
 
+/// Real threads, so the background tasks run while the test looks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readiness_never_runs_ahead_of_the_funds_it_promises() {
+    // The policy arrives before the supervisor has started the account's
+    // lease manager. An instance that counted only the accounts it already
+    // managed was ready in between, with nothing to fund a request, and a
+    // caller that waited for readiness found the account unfunded. Twenty
+    // starts, because the window was a race.
+    for _ in 0..20 {
+        let w = world(10_000);
+        let (runtime, handle) = w.spawn();
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while !handle.readiness() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the runtime never became ready"
+            );
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(
+            w.begin(&handle, 5),
+            Ok(CostUnits(5)),
+            "I29: ready means a request can be funded"
+        );
+        runtime.shutdown().await;
+    }
+}
+
 #[tokio::test(start_paused = true)]
 async fn an_exhausted_account_serves_again_within_a_poll_interval_of_a_top_up() {
     let w = world(30);

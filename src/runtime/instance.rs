@@ -207,6 +207,10 @@ struct Shared {
     faulted: AtomicBool,
     shutdown: watch::Sender<bool>,
     snapshots_ready: watch::Receiver<bool>,
+    /// The accounts the published policy binds, as the supervisor sees
+    /// them: readiness answers for every one in use, including those the
+    /// supervisor has not started a manager for yet.
+    bindings: watch::Receiver<Arc<AccountBindings>>,
     restarts: AtomicU64,
     /// Grants held by lease managers that died, left to TTL reclaim.
     unrecovered: Arc<AtomicU64>,
@@ -369,6 +373,7 @@ impl InstanceRuntime {
         let shared = Arc::new(Shared {
             engine: AdmissionEngine::new(Arc::clone(&map), recorder, ids),
             snapshots_ready: snapshots.readiness(),
+            bindings: bindings.clone(),
             registry,
             allocator,
             clock,
@@ -636,6 +641,12 @@ impl RuntimeHandle {
         let shared = &self.shared;
         let now = shared.clock.now();
         let accounts = self.account_reports();
+        // Readiness first, then the bindings: the snapshot manager
+        // publishes them the other way round, so bindings read after a
+        // ready policy name every account it found. Both before the planes'
+        // lock, which the supervisor takes after reading the bindings.
+        let snapshots_ready = *shared.snapshots_ready.borrow();
+        let bound = Arc::clone(&shared.bindings.borrow());
         let planes = shared.lock_planes();
         let admitting = shared.admitting.load(Ordering::Acquire);
         let faulted = shared.faulted.load(Ordering::Acquire)
@@ -646,10 +657,14 @@ impl RuntimeHandle {
             .writer
             .as_ref()
             .map_or(WriterHealth::Stopped, UsageWriter::health);
-        let accounts_ready = planes.accounts.iter().all(|(account, managed)| {
-            let funded = managed
-                .manager
-                .as_ref()
+        // I29: every account a usable principal is bound to counts from
+        // the moment the policy names it, not from the supervisor's next
+        // pass: until its manager has a lease, nothing funds its requests.
+        let answers_for = |account: &AccountId| {
+            let funded = planes
+                .accounts
+                .get(account)
+                .and_then(|managed| managed.manager.as_ref())
                 .is_some_and(|manager| *manager.readiness().borrow());
             let known_empty = shared
                 .registry
@@ -657,10 +672,12 @@ impl RuntimeHandle {
                 .and_then(|slot| slot.funding_evidence(now))
                 .is_some();
             funded || known_empty
-        });
+        };
+        let accounts_ready = planes.accounts.keys().all(answers_for)
+            && bound.usable_accounts().all(|account| answers_for(&account));
         let ready = admitting
             && !faulted
-            && *shared.snapshots_ready.borrow()
+            && snapshots_ready
             && writer_health != WriterHealth::Stopped
             && accounts_ready;
         let leases = accounts.iter().try_fold(planes.retired, |sum, account| {

@@ -786,6 +786,10 @@ impl Task {
         self.verified_at = Some(self.verified_at.map_or(now, |before| before.max(now)));
         bump(&self.counters.refreshes, 1);
         *self.counters.last_success() = Some(now);
+        // I29: the accounts this refresh found go out before readiness
+        // does, so whoever sees the manager ready also sees every account
+        // the instance must fund.
+        self.rebind();
         let recovered = self.vigil.succeeded(now);
         if recovered {
             tracing::info!(%now, "snapshot manager: a complete refresh succeeded; ready");
