@@ -249,11 +249,12 @@ impl UsagePermit {
     /// Queues the usage event of `charge`, which has committed, with the
     /// charge's hold: the hold is dropped when the event leaves the process
     /// (see [`Recorded`], I26). The entry is built in the call that queues
-    /// it, so the event is written once before the queue copies it in.
+    /// it, so the event is written once before the queue copies it in, and
+    /// the charge is read and emptied where it lies rather than moved.
     #[inline]
     pub(crate) fn record_committed(
         self,
-        charge: Reservation,
+        charge: &mut Reservation,
         request_id: RequestId,
         now: Timestamp,
         policy_revision: PolicyRevision,
@@ -267,7 +268,7 @@ impl UsagePermit {
         };
         self.record_entry(Recorded {
             event,
-            hold: charge.into_hold(),
+            hold: charge.take_hold(),
         });
     }
 

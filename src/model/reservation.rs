@@ -444,15 +444,18 @@ impl Reservation {
         }
     }
 
-    /// Consumes a committed charge, keeping only what must outlive it until
-    /// its usage event leaves the process: the view of the lease that funded
-    /// it (I26). An overage charge holds no lease.
+    /// Takes from a committed charge what must outlive it until its usage
+    /// event leaves the process: the view of the lease that funded it (I26).
+    /// An overage charge holds no lease.
+    ///
+    /// The charge stays committed, with nothing left to release: it is
+    /// taken in place so the caller need not move it.
     ///
     /// # Panics
     ///
     /// In debug builds, when the charge is not committed.
     #[inline]
-    pub(crate) fn into_hold(mut self) -> Option<LeaseHold> {
+    pub(crate) fn take_hold(&mut self) -> Option<LeaseHold> {
         debug_assert!(self.is_committed(), "only a committed charge is handed on");
         match std::mem::replace(&mut self.funding, Funding::HandedOn) {
             Funding::Lease(debit) => Some(debit.into_hold()),
