@@ -207,8 +207,9 @@ impl Reservation {
         match &self.funding {
             Funding::Lease(debit) => debit.grant().account_id,
             Funding::Overage(overage) => overage.account_id(),
-            // `into_hold` consumes the reservation, so no caller can ask; the
-            // account is still named by the usage event the hold rides with.
+            // Only the request context hands a charge on (`take_hold`, after
+            // building its event), and it keeps its own copy of the account;
+            // the event the hold rides with names it too.
             Funding::HandedOn => AccountId(0),
         }
     }
