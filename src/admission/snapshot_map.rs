@@ -124,20 +124,34 @@ pub(crate) struct Entry {
     fresh_until: Timestamp,
 }
 
-/// A generation pinned for one read. [`unpin`](Self::unpin) puts it back in
-/// the thread's cache; if the read unwinds instead, it is simply dropped and
-/// the next read loads afresh.
+/// A generation pinned for one read. Dropping it puts the generation back in
+/// the thread's cache, so a read's result can be the last thing computed and
+/// written straight to where its caller wants it; a read that unwinds puts
+/// it back the same way.
 struct Pinned {
     map_id: u64,
     generation: u64,
-    published: Arc<Published>,
+    /// `Some` until the drop hands it back to the cache.
+    published: Option<Arc<Published>>,
 }
 
 impl Pinned {
-    #[allow(clippy::inline_always, reason = "the request path's last step")]
+    /// The pinned generation. `None` cannot be seen while the pin is alive;
+    /// the reads fail closed on it all the same rather than panic.
+    #[allow(clippy::inline_always, reason = "the request path's first step")]
     #[inline(always)]
-    fn unpin(self) {
-        let cached = Some((self.map_id, self.generation, self.published));
+    fn published(&self) -> Option<&Published> {
+        self.published.as_deref()
+    }
+}
+
+impl Drop for Pinned {
+    #[inline]
+    fn drop(&mut self) {
+        let cached = self
+            .published
+            .take()
+            .map(|published| (self.map_id, self.generation, published));
         // A thread being torn down simply drops it. What the cache held was
         // taken by `pin`, so nothing is dropped here otherwise.
         let _ = CACHED.try_with(|cache| cache.set(cached));
@@ -222,13 +236,15 @@ impl ArcSwapSnapshotMap {
         f: impl FnOnce(Result<&Entry, DenyReason>) -> R,
     ) -> R {
         let pinned = self.pin();
-        let published = &*pinned.published;
-        let result = f(match published.entries.get(&principal) {
-            Some(entry) => Ok(entry),
-            None => Err(self.missing(published, principal)),
-        });
-        pinned.unpin();
-        result
+        // The result is the tail: the caller's value is built where it is
+        // returned, and the pin is given back after.
+        f(match pinned.published() {
+            Some(published) => match published.entries.get(&principal) {
+                Some(entry) => Ok(entry),
+                None => Err(self.missing(published, principal)),
+            },
+            None => Err(DenyReason::SnapshotUnavailable),
+        })
     }
 
     #[cold]
@@ -257,14 +273,15 @@ impl ArcSwapSnapshotMap {
         f: impl FnOnce(Result<&Entry, DenyReason>) -> R,
     ) -> R {
         let pinned = self.pin();
-        let published = &*pinned.published;
-        let result = f(published
-            .by_key
-            .get(hash)
-            .and_then(|principal| published.entries.get(principal))
-            .ok_or(DenyReason::UnknownPrincipal));
-        pinned.unpin();
-        result
+        // The tail, as in `with_entry`.
+        f(match pinned.published() {
+            Some(published) => published
+                .by_key
+                .get(hash)
+                .and_then(|principal| published.entries.get(principal))
+                .ok_or(DenyReason::UnknownPrincipal),
+            None => Err(DenyReason::SnapshotUnavailable),
+        })
     }
 
     /// The principal whose API key hashes to `hash`, if one is published.
@@ -297,7 +314,7 @@ impl ArcSwapSnapshotMap {
         Pinned {
             map_id: self.id,
             generation,
-            published,
+            published: Some(published),
         }
     }
 

@@ -243,7 +243,7 @@ impl UsagePermit {
     /// never fails (I20).
     #[inline]
     pub fn record(self, event: UsageEvent) {
-        self.record_entry(Recorded { event, hold: None });
+        self.record_entry(event, None);
     }
 
     /// Queues the usage event of `charge`, which has committed, with the
@@ -266,20 +266,21 @@ impl UsagePermit {
             debug_assert!(false, "I8: only a committed charge is recorded");
             return;
         };
-        self.record_entry(Recorded {
-            event,
-            hold: charge.take_hold(),
-        });
+        let hold = charge.take_hold();
+        self.record_entry(event, hold);
     }
 
+    /// Queues an event with its hold. Takes the parts rather than a built
+    /// entry: the entry is then assembled where the queue reads it, instead
+    /// of being stored once and copied again on the request path.
     #[inline]
-    fn record_entry(mut self, entry: Recorded) {
+    fn record_entry(mut self, event: UsageEvent, hold: Option<LeaseHold>) {
         // The place now belongs to the queued event; it comes back when the
         // writer delivers it, so dropping the permit must not return it.
         let Some(stripe) = self.stripe.take() else {
             return;
         };
-        if stripe.events.push(entry).is_err() {
+        if stripe.events.push(Recorded { event, hold }).is_err() {
             // Unreachable while I20 holds: the permit's place is free.
             stripe.hub.overflowed.fetch_add(1, Ordering::Relaxed);
             debug_assert!(false, "I20: a permit's place was taken");

@@ -181,6 +181,10 @@ impl Reservation {
     /// # Errors
     ///
     /// One of the three overage refusals (I11).
+    // Inlined like the leased path: an out-of-line call returns the
+    // reservation through memory, which keeps a caller choosing between the
+    // two from holding the result in registers, leased requests included.
+    #[inline]
     pub fn reserve_overage(
         overage: &Arc<AccountOverage>,
         units: CostUnits,
