@@ -97,8 +97,10 @@ impl AdmissionEngine {
         quote: CostUnits,
         now: Timestamp,
     ) -> Result<RequestContext, DenyReason> {
-        self.snapshots
-            .with_entry(principal, |entry| self.admit(entry, required, quote, now))
+        // The admission is the tail, built where the caller receives it; the
+        // pin is given back after.
+        let pinned = self.snapshots.pin();
+        self.admit(pinned.entry(principal), required, quote, now)
     }
 
     /// [`begin`](Self::begin) for the principal whose API key hashes to
@@ -117,8 +119,8 @@ impl AdmissionEngine {
         quote: CostUnits,
         now: Timestamp,
     ) -> Result<RequestContext, DenyReason> {
-        self.snapshots
-            .with_entry_by_key(key, |entry| self.admit(entry, required, quote, now))
+        let pinned = self.snapshots.pin();
+        self.admit(pinned.entry_by_key(key), required, quote, now)
     }
 
     /// The admission counters.

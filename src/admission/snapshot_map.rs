@@ -124,34 +124,74 @@ pub(crate) struct Entry {
     fresh_until: Timestamp,
 }
 
-/// A generation pinned for one read. Dropping it puts the generation back in
-/// the thread's cache, so a read's result can be the last thing computed and
-/// written straight to where its caller wants it; a read that unwinds puts
-/// it back the same way.
-struct Pinned {
-    map_id: u64,
+/// A generation of the map pinned for the reads of one admission: the
+/// request path's view of the map (I23).
+///
+/// Entries borrow from it, so the admission built from them is the caller's
+/// last expression and lands where the caller wants it. Dropping it puts the
+/// generation back in the thread's cache, also when the reader unwinds.
+pub(crate) struct Pinned<'map> {
+    map: &'map ArcSwapSnapshotMap,
     generation: u64,
     /// `Some` until the drop hands it back to the cache.
     published: Option<Arc<Published>>,
 }
 
-impl Pinned {
-    /// The pinned generation. `None` cannot be seen while the pin is alive;
-    /// the reads fail closed on it all the same rather than panic.
+impl Pinned<'_> {
+    /// `principal`'s entry, or why there is none:
+    /// [`DenyReason::UnknownPrincipal`] for a principal the source said does
+    /// not exist, and [`DenyReason::SnapshotUnavailable`] for one not loaded
+    /// yet (which is queued for the snapshot manager to look up).
+    #[allow(
+        clippy::inline_always,
+        reason = "inlined so the admitted context is built in place, not copied out of a call"
+    )]
+    #[inline(always)]
+    pub(crate) fn entry(&self, principal: Principal) -> Result<&Entry, DenyReason> {
+        let published = self.published()?;
+        match published.entries.get(&principal) {
+            Some(entry) => Ok(entry),
+            None => Err(self.map.missing(published, principal)),
+        }
+    }
+
+    /// The entry of the principal whose API key hashes to `hash`, or
+    /// [`DenyReason::UnknownPrincipal`] for a key no published principal
+    /// has: the HTTP layer's read. A key issued since the last refresh is
+    /// known after the next one.
+    #[allow(
+        clippy::inline_always,
+        reason = "inlined so the admitted context is built in place, not copied out of a call"
+    )]
+    #[inline(always)]
+    pub(crate) fn entry_by_key(&self, hash: &KeyHash) -> Result<&Entry, DenyReason> {
+        let published = self.published()?;
+        published
+            .by_key
+            .get(hash)
+            .and_then(|principal| published.entries.get(principal))
+            .ok_or(DenyReason::UnknownPrincipal)
+    }
+
+    /// The pinned generation. Missing only once the drop has taken it, which
+    /// no reader can see; a read fails closed on it all the same rather
+    /// than panic.
     #[allow(clippy::inline_always, reason = "the request path's first step")]
     #[inline(always)]
-    fn published(&self) -> Option<&Published> {
-        self.published.as_deref()
+    fn published(&self) -> Result<&Published, DenyReason> {
+        self.published
+            .as_deref()
+            .ok_or(DenyReason::SnapshotUnavailable)
     }
 }
 
-impl Drop for Pinned {
+impl Drop for Pinned<'_> {
     #[inline]
     fn drop(&mut self) {
         let cached = self
             .published
             .take()
-            .map(|published| (self.map_id, self.generation, published));
+            .map(|published| (self.map.id, self.generation, published));
         // A thread being torn down simply drops it. What the cache held was
         // taken by `pin`, so nothing is dropped here otherwise.
         let _ = CACHED.try_with(|cache| cache.set(cached));
@@ -218,35 +258,6 @@ impl ArcSwapSnapshotMap {
         &self.registry
     }
 
-    /// Runs `f` on `principal`'s entry, or on why there is none: the request
-    /// path's read (I23).
-    ///
-    /// The lookup's refusals are [`DenyReason::UnknownPrincipal`] for a
-    /// principal the source said does not exist, and
-    /// [`DenyReason::SnapshotUnavailable`] for one not loaded yet (which is
-    /// queued for the snapshot manager to look up).
-    #[allow(
-        clippy::inline_always,
-        reason = "inlined so the admitted context is built in place, not copied out of a call"
-    )]
-    #[inline(always)]
-    pub(crate) fn with_entry<R>(
-        &self,
-        principal: Principal,
-        f: impl FnOnce(Result<&Entry, DenyReason>) -> R,
-    ) -> R {
-        let pinned = self.pin();
-        // The result is the tail: the caller's value is built where it is
-        // returned, and the pin is given back after.
-        f(match pinned.published() {
-            Some(published) => match published.entries.get(&principal) {
-                Some(entry) => Ok(entry),
-                None => Err(self.missing(published, principal)),
-            },
-            None => Err(DenyReason::SnapshotUnavailable),
-        })
-    }
-
     #[cold]
     fn missing(&self, published: &Published, principal: Principal) -> DenyReason {
         if published.unknown.contains(&principal) {
@@ -256,32 +267,6 @@ impl ArcSwapSnapshotMap {
         // already has plenty to look up.
         let _ = self.lookups.push(principal);
         DenyReason::SnapshotUnavailable
-    }
-
-    /// Runs `f` on the entry of the principal whose API key hashes to
-    /// `hash`, or on [`DenyReason::UnknownPrincipal`] for a key no published
-    /// principal has: the HTTP layer's read. A key issued since the last
-    /// refresh is known after the next one.
-    #[allow(
-        clippy::inline_always,
-        reason = "inlined so the admitted context is built in place, not copied out of a call"
-    )]
-    #[inline(always)]
-    pub(crate) fn with_entry_by_key<R>(
-        &self,
-        hash: &KeyHash,
-        f: impl FnOnce(Result<&Entry, DenyReason>) -> R,
-    ) -> R {
-        let pinned = self.pin();
-        // The tail, as in `with_entry`.
-        f(match pinned.published() {
-            Some(published) => published
-                .by_key
-                .get(hash)
-                .and_then(|principal| published.entries.get(principal))
-                .ok_or(DenyReason::UnknownPrincipal),
-            None => Err(DenyReason::SnapshotUnavailable),
-        })
     }
 
     /// The principal whose API key hashes to `hash`, if one is published.
@@ -302,7 +287,7 @@ impl ArcSwapSnapshotMap {
     /// thread) is always seen (I23).
     #[allow(clippy::inline_always, reason = "the request path's first step")]
     #[inline(always)]
-    fn pin(&self) -> Pinned {
+    pub(crate) fn pin(&self) -> Pinned<'_> {
         let generation = self.generation.load(Ordering::Acquire);
         // Moved out while pinned, so a nested read finds no cache and loads
         // afresh rather than conflict. A thread being torn down has none.
@@ -312,7 +297,7 @@ impl ArcSwapSnapshotMap {
             _ => self.published.load_full(),
         };
         Pinned {
-            map_id: self.id,
+            map: self,
             generation,
             published: Some(published),
         }
