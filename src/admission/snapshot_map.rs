@@ -188,22 +188,18 @@ impl Pinned<'_> {
 impl Drop for Pinned<'_> {
     #[inline]
     fn drop(&mut self) {
-        let cached = self
-            .published
-            .take()
-            .map(|published| (self.map.id, self.generation, published));
+        let Some(published) = self.published.take() else {
+            return;
+        };
         // A thread being torn down simply drops it. What the cache held was
         // taken by `pin`, so nothing is dropped here otherwise.
-        let _ = CACHED.try_with(|cache| cache.set(cached));
+        let _ = CACHED_AT.try_with(|at| at.set((self.map.id, self.generation)));
+        let _ = CACHED.try_with(|cache| cache.set(Some(published)));
     }
 }
 
 /// Source of [`ArcSwapSnapshotMap::id`].
 static NEXT_MAP_ID: AtomicU64 = AtomicU64::new(0);
-
-/// One thread's cached generation: the map's id, the generation number it
-/// was loaded at, and the generation itself.
-type CachedGeneration = (u64, u64, Arc<Published>);
 
 thread_local! {
     /// The generation this thread last read, from the last map it read.
@@ -213,7 +209,11 @@ thread_local! {
     /// so a cached generation never keeps a lease from quiescing (I26). A
     /// generation of a dropped map is freed when the thread next reads
     /// another map, or exits.
-    static CACHED: Cell<Option<CachedGeneration>> = const { Cell::new(None) };
+    static CACHED: Cell<Option<Arc<Published>>> = const { Cell::new(None) };
+    /// Which generation [`CACHED`] is: the map's id and the generation
+    /// number it was read at. Kept apart so that checking it moves no
+    /// reference count and needs no destructor.
+    static CACHED_AT: Cell<(u64, u64)> = const { Cell::new((u64::MAX, u64::MAX)) };
 }
 
 /// Bookkeeping only the publisher touches.
@@ -292,8 +292,9 @@ impl ArcSwapSnapshotMap {
         // Moved out while pinned, so a nested read finds no cache and loads
         // afresh rather than conflict. A thread being torn down has none.
         let cached = CACHED.try_with(Cell::take).ok().flatten();
+        let at = CACHED_AT.try_with(Cell::get).ok();
         let published = match cached {
-            Some((id, at, published)) if id == self.id && at == generation => published,
+            Some(published) if at == Some((self.id, generation)) => published,
             _ => self.published.load_full(),
         };
         Pinned {
