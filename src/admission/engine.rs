@@ -672,6 +672,38 @@ mod tests {
         assert!(std::mem::size_of::<RequestContext>() <= 120);
     }
 
+    /// I23: a thread's cached generation belongs to one map. A thread that
+    /// admits through two engines in turn reads each one's own policy and
+    /// funds, and a publish on one is seen by its next read on the same
+    /// thread while the other keeps its own.
+    #[test]
+    fn one_thread_reading_two_maps_in_turn_keeps_them_apart() {
+        let (a, b) = (fixture(8), fixture(8));
+        for f in [&a, &b] {
+            f.map.publish([snapshot(EnforcementMode::Strict, READ)]);
+        }
+        let (lease_a, lease_b) = (a.lease(10), b.lease(100));
+        for round in 0..3 {
+            a.begin(1, 1).unwrap().commit(at(1)).unwrap();
+            b.begin(2, 1).unwrap().commit(at(1)).unwrap();
+            assert_eq!(lease_a.remaining(), CostUnits(10 - (round + 1)));
+            assert_eq!(lease_b.remaining(), CostUnits(100 - 2 * (round + 1)));
+        }
+        b.map.publish([PrincipalSnapshot {
+            key_status: KeyStatus::Revoked,
+            ..snapshot(EnforcementMode::Strict, READ)
+        }]);
+        denied(b.begin(2, 1), DenyReason::KeyRevoked);
+        a.begin(1, 1).unwrap().commit(at(1)).unwrap();
+        denied(b.begin(2, 1), DenyReason::KeyRevoked);
+        assert_eq!(lease_a.remaining(), CostUnits(6));
+        assert_eq!(lease_b.remaining(), CostUnits(94));
+        let units =
+            |events: Vec<UsageEvent>| events.iter().map(|e| e.units.get()).collect::<Vec<_>>();
+        assert_eq!(units(a.queued()), vec![1; 4]);
+        assert_eq!(units(b.queued()), vec![2; 3]);
+    }
+
     #[test]
     fn a_principal_not_loaded_is_unavailable_and_queued_for_lookup() {
         let f = fixture(4);
