@@ -6,27 +6,41 @@
 //! into admission and commit + hand-off, and one uncontended atomic
 //! read-modify-write is the unit the design states the hot path's budget in.
 //!
+//! The `anatomy` group takes the end-to-end figure apart. It writes the
+//! request path's essential work out by hand, with none of tollgate's types
+//! in the way, in three steps: all in one call; split at the handler's start
+//! into an admission that returns a context and a commit that hands the
+//! event off; and with the shared, replaceable state a running server needs
+//! (a policy map and a lease behind arc-swap, the context owning reference
+//! counts on what it must give back). The steps show how much of the
+//! figure the contract itself costs and how much its safe ownership does.
+//!
 //! ```sh
 //! cargo bench --bench admission
 //! ```
 
+use std::collections::HashMap;
 use std::hint::black_box;
 use std::num::NonZeroU32;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
+use arc_swap::ArcSwap;
 use criterion::{Criterion, criterion_group, criterion_main};
+use crossbeam_queue::ArrayQueue;
 use governor::{Quota, RateLimiter};
 use jiff::{SignedDuration, Timestamp};
+use rustc_hash::FxBuildHasher;
 use tollgate::admission::{
     AdmissionEngine, ArcSwapSnapshotMap, RequestContext, RequestIds, SlotRegistry,
     SnapshotMapConfig, UsageRecorder,
 };
 use tollgate::{
-    AccountId, AccountStatus, CommitFunding, CostUnits, EnforcementMode, FencingToken, KeyId,
-    KeyStatus, LeaseGrant, LeaseId, LocalLease, LocalSharding, Locality, PermissionBits,
-    PolicyRevision, Principal, PrincipalSnapshot, RequestId, Reservation,
+    AccountId, AccountStatus, CommitError, CommitFunding, CostUnits, DenyReason, EnforcementMode,
+    FencingToken, KeyId, KeyStatus, LeaseGrant, LeaseId, LocalLease, LocalSharding, Locality,
+    PermissionBits, PolicyRevision, Principal, PrincipalSnapshot, RequestId, Reservation,
+    UsageEvent, UsageSource,
 };
 
 /// Requests between two drains of the usage queue. The drain stands in for
@@ -261,11 +275,435 @@ fn two_threads(c: &mut Criterion) {
     group.finish();
 }
 
+/// The request path's essential work, written out by hand for the `anatomy`
+/// group: what any implementation of the contract must do, without the
+/// mechanisms that make tollgate's version safe to share and replace.
+mod anatomy {
+    use super::{
+        AccountId, Arc, ArcSwap, ArrayQueue, AtomicU64, AtomicUsize, CHUNK, CommitError, CostUnits,
+        DenyReason, FencingToken, FxBuildHasher, HashMap, KeyId, LeaseId, Ordering, PermissionBits,
+        PolicyRevision, Principal, RequestId, RequestIds, SignedDuration, Timestamp, UsageEvent,
+        UsageSource, black_box, now,
+    };
+
+    /// One principal's policy, as admission reads it.
+    pub(super) struct Policy {
+        account_id: AccountId,
+        key_id: KeyId,
+        permissions: PermissionBits,
+        fresh_until: Timestamp,
+        revision: PolicyRevision,
+    }
+
+    pub(super) type Policies = HashMap<Principal, Policy, FxBuildHasher>;
+
+    /// A lease: one counter and its window.
+    pub(super) struct Lease {
+        remaining: AtomicU64,
+        usable_until: Timestamp,
+        id: LeaseId,
+        token: FencingToken,
+    }
+
+    /// The usage queue: places reserved at admission, events handed off at
+    /// commit, each event with whatever it must keep alive until written.
+    pub(super) struct Usage<H> {
+        free: AtomicUsize,
+        events: ArrayQueue<(UsageEvent, H)>,
+    }
+
+    pub(super) fn policies() -> Policies {
+        let mut policies = Policies::default();
+        policies.insert(
+            Principal(0),
+            Policy {
+                account_id: AccountId(1),
+                key_id: KeyId(0),
+                permissions: PermissionBits::ALL,
+                fresh_until: now() + SignedDuration::from_hours(24),
+                revision: PolicyRevision(1),
+            },
+        );
+        policies
+    }
+
+    pub(super) fn lease() -> Lease {
+        Lease {
+            remaining: AtomicU64::new(u64::MAX / 4),
+            usable_until: now() + SignedDuration::from_hours(24),
+            id: LeaseId(1),
+            token: FencingToken(1),
+        }
+    }
+
+    pub(super) fn usage<H>() -> Usage<H> {
+        let capacity = usize::try_from(CHUNK).expect("fits");
+        Usage {
+            free: AtomicUsize::new(capacity),
+            events: ArrayQueue::new(capacity),
+        }
+    }
+
+    impl<H> Usage<H> {
+        /// The writer's part, off the timed path: empty the queue and free
+        /// the places.
+        pub(super) fn drain(&self) {
+            let mut freed = 0;
+            while self.events.pop().is_some() {
+                freed += 1;
+            }
+            self.free.fetch_add(freed, Ordering::AcqRel);
+        }
+
+        fn take_place(&self) -> bool {
+            self.free
+                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |free| {
+                    free.checked_sub(1)
+                })
+                .is_ok()
+        }
+    }
+
+    impl Lease {
+        fn debit(&self, units: CostUnits) -> bool {
+            self.remaining
+                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |left| {
+                    left.checked_sub(units.get())
+                })
+                .is_ok()
+        }
+    }
+
+    /// The policy checks: known, fresh, permitted.
+    #[inline]
+    fn check(
+        policies: &Policies,
+        principal: Principal,
+        required: PermissionBits,
+        now: Timestamp,
+    ) -> Result<&Policy, DenyReason> {
+        let policy = policies
+            .get(&principal)
+            .ok_or(DenyReason::UnknownPrincipal)?;
+        if now > policy.fresh_until {
+            return Err(DenyReason::SnapshotStale);
+        }
+        if !policy.permissions.contains(required) {
+            return Err(DenyReason::PermissionDenied {
+                missing: policy.permissions.missing(required),
+            });
+        }
+        Ok(policy)
+    }
+
+    fn event(
+        policy: &Policy,
+        lease: &Lease,
+        request_id: RequestId,
+        units: CostUnits,
+        at: Timestamp,
+    ) -> UsageEvent {
+        UsageEvent {
+            request_id,
+            account_id: policy.account_id,
+            source: UsageSource::Leased {
+                lease_id: lease.id,
+                fencing_token: lease.token,
+            },
+            units,
+            at,
+            policy_revision: policy.revision,
+            key_id: Some(policy.key_id),
+        }
+    }
+
+    /// Everything in one call: the least any implementation does.
+    #[inline(never)]
+    pub(super) fn in_one_call(
+        policies: &Policies,
+        lease: &Lease,
+        usage: &Usage<()>,
+        ids: RequestIds,
+        quote: CostUnits,
+        now: Timestamp,
+    ) -> Result<CostUnits, DenyReason> {
+        let policy = check(policies, Principal(0), PermissionBits::bit(0), now)?;
+        if now >= lease.usable_until {
+            return Err(DenyReason::LeaseExpired);
+        }
+        if !lease.debit(quote) {
+            return Err(DenyReason::LeaseExhausted);
+        }
+        if !usage.take_place() {
+            lease.remaining.fetch_add(quote.get(), Ordering::AcqRel);
+            return Err(DenyReason::AccountingBackpressure);
+        }
+        let request_id = ids.next();
+        let committed_at = black_box(now);
+        let _ = usage
+            .events
+            .push((event(policy, lease, request_id, quote, committed_at), ()));
+        Ok(quote)
+    }
+
+    /// An admitted request between admission and its handler's start, on
+    /// borrowed state.
+    pub(super) struct Borrowed<'a> {
+        policy: &'a Policy,
+        lease: &'a Lease,
+        usage: &'a Usage<()>,
+        request_id: RequestId,
+        units: CostUnits,
+        committed: bool,
+    }
+
+    /// Admission as its own call, returning the context.
+    #[inline(never)]
+    pub(super) fn begin_borrowed<'a>(
+        policies: &'a Policies,
+        lease: &'a Lease,
+        usage: &'a Usage<()>,
+        ids: RequestIds,
+        quote: CostUnits,
+        now: Timestamp,
+    ) -> Result<Borrowed<'a>, DenyReason> {
+        let policy = check(policies, Principal(0), PermissionBits::bit(0), now)?;
+        if now >= lease.usable_until {
+            return Err(DenyReason::LeaseExpired);
+        }
+        if !lease.debit(quote) {
+            return Err(DenyReason::LeaseExhausted);
+        }
+        if !usage.take_place() {
+            lease.remaining.fetch_add(quote.get(), Ordering::AcqRel);
+            return Err(DenyReason::AccountingBackpressure);
+        }
+        Ok(Borrowed {
+            policy,
+            lease,
+            usage,
+            request_id: ids.next(),
+            units: quote,
+            committed: false,
+        })
+    }
+
+    impl Borrowed<'_> {
+        #[inline]
+        pub(super) fn commit(&mut self, now: Timestamp) -> Result<CostUnits, CommitError> {
+            if self.committed {
+                return Err(CommitError::AlreadyCommitted);
+            }
+            if now >= self.lease.usable_until {
+                return Err(CommitError::Denied(DenyReason::FundingExpiredAtStart));
+            }
+            self.committed = true;
+            let event = event(self.policy, self.lease, self.request_id, self.units, now);
+            let _ = self.usage.events.push((event, ()));
+            Ok(self.units)
+        }
+    }
+
+    impl Drop for Borrowed<'_> {
+        fn drop(&mut self) {
+            if !self.committed {
+                self.lease
+                    .remaining
+                    .fetch_add(self.units.get(), Ordering::AcqRel);
+                self.usage.free.fetch_add(1, Ordering::AcqRel);
+            }
+        }
+    }
+
+    /// What a running server shares: a policy map and a lease that
+    /// background tasks replace, read through arc-swap.
+    pub(super) struct Shared {
+        pub(super) policies: ArcSwap<Policies>,
+        pub(super) lease: ArcSwap<Lease>,
+        pub(super) usage: Arc<Usage<Arc<Lease>>>,
+    }
+
+    /// An admitted request that owns what it must give back, as a context
+    /// stored in a request's future must: a reference count on its lease,
+    /// which also keeps the lease from being released under it, and one on
+    /// the usage queue its place is in.
+    pub(super) struct Owned {
+        lease: Option<Arc<Lease>>,
+        usage: Option<Arc<Usage<Arc<Lease>>>>,
+        account_id: AccountId,
+        key_id: KeyId,
+        policy_revision: PolicyRevision,
+        request_id: RequestId,
+        units: CostUnits,
+    }
+
+    #[inline(never)]
+    pub(super) fn begin_owned(
+        shared: &Shared,
+        ids: RequestIds,
+        quote: CostUnits,
+        now: Timestamp,
+    ) -> Result<Owned, DenyReason> {
+        let policies = shared.policies.load();
+        let policy = check(&policies, Principal(0), PermissionBits::bit(0), now)?;
+        let lease = shared.lease.load();
+        if now >= lease.usable_until {
+            return Err(DenyReason::LeaseExpired);
+        }
+        if !lease.debit(quote) {
+            return Err(DenyReason::LeaseExhausted);
+        }
+        let lease = Arc::clone(&lease);
+        if !shared.usage.take_place() {
+            lease.remaining.fetch_add(quote.get(), Ordering::AcqRel);
+            return Err(DenyReason::AccountingBackpressure);
+        }
+        Ok(Owned {
+            lease: Some(lease),
+            usage: Some(Arc::clone(&shared.usage)),
+            account_id: policy.account_id,
+            key_id: policy.key_id,
+            policy_revision: policy.revision,
+            request_id: ids.next(),
+            units: quote,
+        })
+    }
+
+    impl Owned {
+        #[inline]
+        pub(super) fn commit(&mut self, now: Timestamp) -> Result<CostUnits, CommitError> {
+            let (Some(lease), Some(usage)) = (self.lease.take(), self.usage.take()) else {
+                return Err(CommitError::AlreadyCommitted);
+            };
+            if now >= lease.usable_until {
+                // Dropping a pending context returns its charge and place.
+                self.lease = Some(lease);
+                self.usage = Some(usage);
+                return Err(CommitError::Denied(DenyReason::FundingExpiredAtStart));
+            }
+            let event = UsageEvent {
+                request_id: self.request_id,
+                account_id: self.account_id,
+                source: UsageSource::Leased {
+                    lease_id: lease.id,
+                    fencing_token: lease.token,
+                },
+                units: self.units,
+                at: now,
+                policy_revision: self.policy_revision,
+                key_id: Some(self.key_id),
+            };
+            // The event keeps the lease alive until it is written.
+            let _ = usage.events.push((event, lease));
+            Ok(self.units)
+        }
+    }
+
+    impl Drop for Owned {
+        fn drop(&mut self) {
+            if let (Some(lease), Some(usage)) = (&self.lease, &self.usage) {
+                lease
+                    .remaining
+                    .fetch_add(self.units.get(), Ordering::AcqRel);
+                usage.free.fetch_add(1, Ordering::AcqRel);
+            }
+        }
+    }
+}
+
+/// Times `iters` runs of `op`, calling `drain` (untimed) after every chunk.
+fn timed_in_chunks(iters: u64, mut op: impl FnMut(), drain: impl Fn()) -> Duration {
+    let mut elapsed = Duration::ZERO;
+    let mut left = iters;
+    while left > 0 {
+        let chunk = left.min(CHUNK);
+        let start = Instant::now();
+        for _ in 0..chunk {
+            op();
+        }
+        elapsed += start.elapsed();
+        drain();
+        left -= chunk;
+    }
+    elapsed
+}
+
+fn anatomy(c: &mut Criterion) {
+    let mut group = c.benchmark_group("anatomy");
+    let ids = RequestIds::with_prefix(1);
+    let policies = anatomy::policies();
+    let lease = anatomy::lease();
+    let usage = anatomy::usage();
+    group.bench_function("in_one_call", |b| {
+        b.iter_custom(|iters| {
+            timed_in_chunks(
+                iters,
+                || {
+                    let units = anatomy::in_one_call(
+                        &policies,
+                        &lease,
+                        &usage,
+                        ids,
+                        black_box(CostUnits(1)),
+                        black_box(now()),
+                    );
+                    black_box(units).expect("admitted");
+                },
+                || usage.drain(),
+            )
+        });
+    });
+    group.bench_function("split_at_handler_start", |b| {
+        b.iter_custom(|iters| {
+            timed_in_chunks(
+                iters,
+                || {
+                    let mut context = anatomy::begin_borrowed(
+                        &policies,
+                        &lease,
+                        &usage,
+                        ids,
+                        black_box(CostUnits(1)),
+                        black_box(now()),
+                    )
+                    .expect("admitted");
+                    black_box(context.commit(black_box(now()))).expect("committed");
+                },
+                || usage.drain(),
+            )
+        });
+    });
+    let shared = anatomy::Shared {
+        policies: ArcSwap::from_pointee(anatomy::policies()),
+        lease: ArcSwap::from_pointee(anatomy::lease()),
+        usage: Arc::new(anatomy::usage()),
+    };
+    group.bench_function("split_with_owned_shared_state", |b| {
+        b.iter_custom(|iters| {
+            timed_in_chunks(
+                iters,
+                || {
+                    let mut context = anatomy::begin_owned(
+                        &shared,
+                        ids,
+                        black_box(CostUnits(1)),
+                        black_box(now()),
+                    )
+                    .expect("admitted");
+                    black_box(context.commit(black_box(now()))).expect("committed");
+                },
+                || shared.usage.drain(),
+            )
+        });
+    });
+    group.finish();
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default()
         .warm_up_time(Duration::from_secs(1))
         .measurement_time(Duration::from_secs(3));
-    targets = single, two_threads
+    targets = single, anatomy, two_threads
 }
 criterion_main!(benches);
