@@ -27,7 +27,8 @@ use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
-use criterion::{Criterion, criterion_group, criterion_main};
+use criterion::measurement::WallTime;
+use criterion::{BenchmarkGroup, Criterion, criterion_group, criterion_main};
 use crossbeam_queue::ArrayQueue;
 use governor::{Quota, RateLimiter};
 use jiff::{SignedDuration, Timestamp};
@@ -129,24 +130,35 @@ fn admit(engine: &AdmissionEngine, principal: Principal) {
     black_box(context.commit(black_box(now()))).expect("inside the window");
 }
 
-/// Times `iters` admissions on one thread, draining the usage queue
-/// (untimed) whenever it fills.
-fn timed_admissions(engine: &AdmissionEngine, iters: u64, principal: Principal) -> Duration {
-    let mut drained = Vec::with_capacity(usize::try_from(CHUNK).expect("fits"));
+/// Times `iters` runs of `op`, calling `drain` (untimed) after every chunk.
+fn timed_in_chunks(iters: u64, mut op: impl FnMut(), mut drain: impl FnMut()) -> Duration {
     let mut elapsed = Duration::ZERO;
     let mut left = iters;
     while left > 0 {
         let chunk = left.min(CHUNK);
         let start = Instant::now();
         for _ in 0..chunk {
-            admit(engine, principal);
+            op();
         }
         elapsed += start.elapsed();
-        drained.clear();
-        engine.recorder().take_recorded(&mut drained, usize::MAX);
+        drain();
         left -= chunk;
     }
     elapsed
+}
+
+/// Times `iters` admissions on one thread, draining the usage queue
+/// (untimed) whenever it fills.
+fn timed_admissions(engine: &AdmissionEngine, iters: u64, principal: Principal) -> Duration {
+    let mut drained = Vec::with_capacity(usize::try_from(CHUNK).expect("fits"));
+    timed_in_chunks(
+        iters,
+        || admit(engine, principal),
+        || {
+            drained.clear();
+            engine.recorder().take_recorded(&mut drained, usize::MAX);
+        },
+    )
 }
 
 /// A request that ends before its handler starts: admitted, then dropped,
@@ -396,6 +408,28 @@ mod anatomy {
         Ok(policy)
     }
 
+    /// The lease's window, the debit and the usage place; the debit is
+    /// returned if no place is free.
+    #[inline]
+    fn reserve<H>(
+        lease: &Lease,
+        usage: &Usage<H>,
+        quote: CostUnits,
+        now: Timestamp,
+    ) -> Result<(), DenyReason> {
+        if now >= lease.usable_until {
+            return Err(DenyReason::LeaseExpired);
+        }
+        if !lease.debit(quote) {
+            return Err(DenyReason::LeaseExhausted);
+        }
+        if !usage.take_place() {
+            lease.remaining.fetch_add(quote.get(), Ordering::AcqRel);
+            return Err(DenyReason::AccountingBackpressure);
+        }
+        Ok(())
+    }
+
     fn event(
         policy: &Policy,
         lease: &Lease,
@@ -428,16 +462,7 @@ mod anatomy {
         now: Timestamp,
     ) -> Result<CostUnits, DenyReason> {
         let policy = check(policies, Principal(0), PermissionBits::bit(0), now)?;
-        if now >= lease.usable_until {
-            return Err(DenyReason::LeaseExpired);
-        }
-        if !lease.debit(quote) {
-            return Err(DenyReason::LeaseExhausted);
-        }
-        if !usage.take_place() {
-            lease.remaining.fetch_add(quote.get(), Ordering::AcqRel);
-            return Err(DenyReason::AccountingBackpressure);
-        }
+        reserve(lease, usage, quote, now)?;
         let request_id = ids.next();
         let committed_at = black_box(now);
         let _ = usage
@@ -468,16 +493,7 @@ mod anatomy {
         now: Timestamp,
     ) -> Result<Borrowed<'a>, DenyReason> {
         let policy = check(policies, Principal(0), PermissionBits::bit(0), now)?;
-        if now >= lease.usable_until {
-            return Err(DenyReason::LeaseExpired);
-        }
-        if !lease.debit(quote) {
-            return Err(DenyReason::LeaseExhausted);
-        }
-        if !usage.take_place() {
-            lease.remaining.fetch_add(quote.get(), Ordering::AcqRel);
-            return Err(DenyReason::AccountingBackpressure);
-        }
+        reserve(lease, usage, quote, now)?;
         Ok(Borrowed {
             policy,
             lease,
@@ -547,19 +563,9 @@ mod anatomy {
         let policies = shared.policies.load();
         let policy = check(&policies, Principal(0), PermissionBits::bit(0), now)?;
         let lease = shared.lease.load();
-        if now >= lease.usable_until {
-            return Err(DenyReason::LeaseExpired);
-        }
-        if !lease.debit(quote) {
-            return Err(DenyReason::LeaseExhausted);
-        }
-        let lease = Arc::clone(&lease);
-        if !shared.usage.take_place() {
-            lease.remaining.fetch_add(quote.get(), Ordering::AcqRel);
-            return Err(DenyReason::AccountingBackpressure);
-        }
+        reserve(&lease, &shared.usage, quote, now)?;
         Ok(Owned {
-            lease: Some(lease),
+            lease: Some(Arc::clone(&lease)),
             usage: Some(Arc::clone(&shared.usage)),
             account_id: policy.account_id,
             key_id: policy.key_id,
@@ -611,21 +617,16 @@ mod anatomy {
     }
 }
 
-/// Times `iters` runs of `op`, calling `drain` (untimed) after every chunk.
-fn timed_in_chunks(iters: u64, mut op: impl FnMut(), drain: impl Fn()) -> Duration {
-    let mut elapsed = Duration::ZERO;
-    let mut left = iters;
-    while left > 0 {
-        let chunk = left.min(CHUNK);
-        let start = Instant::now();
-        for _ in 0..chunk {
-            op();
-        }
-        elapsed += start.elapsed();
-        drain();
-        left -= chunk;
-    }
-    elapsed
+/// Benchmarks `op` as `name`, calling `drain` (untimed) after every chunk.
+fn bench_in_chunks(
+    group: &mut BenchmarkGroup<'_, WallTime>,
+    name: &str,
+    mut op: impl FnMut(),
+    mut drain: impl FnMut(),
+) {
+    group.bench_function(name, |b| {
+        b.iter_custom(|iters| timed_in_chunks(iters, &mut op, &mut drain));
+    });
 }
 
 fn anatomy(c: &mut Criterion) {
@@ -634,68 +635,43 @@ fn anatomy(c: &mut Criterion) {
     let policies = anatomy::policies();
     let lease = anatomy::lease();
     let usage = anatomy::usage();
-    group.bench_function("in_one_call", |b| {
-        b.iter_custom(|iters| {
-            timed_in_chunks(
-                iters,
-                || {
-                    let units = anatomy::in_one_call(
-                        &policies,
-                        &lease,
-                        &usage,
-                        ids,
-                        black_box(CostUnits(1)),
-                        black_box(now()),
-                    );
-                    black_box(units).expect("admitted");
-                },
-                || usage.drain(),
-            )
-        });
-    });
-    group.bench_function("split_at_handler_start", |b| {
-        b.iter_custom(|iters| {
-            timed_in_chunks(
-                iters,
-                || {
-                    let mut context = anatomy::begin_borrowed(
-                        &policies,
-                        &lease,
-                        &usage,
-                        ids,
-                        black_box(CostUnits(1)),
-                        black_box(now()),
-                    )
+    let quote = || black_box(CostUnits(1));
+    bench_in_chunks(
+        &mut group,
+        "in_one_call",
+        || {
+            let units =
+                anatomy::in_one_call(&policies, &lease, &usage, ids, quote(), black_box(now()));
+            black_box(units).expect("admitted");
+        },
+        || usage.drain(),
+    );
+    bench_in_chunks(
+        &mut group,
+        "split_at_handler_start",
+        || {
+            let mut context =
+                anatomy::begin_borrowed(&policies, &lease, &usage, ids, quote(), black_box(now()))
                     .expect("admitted");
-                    black_box(context.commit(black_box(now()))).expect("committed");
-                },
-                || usage.drain(),
-            )
-        });
-    });
+            black_box(context.commit(black_box(now()))).expect("committed");
+        },
+        || usage.drain(),
+    );
     let shared = anatomy::Shared {
         policies: ArcSwap::from_pointee(anatomy::policies()),
         lease: ArcSwap::from_pointee(anatomy::lease()),
         usage: Arc::new(anatomy::usage()),
     };
-    group.bench_function("split_with_owned_shared_state", |b| {
-        b.iter_custom(|iters| {
-            timed_in_chunks(
-                iters,
-                || {
-                    let mut context = anatomy::begin_owned(
-                        &shared,
-                        ids,
-                        black_box(CostUnits(1)),
-                        black_box(now()),
-                    )
-                    .expect("admitted");
-                    black_box(context.commit(black_box(now()))).expect("committed");
-                },
-                || shared.usage.drain(),
-            )
-        });
-    });
+    bench_in_chunks(
+        &mut group,
+        "split_with_owned_shared_state",
+        || {
+            let mut context =
+                anatomy::begin_owned(&shared, ids, quote(), black_box(now())).expect("admitted");
+            black_box(context.commit(black_box(now()))).expect("committed");
+        },
+        || shared.usage.drain(),
+    );
     group.finish();
 }
 
