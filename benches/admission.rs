@@ -7,13 +7,13 @@
 //! read-modify-write is the unit the design states the hot path's budget in.
 //!
 //! The `anatomy` group takes the end-to-end figure apart. It writes the
-//! request path's essential work out by hand, with none of tollgate's types
-//! in the way, in three steps: all in one call; split at the handler's start
-//! into an admission that returns a context and a commit that hands the
-//! event off; and with the shared, replaceable state a running server needs
-//! (a policy map and a lease behind arc-swap, the context owning reference
-//! counts on what it must give back). The steps show how much of the
-//! figure the contract itself costs and how much its safe ownership does.
+//! request path's essential work out by hand, with none of tollgate's engine
+//! types in the way, in three steps: all in one call; split at the handler's
+//! start into an admission that returns a context and a commit that hands
+//! the event off; and with the shared, replaceable state a running server
+//! needs (a policy map and a lease behind arc-swap, the context owning
+//! reference counts on what it must give back). The steps show how much of
+//! the figure the contract itself costs and how much its safe ownership does.
 //!
 //! ```sh
 //! cargo bench --bench admission
