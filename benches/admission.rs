@@ -300,10 +300,16 @@ mod anatomy {
 
     /// One principal's policy, as admission reads it.
     pub(super) struct Policy {
-        account_id: AccountId,
-        key_id: KeyId,
+        stamp: Stamp,
         permissions: PermissionBits,
         fresh_until: Timestamp,
+    }
+
+    /// What a usage event takes from the policy.
+    #[derive(Clone, Copy)]
+    struct Stamp {
+        account_id: AccountId,
+        key_id: KeyId,
         revision: PolicyRevision,
     }
 
@@ -329,11 +335,13 @@ mod anatomy {
         policies.insert(
             Principal(0),
             Policy {
-                account_id: AccountId(1),
-                key_id: KeyId(0),
+                stamp: Stamp {
+                    account_id: AccountId(1),
+                    key_id: KeyId(0),
+                    revision: PolicyRevision(1),
+                },
                 permissions: PermissionBits::ALL,
                 fresh_until: now() + SignedDuration::from_hours(24),
-                revision: PolicyRevision(1),
             },
         );
         policies
@@ -431,7 +439,7 @@ mod anatomy {
     }
 
     fn event(
-        policy: &Policy,
+        stamp: Stamp,
         lease: &Lease,
         request_id: RequestId,
         units: CostUnits,
@@ -439,15 +447,15 @@ mod anatomy {
     ) -> UsageEvent {
         UsageEvent {
             request_id,
-            account_id: policy.account_id,
+            account_id: stamp.account_id,
             source: UsageSource::Leased {
                 lease_id: lease.id,
                 fencing_token: lease.token,
             },
             units,
             at,
-            policy_revision: policy.revision,
-            key_id: Some(policy.key_id),
+            policy_revision: stamp.revision,
+            key_id: Some(stamp.key_id),
         }
     }
 
@@ -465,9 +473,10 @@ mod anatomy {
         reserve(lease, usage, quote, now)?;
         let request_id = ids.next();
         let committed_at = black_box(now);
-        let _ = usage
-            .events
-            .push((event(policy, lease, request_id, quote, committed_at), ()));
+        let _ = usage.events.push((
+            event(policy.stamp, lease, request_id, quote, committed_at),
+            (),
+        ));
         Ok(quote)
     }
 
@@ -514,7 +523,13 @@ mod anatomy {
                 return Err(CommitError::Denied(DenyReason::FundingExpiredAtStart));
             }
             self.committed = true;
-            let event = event(self.policy, self.lease, self.request_id, self.units, now);
+            let event = event(
+                self.policy.stamp,
+                self.lease,
+                self.request_id,
+                self.units,
+                now,
+            );
             let _ = self.usage.events.push((event, ()));
             Ok(self.units)
         }
@@ -546,9 +561,7 @@ mod anatomy {
     pub(super) struct Owned {
         lease: Option<Arc<Lease>>,
         usage: Option<Arc<Usage<Arc<Lease>>>>,
-        account_id: AccountId,
-        key_id: KeyId,
-        policy_revision: PolicyRevision,
+        stamp: Stamp,
         request_id: RequestId,
         units: CostUnits,
     }
@@ -567,9 +580,7 @@ mod anatomy {
         Ok(Owned {
             lease: Some(Arc::clone(&lease)),
             usage: Some(Arc::clone(&shared.usage)),
-            account_id: policy.account_id,
-            key_id: policy.key_id,
-            policy_revision: policy.revision,
+            stamp: policy.stamp,
             request_id: ids.next(),
             units: quote,
         })
@@ -587,18 +598,7 @@ mod anatomy {
                 self.usage = Some(usage);
                 return Err(CommitError::Denied(DenyReason::FundingExpiredAtStart));
             }
-            let event = UsageEvent {
-                request_id: self.request_id,
-                account_id: self.account_id,
-                source: UsageSource::Leased {
-                    lease_id: lease.id,
-                    fencing_token: lease.token,
-                },
-                units: self.units,
-                at: now,
-                policy_revision: self.policy_revision,
-                key_id: Some(self.key_id),
-            };
+            let event = event(self.stamp, &lease, self.request_id, self.units, now);
             // The event keeps the lease alive until it is written.
             let _ = usage.events.push((event, lease));
             Ok(self.units)
