@@ -12,6 +12,12 @@ use crate::model::RequestId;
 /// Two processes collide only if their random prefixes do (one chance in
 /// 2⁶⁴ per pair). Within a process every thread numbers its own requests, so
 /// minting touches no shared memory.
+///
+/// The low half has room for 2²⁴ thread numbers. A process that outlives
+/// them (a blocking pool that starts and retires threads for months) moves
+/// on to a new *era*: the same thread numbers again, under the prefix
+/// shifted by an odd stride per era. Distinct eras therefore never share a
+/// prefix, and no id repeats however many threads come and go.
 #[derive(Debug, Clone, Copy)]
 pub struct RequestIds {
     prefix: u64,
@@ -21,11 +27,38 @@ pub struct RequestIds {
 /// the thread.
 const COUNTER_BITS: u32 = 40;
 
+/// Thread numbers one era holds.
+const THREADS_PER_ERA: u64 = 1 << (u64::BITS - COUNTER_BITS);
+
+/// How far each era moves the prefix. Odd, so `era × stride` takes a
+/// different value for every era below 2⁶⁴.
+const ERA_STRIDE: u64 = 0x9e37_79b9_7f4a_7c15;
+
+/// The next thread number to hand out, counting across eras.
 static NEXT_THREAD: AtomicU64 = AtomicU64::new(0);
 
 thread_local! {
-    /// This thread's number (shifted into place) and next counter value.
-    static LOCAL: Cell<Option<(u64, u64)>> = const { Cell::new(None) };
+    /// This thread's place: its era's prefix offset, its thread number
+    /// shifted into place, and its next counter value.
+    static LOCAL: Cell<Option<Place>> = const { Cell::new(None) };
+}
+
+#[derive(Clone, Copy)]
+struct Place {
+    prefix_offset: u64,
+    thread: u64,
+    counter: u64,
+}
+
+impl Place {
+    /// The place of the `number`th thread number handed out, counter at 0.
+    const fn new(number: u64) -> Self {
+        Self {
+            prefix_offset: (number / THREADS_PER_ERA).wrapping_mul(ERA_STRIDE),
+            thread: (number % THREADS_PER_ERA) << COUNTER_BITS,
+            counter: 0,
+        }
+    }
 }
 
 impl RequestIds {
@@ -59,20 +92,30 @@ impl RequestIds {
     /// [`RequestId::from_parts`].
     #[inline]
     pub(crate) fn next_parts(self) -> (u64, u64) {
-        let low = LOCAL.with(|local| {
-            let (thread, counter) = match local.get() {
-                Some((thread, counter)) if counter < 1 << COUNTER_BITS => (thread, counter),
+        self.next_parts_numbered_by(&NEXT_THREAD)
+    }
+
+    /// [`next_parts`](Self::next_parts), taking thread numbers from
+    /// `threads`: tests give it a counter of their own.
+    #[inline]
+    fn next_parts_numbered_by(self, threads: &AtomicU64) -> (u64, u64) {
+        let place = LOCAL.with(|local| {
+            let place = match local.get() {
+                Some(place) if place.counter < 1 << COUNTER_BITS => place,
                 // First use on this thread, or its counter ran out: take a
                 // new thread number.
-                _ => (
-                    NEXT_THREAD.fetch_add(1, Ordering::Relaxed) << COUNTER_BITS,
-                    0,
-                ),
+                _ => Place::new(threads.fetch_add(1, Ordering::Relaxed)),
             };
-            local.set(Some((thread, counter + 1)));
-            thread | counter
+            local.set(Some(Place {
+                counter: place.counter + 1,
+                ..place
+            }));
+            place
         });
-        (self.prefix, low)
+        (
+            self.prefix.wrapping_add(place.prefix_offset),
+            place.thread | place.counter,
+        )
     }
 }
 
@@ -97,6 +140,69 @@ mod tests {
         let distinct: HashSet<_> = minted.iter().copied().collect();
         assert_eq!(distinct.len(), 40_000, "I8: every request id is distinct");
         assert!(minted.iter().all(|id| id.get() >> 64 == 7));
+    }
+
+    /// Mints `n` ids on a new thread, numbered by `threads`.
+    fn minted_on_a_new_thread(threads: &'static AtomicU64, n: usize) -> Vec<(u64, u64)> {
+        let ids = RequestIds::with_prefix(11);
+        std::thread::spawn(move || {
+            (0..n)
+                .map(|_| ids.next_parts_numbered_by(threads))
+                .collect()
+        })
+        .join()
+        .unwrap()
+    }
+
+    /// I8: a thread that gets an earlier thread's number an era later mints
+    /// ids the earlier one never did.
+    #[test]
+    fn a_thread_number_reused_in_a_later_era_mints_new_ids() {
+        static THREADS: AtomicU64 = AtomicU64::new(0);
+        let first = minted_on_a_new_thread(&THREADS, 3);
+        THREADS.store(THREADS_PER_ERA, Ordering::Relaxed);
+        let later = minted_on_a_new_thread(&THREADS, 3);
+        assert_eq!(
+            later.iter().map(|&(_, low)| low).collect::<Vec<_>>(),
+            first.iter().map(|&(_, low)| low).collect::<Vec<_>>(),
+            "the same thread number and counters"
+        );
+        assert!(first.iter().all(|&(prefix, _)| prefix == 11));
+        assert!(
+            later
+                .iter()
+                .all(|&(prefix, _)| prefix == 11_u64.wrapping_add(ERA_STRIDE)),
+            "I8: the later era mints under a prefix of its own"
+        );
+    }
+
+    #[test]
+    fn eras_shift_the_prefix_by_distinct_offsets() {
+        let places: Vec<Place> = [
+            0,
+            1,
+            THREADS_PER_ERA - 1,
+            THREADS_PER_ERA,
+            5 * THREADS_PER_ERA + 1,
+        ]
+        .into_iter()
+        .map(Place::new)
+        .collect();
+        let keys: HashSet<(u64, u64)> = places
+            .iter()
+            .map(|place| (place.prefix_offset, place.thread))
+            .collect();
+        assert_eq!(
+            keys.len(),
+            places.len(),
+            "every thread number has its own place"
+        );
+        assert_eq!(places[0].prefix_offset, 0, "the first era keeps the prefix");
+        assert_eq!(
+            places[0].thread, places[3].thread,
+            "an era later, the same thread bits"
+        );
+        assert_ne!(places[0].prefix_offset, places[3].prefix_offset);
     }
 
     #[test]
