@@ -115,6 +115,7 @@ fn runtime_config() -> InstanceRuntimeConfig {
         sharding: LocalSharding::per_core(),
         usage: UsageWriterConfig {
             queue_capacity: 8_192,
+            queue_stripes: LocalSharding::per_core(),
             max_batch: 256,
             flush_interval: ms(200),
             retry_backoff: ms(200),

@@ -68,6 +68,7 @@ fn config() -> InstanceRuntimeConfig {
         sharding: LocalSharding::per_core(),
         usage: UsageWriterConfig {
             queue_capacity: 4_096,
+            queue_stripes: LocalSharding::per_core(),
             max_batch: 256,
             flush_interval: ms(200),
             retry_backoff: ms(200),

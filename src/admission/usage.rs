@@ -103,13 +103,34 @@ impl UsageRecorder {
     /// made here has no writer: once its places are taken it denies every
     /// admission, which is what tests of the request path want.
     ///
+    /// The queue has a stripe per core; see [`striped`](Self::striped).
+    ///
     /// # Panics
     ///
     /// When `capacity` is zero.
     #[must_use]
     pub fn with_capacity(capacity: usize, wake_at: usize) -> Self {
+        Self::striped(capacity, wake_at, LocalSharding::per_core())
+    }
+
+    /// [`with_capacity`](Self::with_capacity), with the queue split into
+    /// `stripes` (never more stripes than places).
+    ///
+    /// Events recorded into one stripe leave it in the order recorded. The
+    /// queue keeps no order between stripes, and a thread whose stripe is
+    /// full records into the stripe it borrowed a place from, so with more
+    /// than one stripe even one thread's events may reach the sink out of
+    /// order. Nothing depends on that order: every event is keyed by its
+    /// request id (I8). [`LocalSharding::Single`] keeps every event in
+    /// recording order.
+    ///
+    /// # Panics
+    ///
+    /// When `capacity` is zero.
+    #[must_use]
+    pub fn striped(capacity: usize, wake_at: usize, stripes: LocalSharding) -> Self {
         assert!(capacity > 0, "a usage queue needs at least one place");
-        let count = LocalSharding::per_core().count().min(capacity);
+        let count = stripes.count().min(capacity);
         let hub = Arc::new(Hub {
             capacity,
             waker: AtomicWaker::new(),

@@ -46,7 +46,7 @@ use tokio::time::error::Elapsed;
 use tokio::time::{Instant, sleep, sleep_until, timeout};
 
 use crate::admission::{UsageQueue, UsageRecorder};
-use crate::model::UsageEvent;
+use crate::model::{LocalSharding, UsageEvent};
 use crate::store::{Clock, IngestOutcome, StoreError, UsageSink};
 
 /// How the usage writer batches, retries and stops.
@@ -59,9 +59,15 @@ pub struct UsageWriterConfig {
     /// Places in the usage queue: the most charges this process may hold
     /// committed but not yet written. Must be positive.
     pub queue_capacity: usize,
-    /// The most events in one ingest call, and the queue length that wakes
-    /// the writer before the flush interval. Must be positive and at most
-    /// `queue_capacity`.
+    /// How the queue is split so threads recording in parallel do not
+    /// contend: [`LocalSharding::per_core`] for a server. With more than one
+    /// stripe the sink may receive events out of recording order (see
+    /// [`UsageRecorder::striped`]); [`LocalSharding::Single`] keeps that
+    /// order.
+    pub queue_stripes: LocalSharding,
+    /// The most events in one ingest call, and the number waiting in one
+    /// stripe that wakes the writer before the flush interval (as does a
+    /// full stripe). Must be positive and at most `queue_capacity`.
     pub max_batch: usize,
     /// The longest an idle writer lets a partial batch wait. Must be
     /// positive.
@@ -239,7 +245,11 @@ impl UsageWriter {
         config: UsageWriterConfig,
     ) -> Result<(UsageRecorder, Self), UsageWriterConfigError> {
         config.validate()?;
-        let recorder = UsageRecorder::with_capacity(config.queue_capacity, config.max_batch);
+        let recorder = UsageRecorder::striped(
+            config.queue_capacity,
+            config.max_batch,
+            config.queue_stripes,
+        );
         let queue = Arc::clone(recorder.queue());
         let (stop, stop_rx) = watch::channel(None);
         let shared = Arc::new(Shared {

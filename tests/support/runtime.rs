@@ -61,6 +61,7 @@ pub(crate) fn config(pace: Pace) -> InstanceRuntimeConfig {
         sharding: LocalSharding::shards(2).expect("two shards are within the limit"),
         usage: UsageWriterConfig {
             queue_capacity: 4_096,
+            queue_stripes: LocalSharding::shards(2).expect("two stripes are within the limit"),
             max_batch: 256,
             flush_interval: ms(flush),
             retry_backoff: ms(usage_retry),
