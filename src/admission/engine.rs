@@ -776,11 +776,15 @@ mod tests {
             EnforcementMode::Strict,
             READ.union(WRITE).union(PermissionBits::bit(5)),
         )]);
-        assert!(
-            f.engine
-                .begin(ALICE, READ.union(WRITE), CostUnits(1), at(0))
-                .is_ok()
+        let admitted = f
+            .engine
+            .begin(ALICE, READ.union(WRITE), CostUnits(1), at(0))
+            .expect("holding more than the route requires admits");
+        assert_eq!(
+            (admitted.units(), admitted.admitted_as_overage()),
+            (CostUnits(1), false)
         );
+        assert_eq!(f.slot().load_observed().unwrap().remaining(), CostUnits(99));
         assert_eq!(f.map.history(ALICE).len(), 3, "I24: history is bounded");
         assert_eq!(
             f.map.history(ALICE)[0].permissions.0,
@@ -904,6 +908,113 @@ mod tests {
         assert_eq!(events.len(), 1, "I8: one commit, one event");
         assert_eq!(events[0].source, UsageSource::Overage);
         assert_eq!(events[0].units, CostUnits(6));
+    }
+
+    /// An Elastic account falls back to overage whenever its lease cannot
+    /// fund the quote, not only when it has no lease, and the lease keeps
+    /// what it holds.
+    #[test]
+    fn elastic_funding_covers_an_exhausted_or_expired_lease_from_overage() {
+        let f = fixture(8);
+        let mode = EnforcementMode::Elastic {
+            overage_cap: CostUnits(10),
+        };
+        f.map.publish([snapshot(mode, READ)]);
+        let lease = f.lease(3);
+        let mut short = f.begin(5, 0).expect("the lease is short: overage funds it");
+        assert!(short.admitted_as_overage());
+        let mut late = f
+            .begin(2, 100)
+            .expect("the lease has expired: overage funds it");
+        assert!(late.admitted_as_overage());
+        assert_eq!(lease.remaining(), CostUnits(3), "the lease gave nothing");
+        assert_eq!(f.slot().overage().spent(), CostUnits(7));
+        assert_eq!(short.commit(at(1)), Ok(CostUnits(5)));
+        assert_eq!(late.commit(at(101)), Ok(CostUnits(2)));
+        let sources: Vec<_> = f.queued().iter().map(|e| (e.source, e.units)).collect();
+        assert_eq!(
+            sources,
+            vec![
+                (UsageSource::Overage, CostUnits(5)),
+                (UsageSource::Overage, CostUnits(2))
+            ]
+        );
+        denied(
+            f.begin(4, 0),
+            DenyReason::OverageCapExhausted {
+                spent: CostUnits(7),
+                overage_cap: CostUnits(10),
+            },
+        );
+        let stats = f.engine.counters().read();
+        assert_eq!((stats.admitted, stats.admitted_overage), (2, 2));
+    }
+
+    /// While another request's overage commit is being published, a quote
+    /// the cap could hold once it lands is refused as in progress, not as
+    /// exhausted.
+    #[test]
+    fn an_overage_commit_in_flight_is_reported_as_such() {
+        let f = fixture(8);
+        let cap = CostUnits(10);
+        f.map.publish([snapshot(
+            EnforcementMode::Elastic { overage_cap: cap },
+            READ,
+        )]);
+        let slot = f.slot();
+        let tentative = slot
+            .overage()
+            .debit_before_claim(CostUnits(6), cap)
+            .unwrap();
+        let published: Result<(), ()> = tentative.publish_commit(|| {
+            denied(
+                f.begin(6, 0),
+                DenyReason::OverageCommitInProgress {
+                    spent: CostUnits(6),
+                    overage_cap: cap,
+                },
+            );
+            Ok(())
+        });
+        published.unwrap();
+        denied(
+            f.begin(6, 0),
+            DenyReason::OverageCapExhausted {
+                spent: CostUnits(6),
+                overage_cap: cap,
+            },
+        );
+        let stats = f.engine.counters().read();
+        assert_eq!(
+            stats.denied_for(DenyReason::OverageCommitInProgress {
+                spent: CostUnits(6),
+                overage_cap: cap,
+            }),
+            1
+        );
+    }
+
+    /// I23: once the usage queue is closed for shutdown, admission denies
+    /// last, at the usage place, and the reservation it had made is
+    /// released.
+    #[test]
+    fn a_closed_usage_queue_denies_as_shutting_down_and_releases_the_reservation() {
+        let f = fixture(4);
+        f.map.publish([snapshot(EnforcementMode::Strict, READ)]);
+        let lease = f.lease(10);
+        f.recorder.queue().close();
+        denied(f.begin(2, 0), DenyReason::ShuttingDown);
+        assert_eq!(
+            lease.remaining(),
+            CostUnits(10),
+            "I4: the denial holds nothing"
+        );
+        assert_eq!(f.recorder.available(), 4);
+        let stats = f.engine.counters().read();
+        assert_eq!(
+            (stats.admitted, stats.denied_for(DenyReason::ShuttingDown)),
+            (0, 1)
+        );
     }
 
     #[test]

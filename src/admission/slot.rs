@@ -261,3 +261,106 @@ impl fmt::Debug for SlotRegistry {
             .finish_non_exhaustive()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{CostUnits, FencingToken, LeaseGrant, LeaseId, Reservation};
+
+    const ACCOUNT: AccountId = AccountId(4);
+
+    fn at(second: i64) -> Timestamp {
+        Timestamp::from_second(second).expect("test instants are in range")
+    }
+
+    fn lease(id: u64) -> Arc<LocalLease> {
+        Arc::new(LocalLease::new(
+            LeaseGrant {
+                lease_id: LeaseId(id),
+                account_id: ACCOUNT,
+                fencing_token: FencingToken(id),
+                units: CostUnits(1 << 40),
+                expires_at: at(1_000),
+            },
+            CostUnits::ZERO,
+        ))
+    }
+
+    /// Races four threads debiting and releasing the slot's lease until at
+    /// least one debit has lost a race; returns how many have.
+    fn race_until_contended(slot: &LeaseSlot) -> u64 {
+        for _ in 0..200 {
+            std::thread::scope(|scope| {
+                for _ in 0..4 {
+                    scope.spawn(|| {
+                        for _ in 0..5_000 {
+                            slot.with_lease(|lease| {
+                                let lease = lease.expect("a lease is installed");
+                                drop(Reservation::reserve(lease, CostUnits(1), at(0)).unwrap());
+                            });
+                        }
+                    });
+                }
+            });
+            let lost = slot.with_lease(|lease| lease.map_or(0, LocalLease::contended_debits));
+            if lost > 0 {
+                return lost;
+            }
+        }
+        panic!("four racing threads never lost a debit race");
+    }
+
+    /// The slot's count of lost debit races covers the serving lease and
+    /// every lease it served before, so replacing or taking a lease does not
+    /// hide contention.
+    #[test]
+    fn contention_is_counted_across_the_leases_a_slot_has_served() {
+        let slot = LeaseSlot::new(ACCOUNT, LocalSharding::Single);
+        assert_eq!(slot.contended_exchanges(), 0);
+        slot.replace(lease(1));
+        let first = race_until_contended(&slot);
+        assert_eq!(slot.contended_exchanges(), first);
+
+        let replaced = slot.replace(lease(2)).expect("the first lease was serving");
+        assert_eq!(replaced.contended_debits(), first);
+        assert_eq!(slot.contended_exchanges(), first, "kept past the replace");
+        let second = race_until_contended(&slot);
+        assert_eq!(slot.contended_exchanges(), first + second);
+
+        slot.take().expect("the second lease was serving");
+        assert_eq!(
+            slot.contended_exchanges(),
+            first + second,
+            "kept past the take"
+        );
+        assert!(slot.with_lease(|lease| lease.is_none()));
+    }
+
+    /// Subscribers hear of every slot added or removed, and of nothing
+    /// else: asking for an existing slot changes nothing.
+    #[test]
+    fn the_registry_announces_slots_added_and_removed() {
+        let registry = SlotRegistry::new(LocalSharding::Single);
+        let mut changes = registry.subscribe();
+        let first = registry.ensure(ACCOUNT);
+        assert!(changes.has_changed().unwrap(), "a new slot is announced");
+        changes.borrow_and_update();
+        assert!(Arc::ptr_eq(&first, &registry.ensure(ACCOUNT)));
+        assert!(!changes.has_changed().unwrap(), "an existing slot is not");
+
+        let other = AccountId(9);
+        registry.ensure(other);
+        assert!(changes.has_changed().unwrap());
+        changes.borrow_and_update();
+        assert_eq!(registry.accounts(), vec![ACCOUNT, other]);
+
+        let removed = registry.retain(|account| account == ACCOUNT);
+        assert_eq!(removed.len(), 1);
+        assert_eq!(removed[0].account(), other);
+        assert!(changes.has_changed().unwrap(), "a removal is announced");
+        changes.borrow_and_update();
+        assert!(registry.retain(|_| true).is_empty());
+        assert!(!changes.has_changed().unwrap(), "keeping everything is not");
+        assert_eq!(registry.accounts(), vec![ACCOUNT]);
+    }
+}
