@@ -8,12 +8,15 @@
 //!
 //! The `anatomy` group takes the end-to-end figure apart. It writes the
 //! request path's essential work out by hand, with none of tollgate's engine
-//! types in the way, in three steps: all in one call; split at the handler's
+//! types in the way, in four steps: all in one call; split at the handler's
 //! start into an admission that returns a context and a commit that hands
-//! the event off; and with the shared, replaceable state a running server
-//! needs (a policy map and a lease behind arc-swap, the context owning
-//! reference counts on what it must give back). The steps show how much of
-//! the figure the contract itself costs and how much its safe ownership does.
+//! the event off; with the shared, replaceable state a running server needs
+//! (a policy map and a lease behind arc-swap, the context owning reference
+//! counts on what it must give back); and with that state read the cheapest
+//! safe way known, through per-thread caches, so that a request takes one
+//! reference count, its lease's. The steps show how much of the figure the
+//! contract itself costs, how much its safe ownership does, and how low a
+//! safe design can go.
 //!
 //! ```sh
 //! cargo bench --bench admission
@@ -167,12 +170,12 @@ fn admit_and_release(engine: &AdmissionEngine, principal: Principal) {
     drop(black_box(begin(engine, principal)));
 }
 
-fn bare_reserve_commit(lease: &LocalLease, counter: u64) {
+fn bare_reserve_commit(lease: &LocalLease, counter: u64, locality: Locality) {
     let mut reservation = Reservation::reserve_at_locality(
         black_box(lease),
         black_box(CostUnits(1)),
         black_box(now()),
-        Locality::new(0),
+        locality,
     )
     .expect("a huge lease");
     black_box(reservation.commit_owned(now(), CommitFunding::LeaseOnly)).expect("inside");
@@ -199,7 +202,7 @@ fn single(c: &mut Criterion) {
     group.bench_function("model_reserve_commit", |b| {
         b.iter(|| {
             counter += 1;
-            bare_reserve_commit(&bare, counter);
+            bare_reserve_commit(&bare, counter, Locality::new(0));
         });
     });
     // The unit of the design's budget: one read-modify-write on a line no
@@ -272,6 +275,27 @@ fn two_threads(c: &mut Criterion) {
             });
         });
     }
+    for (name, sharding) in [
+        ("model_reserve_commit_unsharded", LocalSharding::Single),
+        (
+            "model_reserve_commit_sharded",
+            LocalSharding::shards(2).expect("two"),
+        ),
+    ] {
+        let bare = lease(sharding);
+        group.bench_function(name, |b| {
+            b.iter_custom(|iters| {
+                on_two_threads(iters, |thread, n| {
+                    let locality = Locality::new(thread);
+                    let start = Instant::now();
+                    for counter in 0..n {
+                        bare_reserve_commit(&bare, counter, locality);
+                    }
+                    start.elapsed()
+                })
+            });
+        });
+    }
     let limiter = RateLimiter::keyed(Quota::per_second(NonZeroU32::MAX));
     group.bench_function("governor_check_key_one_hot_key", |b| {
         b.iter_custom(|iters| {
@@ -297,6 +321,9 @@ mod anatomy {
         PolicyRevision, Principal, RequestId, RequestIds, SignedDuration, Timestamp, UsageEvent,
         UsageSource, black_box, now,
     };
+    use std::cell::Cell;
+    use std::ops::Deref;
+    use std::sync::Weak;
 
     /// One principal's policy, as admission reads it.
     pub(super) struct Policy {
@@ -551,20 +578,24 @@ mod anatomy {
     pub(super) struct Shared {
         pub(super) policies: ArcSwap<Policies>,
         pub(super) lease: ArcSwap<Lease>,
-        pub(super) usage: Arc<Usage<Arc<Lease>>>,
+        pub(super) usage: Arc<Queue>,
     }
 
     /// An admitted request that owns what it must give back, as a context
     /// stored in a request's future must: a reference count on its lease,
-    /// which also keeps the lease from being released under it, and one on
-    /// the usage queue its place is in.
-    pub(super) struct Owned {
+    /// which also keeps the lease from being released under it, and a way
+    /// to the usage queue its place is in (`U`).
+    pub(super) struct Owned<U: Deref<Target = Queue>> {
+        /// Taken at commit, when the lease rides on with the event.
         lease: Option<Arc<Lease>>,
-        usage: Option<Arc<Usage<Arc<Lease>>>>,
+        usage: U,
         stamp: Stamp,
         request_id: RequestId,
         units: CostUnits,
     }
+
+    /// The queue that holds an owned context's place.
+    type Queue = Usage<Arc<Lease>>;
 
     #[inline(never)]
     pub(super) fn begin_owned(
@@ -572,48 +603,137 @@ mod anatomy {
         ids: RequestIds,
         quote: CostUnits,
         now: Timestamp,
-    ) -> Result<Owned, DenyReason> {
+    ) -> Result<Owned<Arc<Queue>>, DenyReason> {
         let policies = shared.policies.load();
         let policy = check(&policies, Principal(0), PermissionBits::bit(0), now)?;
         let lease = shared.lease.load();
         reserve(&lease, &shared.usage, quote, now)?;
         Ok(Owned {
             lease: Some(Arc::clone(&lease)),
-            usage: Some(Arc::clone(&shared.usage)),
+            usage: Arc::clone(&shared.usage),
             stamp: policy.stamp,
             request_id: ids.next(),
             units: quote,
         })
     }
 
-    impl Owned {
+    impl<U: Deref<Target = Queue>> Owned<U> {
         #[inline]
         pub(super) fn commit(&mut self, now: Timestamp) -> Result<CostUnits, CommitError> {
-            let (Some(lease), Some(usage)) = (self.lease.take(), self.usage.take()) else {
+            let Some(lease) = self.lease.take() else {
                 return Err(CommitError::AlreadyCommitted);
             };
             if now >= lease.usable_until {
                 // Dropping a pending context returns its charge and place.
                 self.lease = Some(lease);
-                self.usage = Some(usage);
                 return Err(CommitError::Denied(DenyReason::FundingExpiredAtStart));
             }
             let event = event(self.stamp, &lease, self.request_id, self.units, now);
             // The event keeps the lease alive until it is written.
-            let _ = usage.events.push((event, lease));
+            let _ = self.usage.events.push((event, lease));
             Ok(self.units)
         }
     }
 
-    impl Drop for Owned {
+    impl<U: Deref<Target = Queue>> Drop for Owned<U> {
         fn drop(&mut self) {
-            if let (Some(lease), Some(usage)) = (&self.lease, &self.usage) {
+            if let Some(lease) = &self.lease {
                 lease
                     .remaining
                     .fetch_add(self.units.get(), Ordering::AcqRel);
-                usage.free.fetch_add(1, Ordering::AcqRel);
+                self.usage.free.fetch_add(1, Ordering::AcqRel);
             }
         }
+    }
+
+    /// The same shared state read the cheapest safe way known: through
+    /// per-thread caches checked against a generation the writer bumps, so
+    /// a request touches one reference count, the lease's, which is also
+    /// its hold (I26). The queue is reached without a count because it
+    /// lives for the whole run; a library cannot assume that.
+    pub(super) struct Cached {
+        policies: ArcSwap<Policies>,
+        policies_generation: AtomicU64,
+        lease: ArcSwap<Lease>,
+        lease_generation: AtomicU64,
+        pub(super) usage: &'static Queue,
+    }
+
+    thread_local! {
+        // One `Cached` per run, so the caches need not name it.
+        static POLICIES: Cell<Option<(u64, Arc<Policies>)>> = const { Cell::new(None) };
+        static LEASE: Cell<Option<(u64, Weak<Lease>)>> = const { Cell::new(None) };
+    }
+
+    pub(super) fn cached() -> Cached {
+        Cached {
+            policies: ArcSwap::from_pointee(policies()),
+            policies_generation: AtomicU64::new(0),
+            lease: ArcSwap::from_pointee(lease()),
+            lease_generation: AtomicU64::new(0),
+            usage: Box::leak(Box::new(usage())),
+        }
+    }
+
+    impl Cached {
+        /// The policy checks on this thread's copy of the map, taken out of
+        /// its cell while in use.
+        fn check(
+            &self,
+            principal: Principal,
+            required: PermissionBits,
+            now: Timestamp,
+        ) -> Result<Stamp, DenyReason> {
+            let generation = self.policies_generation.load(Ordering::Acquire);
+            let policies = match POLICIES.take() {
+                Some((seen, policies)) if seen == generation => policies,
+                _ => self.policies.load_full(),
+            };
+            let checked = check(&policies, principal, required, now).map(|policy| policy.stamp);
+            POLICIES.set(Some((generation, policies)));
+            checked
+        }
+
+        /// The serving lease, upgraded from this thread's weak copy. The
+        /// upgrade is the request's one reference count. A lease replaced
+        /// after the generation was read may still be upgraded; whoever
+        /// retires it would wait for `Arc::try_unwrap`, which fails while
+        /// any request holds it and stops every later upgrade.
+        fn lease(&self) -> Option<Arc<Lease>> {
+            let generation = self.lease_generation.load(Ordering::Acquire);
+            let cached = LEASE.take();
+            if let Some((seen, weak)) = &cached
+                && *seen == generation
+            {
+                let lease = weak.upgrade();
+                LEASE.set(cached);
+                return lease;
+            }
+            let lease = self.lease.load_full();
+            LEASE.set(Some((generation, Arc::downgrade(&lease))));
+            Some(lease)
+        }
+    }
+
+    /// Admission on the cached state: the context's one reference count
+    /// is its lease's.
+    #[inline(never)]
+    pub(super) fn begin_one_reference(
+        shared: &Cached,
+        ids: RequestIds,
+        quote: CostUnits,
+        now: Timestamp,
+    ) -> Result<Owned<&'static Queue>, DenyReason> {
+        let stamp = shared.check(Principal(0), PermissionBits::bit(0), now)?;
+        let lease = shared.lease().ok_or(DenyReason::LeaseUnavailable)?;
+        reserve(&lease, shared.usage, quote, now)?;
+        Ok(Owned {
+            lease: Some(lease),
+            usage: shared.usage,
+            stamp,
+            request_id: ids.next(),
+            units: quote,
+        })
     }
 }
 
@@ -671,6 +791,17 @@ fn anatomy(c: &mut Criterion) {
             black_box(context.commit(black_box(now()))).expect("committed");
         },
         || shared.usage.drain(),
+    );
+    let cached = anatomy::cached();
+    bench_in_chunks(
+        &mut group,
+        "split_with_one_reference",
+        || {
+            let mut context = anatomy::begin_one_reference(&cached, ids, quote(), black_box(now()))
+                .expect("admitted");
+            black_box(context.commit(black_box(now()))).expect("committed");
+        },
+        || cached.usage.drain(),
     );
     group.finish();
 }
