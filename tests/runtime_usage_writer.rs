@@ -58,6 +58,35 @@ fn event(id: u128) -> UsageEvent {
     }
 }
 
+/// Log lines, captured.
+#[derive(Clone, Default)]
+struct Logs(Arc<Mutex<Vec<u8>>>);
+
+impl Logs {
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&lock(&self.0)).into_owned()
+    }
+}
+
+impl std::io::Write for Logs {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        lock(&self.0).extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl tracing_subscriber::fmt::MakeWriter<'_> for Logs {
+    type Writer = Self;
+
+    fn make_writer(&self) -> Self::Writer {
+        self.clone()
+    }
+}
+
 /// One planned answer of the scripted sink.
 #[derive(Debug, Clone)]
 enum Answer {
@@ -369,9 +398,31 @@ async fn duplicates_are_counted_and_rejections_are_never_retried() {
         IngestOutcome::Rejected(RejectReason::ExceedsLease),
         IngestOutcome::Duplicate,
     ])]);
+    // The test's runtime runs the writer on this thread, so a subscriber
+    // set here hears it.
+    let logs = Logs::default();
+    let _capture = tracing::subscriber::set_default(
+        tracing_subscriber::fmt()
+            .with_writer(logs.clone())
+            .with_ansi(false)
+            .finish(),
+    );
     let mut h = Harness::new(sink);
     h.record(0..4);
     sleep(DRAIN * 5).await;
+    let rejections: Vec<String> = logs
+        .text()
+        .lines()
+        .filter(|line| line.contains("the sink rejected a usage event"))
+        .map(str::to_owned)
+        .collect();
+    assert_eq!(rejections.len(), 1, "the rejection is logged once");
+    assert!(
+        rejections[0].contains(&RequestId(2).to_string())
+            && rejections[0].contains("exceeds_lease"),
+        "the log names the event and the reason: {}",
+        rejections[0]
+    );
     let stats = h.stats();
     assert_eq!((stats.accepted, stats.duplicate, stats.rejected), (1, 2, 1));
     assert_eq!((stats.retries, stats.batches), (0, 1));
