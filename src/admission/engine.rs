@@ -656,6 +656,16 @@ mod tests {
         }
     }
 
+    /// A fixture whose principal is on an Elastic account with `cap`.
+    fn elastic(cap: CostUnits) -> Fixture {
+        let f = fixture(8);
+        f.map.publish([snapshot(
+            EnforcementMode::Elastic { overage_cap: cap },
+            READ,
+        )]);
+        f
+    }
+
     #[track_caller]
     fn denied(outcome: Result<RequestContext, DenyReason>, expected: DenyReason) {
         match outcome {
@@ -868,11 +878,7 @@ mod tests {
 
     #[test]
     fn elastic_funding_falls_back_to_overage_up_to_the_cap() {
-        let f = fixture(8);
-        let mode = EnforcementMode::Elastic {
-            overage_cap: CostUnits(10),
-        };
-        f.map.publish([snapshot(mode, READ)]);
+        let f = elastic(CostUnits(10));
         let mut first = f.begin(6, 0).expect("no lease: overage funds it");
         assert!(first.admitted_as_overage());
         denied(
@@ -915,11 +921,7 @@ mod tests {
     /// what it holds.
     #[test]
     fn elastic_funding_covers_an_exhausted_or_expired_lease_from_overage() {
-        let f = fixture(8);
-        let mode = EnforcementMode::Elastic {
-            overage_cap: CostUnits(10),
-        };
-        f.map.publish([snapshot(mode, READ)]);
+        let f = elastic(CostUnits(10));
         let lease = f.lease(3);
         let mut short = f.begin(5, 0).expect("the lease is short: overage funds it");
         assert!(short.admitted_as_overage());
@@ -955,12 +957,8 @@ mod tests {
     /// exhausted.
     #[test]
     fn an_overage_commit_in_flight_is_reported_as_such() {
-        let f = fixture(8);
         let cap = CostUnits(10);
-        f.map.publish([snapshot(
-            EnforcementMode::Elastic { overage_cap: cap },
-            READ,
-        )]);
+        let f = elastic(cap);
         let slot = f.slot();
         let tentative = slot
             .overage()
