@@ -7,15 +7,13 @@
 
 mod support;
 
-use std::path::PathBuf;
-use std::process::Command;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use jiff::{SignedDuration, Timestamp};
-use support::postgres::{database_url, unique_schema};
+use support::postgres::{Cluster, database_url, unique_schema};
 use support::runtime::{LEASE_TTL, Pace, config, ms};
 use tollgate::layer::deny_status;
 use tollgate::runtime::{InstanceRuntime, RuntimeHandle};
@@ -286,55 +284,6 @@ async fn three_instances_on_one_database_spend_exactly_even_when_one_crashes() {
 }
 
 // ---- the server goes away and comes back ---------------------------------
-
-/// A cluster of this test's own, so stopping it disturbs no other test.
-struct Cluster {
-    dir: PathBuf,
-    url: String,
-}
-
-impl Cluster {
-    fn script() -> PathBuf {
-        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("scripts/pg-cluster")
-    }
-
-    fn run(command: &str, dir: &PathBuf) -> String {
-        let output = Command::new(Self::script())
-            .arg(command)
-            .arg(dir)
-            .output()
-            .expect("scripts/pg-cluster runs");
-        assert!(
-            output.status.success(),
-            "pg-cluster {command}: {}",
-            String::from_utf8_lossy(&output.stderr)
-        );
-        String::from_utf8(output.stdout).unwrap().trim().to_owned()
-    }
-
-    fn start(test: &str) -> Self {
-        let dir = std::env::temp_dir().join(unique_schema(test));
-        let url = Self::run("start", &dir);
-        Self { dir, url }
-    }
-
-    fn pause(&self) {
-        Self::run("pause", &self.dir);
-    }
-
-    fn resume(&self) {
-        Self::run("resume", &self.dir);
-    }
-}
-
-impl Drop for Cluster {
-    fn drop(&mut self) {
-        let _ = Command::new(Self::script())
-            .arg("stop")
-            .arg(&self.dir)
-            .output();
-    }
-}
 
 /// The allocator with a stopwatch: the longest any call ran before it
 /// completed or was abandoned by its caller.

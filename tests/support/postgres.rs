@@ -6,6 +6,8 @@
 //! no `PostgreSQL`; with `CI` set it fails instead, so a CI run can never pass
 //! without having run them.
 
+use std::path::PathBuf;
+use std::process::Command;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// The variable `scripts/test` exports.
@@ -53,4 +55,56 @@ pub(crate) fn unique_schema(test: &str) -> String {
         .take(32)
         .collect();
     format!("t_{stem}_{}_{n}_{nanos}", std::process::id())
+}
+
+/// A throwaway cluster of the caller's own, started by `scripts/pg-cluster`
+/// and stopped when dropped: a test that stops its server disturbs no
+/// other, and a benchmark needs no server set up beforehand.
+pub(crate) struct Cluster {
+    dir: PathBuf,
+    /// Where to connect.
+    pub(crate) url: String,
+}
+
+impl Cluster {
+    fn script() -> PathBuf {
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("scripts/pg-cluster")
+    }
+
+    fn run(command: &str, dir: &PathBuf) -> String {
+        let output = Command::new(Self::script())
+            .arg(command)
+            .arg(dir)
+            .output()
+            .expect("scripts/pg-cluster runs");
+        assert!(
+            output.status.success(),
+            "pg-cluster {command}: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        String::from_utf8(output.stdout).unwrap().trim().to_owned()
+    }
+
+    pub(crate) fn start(test: &str) -> Self {
+        let dir = std::env::temp_dir().join(unique_schema(test));
+        let url = Self::run("start", &dir);
+        Self { dir, url }
+    }
+
+    pub(crate) fn pause(&self) {
+        Self::run("pause", &self.dir);
+    }
+
+    pub(crate) fn resume(&self) {
+        Self::run("resume", &self.dir);
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        let _ = Command::new(Self::script())
+            .arg("stop")
+            .arg(&self.dir)
+            .output();
+    }
 }
