@@ -537,8 +537,15 @@ async fn a_lease_manager_that_dies_is_restarted_after_the_backoff() {
     tokio::time::sleep(config().manager_restart_backoff + ms(300)).await;
     assert_eq!(w.begin(&handle, 1), Ok(CostUnits(1)));
     assert_eq!(handle.report().manager_restarts, 1);
-    // It died before it was granted anything, so nothing is left to reclaim.
+    // It died before it was granted anything, so nothing is left to reclaim,
+    // but it died inside a grant call, whose outcome is unknown.
     assert_eq!(handle.report().unrecovered_grants, 0);
+    let leases = handle.report().leases.expect("no overflow");
+    assert_eq!(
+        (leases.uncertain_acquires, leases.acquired),
+        (1, 1),
+        "the dead manager's open grant call is counted as uncertain"
+    );
     assert!(handle.readiness());
     runtime.shutdown().await;
     assert!(w.store.audit().unwrap().is_empty());
@@ -584,14 +591,56 @@ async fn an_account_with_no_usable_key_is_retired_after_the_linger() {
     tokio::time::sleep(ms(1_100)).await;
     assert_eq!(w.begin(&handle, 1), Err(DenyReason::KeyRevoked));
     assert_eq!(handle.report().accounts, 1, "still lingering");
+    let serving = handle.report().leases.expect("no overflow");
+    assert_eq!((serving.acquired, serving.released), (1, 0));
     w.clock.advance(SignedDuration::from_secs(11));
     tokio::time::sleep(ms(1_500)).await;
     assert_eq!(handle.report().accounts, 0, "I29: retired after the linger");
     let view = w.store.account(w.account, w.clock.now()).unwrap();
     assert_eq!(view.leased, CostUnits::ZERO, "its lease went back");
     assert_eq!(view.balance, CostUnits(9_993));
-    runtime.shutdown().await;
+    let retired = handle.report().leases.expect("no overflow");
+    assert_eq!(
+        (retired.acquired, retired.released),
+        (1, 1),
+        "a retired manager's counts stay in the totals, its last release too"
+    );
+    let report = runtime.shutdown().await;
+    assert!(
+        report.unfinished_accounts.is_empty(),
+        "a retired account is not left unfinished: {:?}",
+        report.unfinished_accounts
+    );
+    assert!(
+        report.leases.is_empty(),
+        "no manager was running at shutdown"
+    );
     assert!(w.store.audit().unwrap().is_empty());
+}
+
+/// I17: every positive wait is a valid configuration, the longest that
+/// fits in a `Duration` included; the runtime treats one beyond thirty
+/// years as thirty years instead of overflowing its clock.
+#[tokio::test(start_paused = true)]
+async fn the_longest_waits_a_configuration_accepts_run_and_shut_down() {
+    let w = world(10_000);
+    let mut config = config();
+    config.shutdown_deadline = Duration::MAX;
+    config.manager_restart_backoff = Duration::MAX;
+    config.validate().expect("any positive wait is valid");
+    let allocator = Arc::new(Misbehaving {
+        store: Arc::clone(&w.store),
+        panics_left: std::sync::atomic::AtomicU32::new(1),
+        refuse_releases: false,
+    });
+    let (runtime, handle) = w.spawn_with(allocator, config);
+    // The first manager dies at once; its restart is as good as never.
+    tokio::time::sleep(ms(500)).await;
+    assert_eq!(w.begin(&handle, 1), Err(DenyReason::LeaseUnavailable));
+    assert_eq!(handle.report().manager_restarts, 0);
+    let report = runtime.shutdown().await;
+    assert!(report.unfinished_accounts.is_empty());
+    assert_eq!(report.lost_events(), 0);
 }
 
 #[track_caller]

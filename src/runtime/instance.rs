@@ -25,9 +25,10 @@ use std::time::Duration;
 
 use jiff::Timestamp;
 use tokio::sync::watch;
-use tokio::task::JoinHandle;
+use tokio::task::{JoinHandle, JoinSet};
 use tokio::time::{Instant, sleep};
 
+use super::after;
 use crate::admission::{
     AdmissionEngine, AdmissionStats, ArcSwapSnapshotMap, RequestContext, RequestIds, SlotRegistry,
     SnapshotMapConfig, SnapshotMapConfigError, UsageRecorder,
@@ -213,7 +214,7 @@ struct Shared {
     bindings: watch::Receiver<Arc<AccountBindings>>,
     restarts: AtomicU64,
     /// Grants held by lease managers that died, left to TTL reclaim.
-    unrecovered: Arc<AtomicU64>,
+    unrecovered: AtomicU64,
     planes: Mutex<Planes>,
 }
 
@@ -224,8 +225,15 @@ struct Planes {
     snapshots: Option<SnapshotManager>,
     reclaimer: Option<Reclaimer>,
     accounts: BTreeMap<AccountId, ManagedAccount>,
-    /// Stats of lease managers that have ended, so totals never go down.
-    retired: LeaseStats,
+    /// Stats of lease managers that have left (retired or dead), so totals
+    /// never go down; `None` once the sum overflowed.
+    retired: Option<LeaseStats>,
+    /// The shutdowns of managers that have left, owned here so the
+    /// runtime's shutdown waits for them and dropping the runtime aborts
+    /// them.
+    departures: JoinSet<()>,
+    /// How many of those are still running, by account.
+    departing: BTreeMap<AccountId, usize>,
 }
 
 struct ManagedAccount {
@@ -382,13 +390,15 @@ impl InstanceRuntime {
             faulted: AtomicBool::new(false),
             shutdown: watch::Sender::new(false),
             restarts: AtomicU64::new(0),
-            unrecovered: Arc::new(AtomicU64::new(0)),
+            unrecovered: AtomicU64::new(0),
             planes: Mutex::new(Planes {
                 writer: Some(writer),
                 snapshots: Some(snapshots),
                 reclaimer,
                 accounts: BTreeMap::new(),
-                retired: LeaseStats::default(),
+                retired: Some(LeaseStats::default()),
+                departures: JoinSet::new(),
+                departing: BTreeMap::new(),
             }),
         });
         let supervisor = tokio::spawn(supervise(Arc::clone(&shared), bindings));
@@ -417,14 +427,14 @@ impl InstanceRuntime {
     /// request at its deadline is abandoned to TTL reclaim, never released.
     pub async fn shutdown(mut self) -> RuntimeShutdownReport {
         let started = Instant::now();
-        let deadline = started + self.shared.config.shutdown_deadline;
+        let deadline = after(started, self.shared.config.shutdown_deadline);
         self.shared.begin_shutdown();
         if let Some(supervisor) = self.supervisor.take() {
             // The supervisor only starts and retires managers; it is told to
             // stop and given until the deadline.
             let _ = tokio::time::timeout_at(deadline, supervisor).await;
         }
-        let (writer, snapshots, reclaimer, managers) = {
+        let (writer, snapshots, reclaimer, managers, mut departures) = {
             let mut planes = self.shared.lock_planes();
             let managers: Vec<(AccountId, LeaseManager)> = std::mem::take(&mut planes.accounts)
                 .into_iter()
@@ -435,38 +445,38 @@ impl InstanceRuntime {
                 planes.snapshots.take(),
                 planes.reclaimer.take(),
                 managers,
+                std::mem::take(&mut planes.departures),
             )
         };
         // 1. Admission is closed (begin_shutdown). 2. Drain usage.
         let usage = match writer {
             Some(writer) => {
                 let drain = self.shared.config.usage.shutdown_drain_deadline;
-                writer.stop_at((Instant::now() + drain).min(deadline));
+                writer.stop_at(after(Instant::now(), drain).min(deadline));
                 Some(writer.shutdown().await)
             }
             None => None,
         };
-        // 3. Release leases, every account at once, inside what is left.
-        let mut releases = tokio::task::JoinSet::new();
+        // 3. Release leases, every account at once, inside what is left,
+        // while managers that left before shutdown finish theirs.
+        let mut releases = JoinSet::new();
+        let mut unfinished: std::collections::BTreeSet<AccountId> =
+            managers.iter().map(|(account, _)| *account).collect();
         for (account, manager) in managers {
             releases.spawn(async move { (account, manager.shutdown().await) });
         }
         let mut leases = Vec::new();
-        let mut finished = std::collections::BTreeSet::new();
         while let Ok(Some(joined)) = tokio::time::timeout_at(deadline, releases.join_next()).await {
             if let Ok((account, report)) = joined {
-                finished.insert(account);
+                unfinished.remove(&account);
                 leases.push((account, report));
             }
         }
         releases.abort_all();
-        let unfinished_accounts: Vec<AccountId> = self
-            .shared
-            .registry
-            .accounts()
-            .into_iter()
-            .filter(|account| !finished.contains(account))
-            .collect();
+        while let Ok(Some(_)) = tokio::time::timeout_at(deadline, departures.join_next()).await {}
+        departures.abort_all();
+        unfinished.extend(self.shared.lock_planes().departing.keys());
+        let unfinished_accounts: Vec<AccountId> = unfinished.into_iter().collect();
         if !unfinished_accounts.is_empty() {
             tracing::error!(
                 accounts = ?unfinished_accounts,
@@ -501,6 +511,7 @@ impl Drop for InstanceRuntime {
         let accounts: Vec<AccountId> = planes.accounts.keys().copied().collect();
         // Dropping each plane's handle aborts its task.
         planes.accounts.clear();
+        planes.departures.abort_all();
         planes.writer = None;
         planes.snapshots = None;
         planes.reclaimer = None;
@@ -680,8 +691,10 @@ impl RuntimeHandle {
             && snapshots_ready
             && writer_health != WriterHealth::Stopped
             && accounts_ready;
-        let leases = accounts.iter().try_fold(planes.retired, |sum, account| {
-            sum.checked_add(&account.stats)
+        let leases = planes.retired.and_then(|retired| {
+            accounts
+                .iter()
+                .try_fold(retired, |sum, account| sum.checked_add(&account.stats))
         });
         let hottest = hottest_accounts(
             accounts
@@ -737,7 +750,7 @@ impl Shared {
 
     /// One supervision pass: start managers for accounts in use, restart
     /// dead ones after the backoff, retire accounts idle past the linger.
-    fn supervise_once(&self, bindings: &AccountBindings, retiring: &mut Vec<LeaseManager>) {
+    fn supervise_once(self: &Arc<Self>, bindings: &AccountBindings) {
         let now = self.clock.now();
         let instant = Instant::now();
         let linger = jiff::SignedDuration::try_from(self.config.account_linger)
@@ -756,9 +769,15 @@ impl Shared {
                     manager: None,
                     restart_at: None,
                 });
-                self.keep_running(account, managed, &mut planes.retired, instant);
-            } else if let Some(managed) = planes.accounts.remove(&account) {
-                retiring.extend(managed.manager);
+                if let Some(dead) = self.keep_running(account, managed, instant) {
+                    self.depart(planes, account, dead, true);
+                }
+            } else if let Some(manager) = planes
+                .accounts
+                .remove(&account)
+                .and_then(|managed| managed.manager)
+            {
+                self.depart(planes, account, manager, false);
             }
         }
         // Accounts the bindings no longer mention at all are retired too.
@@ -769,45 +788,94 @@ impl Shared {
             .copied()
             .collect();
         for account in gone {
-            if let Some(managed) = planes.accounts.remove(&account) {
-                retiring.extend(managed.manager);
+            if let Some(manager) = planes
+                .accounts
+                .remove(&account)
+                .and_then(|managed| managed.manager)
+            {
+                self.depart(planes, account, manager, false);
+            }
+        }
+        // Finished departures have reported through `departed`.
+        while planes.departures.try_join_next().is_some() {}
+    }
+
+    /// Takes a lease manager off the books: retired with its idle account,
+    /// or dead. What it has counted joins the retired totals at once, so
+    /// they never drop. Its shutdown (returning the account's lease, or
+    /// for a dead task reporting what it stranded) runs beside the
+    /// supervisor, so one slow release holds up nothing else. The slot
+    /// stays registered: published snapshots still point at it, and a
+    /// returning account is served from it again.
+    fn depart(
+        self: &Arc<Self>,
+        planes: &mut Planes,
+        account: AccountId,
+        manager: LeaseManager,
+        died: bool,
+    ) {
+        let counted = manager.stats();
+        planes.retired = planes.retired.and_then(|sum| sum.checked_add(&counted));
+        *planes.departing.entry(account).or_default() += 1;
+        let shared = Arc::clone(self);
+        planes.departures.spawn(async move {
+            let report = manager.shutdown().await;
+            shared.departed(account, &counted, &report, died);
+        });
+    }
+
+    /// Books what a departed manager's shutdown added after it left.
+    fn departed(
+        &self,
+        account: AccountId,
+        counted: &LeaseStats,
+        report: &LeaseManagerReport,
+        died: bool,
+    ) {
+        if died {
+            // I29: the grants a dead task held settle at TTL reclaim.
+            self.unrecovered
+                .fetch_add(report.abandoned, Ordering::Relaxed);
+        } else {
+            tracing::info!(%account, released = report.released, abandoned = report.abandoned, "retired idle account");
+        }
+        let mut planes = self.lock_planes();
+        planes.retired = planes
+            .retired
+            .and_then(|sum| sum.checked_add(&report.stats.since(counted)));
+        if let Some(running) = planes.departing.get_mut(&account) {
+            *running -= 1;
+            if *running == 0 {
+                planes.departing.remove(&account);
             }
         }
     }
 
+    /// Keeps `account`'s manager running: starts one, or restarts a dead
+    /// one after the backoff. Returns a manager found dead, for the caller
+    /// to take off the books.
     fn keep_running(
         &self,
         account: AccountId,
         managed: &mut ManagedAccount,
-        retired: &mut LeaseStats,
         now: Instant,
-    ) {
+    ) -> Option<LeaseManager> {
         if let Some(manager) = &managed.manager {
             if manager.health() == LeaseHealth::Faulted {
                 // I15: books that disagree with the store are no basis for
                 // spending; the instance stops serving for good.
                 self.faulted.store(true, Ordering::Release);
-                return;
+                return None;
             }
             if !manager.is_finished() {
-                return;
+                return None;
             }
-            // The manager died: keep its counts, and restart after a pause.
-            let dead = managed.manager.take().expect("checked above");
-            *retired = retired.checked_add(&dead.stats()).unwrap_or(*retired);
             tracing::error!(%account, "lease manager died; restarting after backoff");
-            managed.restart_at = Some(now + self.config.manager_restart_backoff);
-            // The dead task's report counts the grants it held and can no
-            // longer return; they settle at TTL reclaim (I29).
-            let unrecovered = Arc::clone(&self.unrecovered);
-            tokio::spawn(async move {
-                let report = dead.shutdown().await;
-                unrecovered.fetch_add(report.abandoned, Ordering::Relaxed);
-            });
-            return;
+            managed.restart_at = Some(after(now, self.config.manager_restart_backoff));
+            return managed.manager.take();
         }
         if managed.restart_at.is_some_and(|at| now < at) {
-            return;
+            return None;
         }
         let slot = self.registry.ensure(account);
         match LeaseManager::spawn(
@@ -828,6 +896,7 @@ impl Shared {
                 self.faulted.store(true, Ordering::Release);
             }
         }
+        None
     }
 }
 
@@ -852,19 +921,7 @@ async fn supervise(shared: Arc<Shared>, mut bindings: watch::Receiver<Arc<Accoun
             return;
         }
         let current = Arc::clone(&bindings.borrow_and_update());
-        let mut retiring = Vec::new();
-        shared.supervise_once(&current, &mut retiring);
-        for manager in retiring {
-            let account = manager.account();
-            // Retiring returns the account's lease; it runs beside the
-            // supervisor so one slow release does not hold up the others.
-            // The slot stays registered: published snapshots still point at
-            // it, and a returning account is served from it again.
-            tokio::spawn(async move {
-                let report = manager.shutdown().await;
-                tracing::info!(%account, released = report.released, abandoned = report.abandoned, "retired idle account");
-            });
-        }
+        shared.supervise_once(&current);
         tokio::select! {
             () = sleep(shared.config.supervisor_interval) => {}
             changed = bindings.changed() => {

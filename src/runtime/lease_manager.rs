@@ -111,6 +111,7 @@ use tokio::task::{JoinError, JoinHandle};
 use tokio::time::{Instant, sleep_until, timeout_at};
 use tracing::Instrument as _;
 
+use super::after;
 use crate::admission::LeaseSlot;
 use crate::model::{AccountId, CostUnits, LeaseGrant, LocalLease, RefillSignal, RefillVerdict};
 use crate::store::{AllocateError, Allocation, Clock, LeaseAllocator, Released};
@@ -681,6 +682,29 @@ impl LeaseStats {
         })
     }
 
+    /// What the counters added after `earlier`, a reading of the same
+    /// manager taken before this one: every counter only grows.
+    #[must_use]
+    pub(crate) fn since(&self, earlier: &LeaseStats) -> LeaseStats {
+        let (a, b) = (self, earlier);
+        LeaseStats {
+            acquired: a.acquired.saturating_sub(b.acquired),
+            acquired_units: a.acquired_units.saturating_sub(b.acquired_units),
+            acquire_timeouts: a.acquire_timeouts.saturating_sub(b.acquire_timeouts),
+            uncertain_acquires: a.uncertain_acquires.saturating_sub(b.uncertain_acquires),
+            refused: sub_each(&a.refused, &b.refused),
+            released: a.released.saturating_sub(b.released),
+            released_units: a.released_units.saturating_sub(b.released_units),
+            release_timeouts: a.release_timeouts.saturating_sub(b.release_timeouts),
+            release_refused: sub_each(&a.release_refused, &b.release_refused),
+            abandoned: a.abandoned.saturating_sub(b.abandoned),
+            consolidated: a.consolidated.saturating_sub(b.consolidated),
+            consolidations_deferred: a
+                .consolidations_deferred
+                .saturating_sub(b.consolidations_deferred),
+        }
+    }
+
     /// How many acquires and consolidations were refused with `error`'s
     /// variant.
     #[must_use]
@@ -697,6 +721,14 @@ impl LeaseStats {
 
 fn sum(a: u64, b: u64) -> Option<u64> {
     a.checked_add(b)
+}
+
+fn sub_each<const N: usize>(left: &[u64; N], right: &[u64; N]) -> [u64; N] {
+    let mut rest = [0; N];
+    for ((rest, a), b) in rest.iter_mut().zip(left).zip(right) {
+        *rest = a.saturating_sub(*b);
+    }
+    rest
 }
 
 fn add_each<const N: usize>(left: &[u64; N], right: &[u64; N]) -> Option<[u64; N]> {
@@ -1563,13 +1595,6 @@ async fn stop_requested(stop: &mut watch::Receiver<Option<Instant>>) -> Instant 
             std::future::pending::<()>().await;
         }
     }
-}
-
-/// `from + wait`, treating waits beyond a century as a century: `Instant`
-/// arithmetic panics on overflow, and no such wait ends in practice.
-fn after(from: Instant, wait: Duration) -> Instant {
-    const CENTURY: Duration = Duration::from_secs(100 * 365 * 86_400);
-    from + wait.min(CENTURY)
 }
 
 #[cfg(test)]

@@ -18,3 +18,15 @@ pub use snapshot_manager::*;
 pub use usage_writer::{
     UsageWriter, UsageWriterConfig, UsageWriterConfigError, WriterHealth, WriterReport, WriterStats,
 };
+
+/// `from + wait`, with waits beyond thirty years treated as thirty years.
+///
+/// Every deadline the planes compute goes through here: `Instant`
+/// arithmetic panics on overflow, so a configured wait as long as
+/// `Duration::MAX` (which validation accepts: any positive wait is a valid
+/// choice) must not reach it, and a wait of thirty years never ends in
+/// practice either way, as tokio's own timers assume.
+fn after(from: tokio::time::Instant, wait: std::time::Duration) -> tokio::time::Instant {
+    const FAR_FUTURE: std::time::Duration = std::time::Duration::from_secs(86_400 * 365 * 30);
+    from + wait.min(FAR_FUTURE)
+}

@@ -75,6 +75,7 @@ use tokio::task::JoinHandle;
 use tokio::time::error::Elapsed;
 use tokio::time::{Instant, sleep_until, timeout};
 
+use super::after;
 use crate::admission::ArcSwapSnapshotMap;
 use crate::model::{AccountId, AccountStatus, KeyStatus, Principal, PrincipalSnapshot};
 use crate::store::{Clock, SnapshotCursor, SnapshotSource, StoreError};
@@ -992,12 +993,4 @@ async fn stop_requested(stop: &mut watch::Receiver<bool>) {
 
 fn bump(counter: &AtomicU64, by: usize) {
     counter.fetch_add(by as u64, Ordering::Relaxed);
-}
-
-/// `from + wait`, with waits beyond thirty years treated as thirty years:
-/// `Instant` arithmetic panics on overflow, and such a wait never ends in
-/// practice either way.
-fn after(from: Instant, wait: Duration) -> Instant {
-    const FAR_FUTURE: Duration = Duration::from_secs(86_400 * 365 * 30);
-    from + wait.min(FAR_FUTURE)
 }

@@ -45,6 +45,7 @@ use tokio::task::{JoinError, JoinHandle};
 use tokio::time::error::Elapsed;
 use tokio::time::{Instant, sleep, sleep_until, timeout};
 
+use super::after;
 use crate::admission::{UsageQueue, UsageRecorder};
 use crate::model::{LocalSharding, UsageEvent};
 use crate::store::{Clock, IngestOutcome, StoreError, UsageSink};
@@ -733,12 +734,4 @@ async fn stop_changed(stop: &mut watch::Receiver<Option<Instant>>) {
         // Waiting forever beats spinning on a closed channel.
         std::future::pending::<()>().await;
     }
-}
-
-/// `from + wait`, with waits beyond thirty years treated as thirty years:
-/// `Instant` arithmetic panics on overflow, and such a wait never ends in
-/// practice either way.
-fn after(from: Instant, wait: Duration) -> Instant {
-    const FAR_FUTURE: Duration = Duration::from_secs(86_400 * 365 * 30);
-    from + wait.min(FAR_FUTURE)
 }
