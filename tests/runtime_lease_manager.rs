@@ -593,6 +593,34 @@ async fn a_refused_quote_folds_the_unspent_units_into_one_grant_large_enough_for
     );
 }
 
+/// I27, I28: while a fold waits on a reservation in flight, a lease that
+/// drains below low water is still replaced, so one long request and one
+/// unfundable quote cannot starve the account.
+#[tokio::test(start_paused = true)]
+async fn a_waiting_consolidation_still_replaces_a_draining_lease() {
+    let h = Harness::started(Scripted::new()).await;
+    let held = h.reserve(10);
+    h.refused(95);
+    settle().await;
+    assert_eq!(h.stats().consolidations_deferred, 1);
+    assert_eq!(h.serving(), Some((1, 90)));
+
+    // Below low water: the doorbell rings, the fold waits again, and a
+    // replacement is acquired at once instead of at the held request's end.
+    h.spend(75);
+    settle().await;
+    assert_eq!(h.stats().consolidations_deferred, 2);
+    assert_eq!(h.allocator.calls(), [acquire(), acquire()]);
+    assert_eq!(h.serving(), Some((2, TARGET)), "a fresh lease serves");
+    h.spend(50);
+
+    // The old lease, parked, is released once its last request lets go;
+    // that request ended unexecuted, so its 10 units come back too (I4).
+    drop(held);
+    h.allocator.calls_reach(3).await;
+    assert_eq!(h.allocator.calls()[2], release(1, 25));
+}
+
 /// I6, I27: a lease with a reservation in flight has no exact unspent count, so
 /// the fold waits; it goes back into the slot and serves meanwhile.
 #[tokio::test(start_paused = true)]

@@ -1121,9 +1121,15 @@ impl Task {
         if !is_quiescent(&live) {
             // I27: the unspent count is not final while a reservation is in
             // flight. Requests were denied only for the take-and-test; the
-            // next inspection tries again.
+            // next inspection tries again. A lease that is also low is
+            // replaced meanwhile, as after a refused fold: a long request
+            // must not let one unfundable quote drain the account's lease.
             bump(&self.shared.counters.consolidations_deferred, 1);
+            let draining = live.remaining() <= live.low_water();
             self.reinstate(live);
+            if draining {
+                return self.acquire().await;
+            }
             return Ok(());
         }
         let grant = *live.grant();
