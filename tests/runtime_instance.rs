@@ -441,6 +441,8 @@ async fn an_exhausted_account_serves_again_within_a_poll_interval_of_a_top_up() 
 /// An allocator that misbehaves on purpose around a real store.
 struct Misbehaving {
     store: Arc<MemoryStore>,
+    /// Acquires answered normally before the panics start.
+    calm_acquires: std::sync::atomic::AtomicU32,
     /// Acquires that panic before the store is asked.
     panics_left: std::sync::atomic::AtomicU32,
     /// Whether releases answer with an accounting refusal.
@@ -456,14 +458,23 @@ impl LeaseAllocator for Misbehaving {
         ttl: SignedDuration,
         now: Timestamp,
     ) -> Result<Allocation, AllocateError> {
-        if self
-            .panics_left
+        let calm = self
+            .calm_acquires
             .fetch_update(
                 std::sync::atomic::Ordering::SeqCst,
                 std::sync::atomic::Ordering::SeqCst,
                 |n| n.checked_sub(1),
             )
-            .is_ok()
+            .is_ok();
+        if !calm
+            && self
+                .panics_left
+                .fetch_update(
+                    std::sync::atomic::Ordering::SeqCst,
+                    std::sync::atomic::Ordering::SeqCst,
+                    |n| n.checked_sub(1),
+                )
+                .is_ok()
         {
             panic!("a bug in the allocator client");
         }
@@ -522,6 +533,7 @@ async fn a_lease_manager_that_dies_is_restarted_after_the_backoff() {
     let w = world(10_000);
     let allocator = Arc::new(Misbehaving {
         store: Arc::clone(&w.store),
+        calm_acquires: std::sync::atomic::AtomicU32::new(0),
         panics_left: std::sync::atomic::AtomicU32::new(1),
         refuse_releases: false,
     });
@@ -551,11 +563,50 @@ async fn a_lease_manager_that_dies_is_restarted_after_the_backoff() {
     assert!(w.store.audit().unwrap().is_empty());
 }
 
+/// I29: near the end of a balance the allocator's evidence says a little
+/// is left. That evidence alone does not make the instance ready: with its
+/// lease manager dead, every quote the remainder could fund is denied as
+/// unavailable until the restarted manager holds a lease again.
+#[tokio::test(start_paused = true)]
+async fn evidence_of_a_remainder_is_not_readiness_without_a_lease() {
+    // 600 units against grants of 500: the first grant says 100 remain.
+    let w = world(600);
+    let allocator = Arc::new(Misbehaving {
+        store: Arc::clone(&w.store),
+        calm_acquires: std::sync::atomic::AtomicU32::new(1),
+        panics_left: std::sync::atomic::AtomicU32::new(1),
+        refuse_releases: false,
+    });
+    let (runtime, handle) = w.spawn_with(allocator, config());
+    tokio::time::sleep(ms(200)).await;
+    assert!(handle.readiness());
+    // Down to low water: the replacement acquire panics and the manager
+    // dies; the supervisor's next pass finds it and its lease is stranded.
+    assert_eq!(w.begin(&handle, 450), Ok(CostUnits(450)));
+    tokio::time::sleep(config().supervisor_interval + ms(20)).await;
+    assert_eq!(w.begin(&handle, 1), Err(DenyReason::LeaseUnavailable));
+    let funding = handle.account_reports()[0].funding;
+    assert_eq!(
+        funding.map(|evidence| evidence.remaining),
+        Some(CostUnits(100))
+    );
+    assert!(
+        !handle.readiness(),
+        "a remainder nobody can spend is not ready"
+    );
+    // Restarted, the manager takes up the remainder and serves again.
+    tokio::time::sleep(config().manager_restart_backoff + ms(300)).await;
+    assert_eq!(w.begin(&handle, 1), Ok(CostUnits(1)));
+    assert!(handle.readiness());
+    runtime.shutdown().await;
+}
+
 #[tokio::test(start_paused = true)]
 async fn an_integrity_fault_takes_the_instance_out_of_service_for_good() {
     let w = world(10_000);
     let allocator = Arc::new(Misbehaving {
         store: Arc::clone(&w.store),
+        calm_acquires: std::sync::atomic::AtomicU32::new(0),
         panics_left: std::sync::atomic::AtomicU32::new(0),
         refuse_releases: true,
     });
@@ -630,6 +681,7 @@ async fn the_longest_waits_a_configuration_accepts_run_and_shut_down() {
     config.validate().expect("any positive wait is valid");
     let allocator = Arc::new(Misbehaving {
         store: Arc::clone(&w.store),
+        calm_acquires: std::sync::atomic::AtomicU32::new(0),
         panics_left: std::sync::atomic::AtomicU32::new(1),
         refuse_releases: false,
     });

@@ -677,11 +677,15 @@ impl RuntimeHandle {
                 .get(account)
                 .and_then(|managed| managed.manager.as_ref())
                 .is_some_and(|manager| *manager.readiness().borrow());
+            // An account the allocator says has nothing left is answered
+            // truthfully without a lease (402, balance exhausted). Evidence
+            // of a smaller remainder is not enough: without a lease every
+            // quote it could still fund is denied as unavailable.
             let known_empty = shared
                 .registry
                 .get(*account)
                 .and_then(|slot| slot.funding_evidence(now))
-                .is_some();
+                .is_some_and(|evidence| evidence.remaining.is_zero());
             funded || known_empty
         };
         let accounts_ready = planes.accounts.keys().all(answers_for)
