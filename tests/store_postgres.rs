@@ -1038,6 +1038,54 @@ async fn used_on_held(store: &PostgresStore, acct: AccountId) -> u64 {
     u64::try_from(used.unwrap_or(0)).unwrap()
 }
 
+/// A call its caller gave up on must not hold an account's locks: on the
+/// pool `connect` builds, the server ends a wait for a row lock after five
+/// seconds and a transaction left idle after ten.
+#[tokio::test]
+async fn the_server_ends_lock_waits_and_abandoned_transactions() {
+    let Some(store) = store("server_bounds", 1).await else {
+        return;
+    };
+    let setting = |name: &'static str| {
+        let pool = store.pool().clone();
+        async move {
+            sqlx::query_scalar::<_, String>(&format!("SHOW {name}"))
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+        }
+    };
+    assert_eq!(setting("lock_timeout").await, "5s");
+    assert_eq!(setting("idle_in_transaction_session_timeout").await, "10s");
+
+    // Another session holds the account's row: the grant waits for it no
+    // longer than the lock timeout, and fails as a storage error.
+    let acct = account(&store, 100).await;
+    let mut holder = store.pool().begin().await.unwrap();
+    sqlx::query(&format!(
+        "SELECT 1 FROM {}.accounts WHERE id = $1 FOR UPDATE",
+        store.schema()
+    ))
+    .bind(i64::try_from(acct.get()).unwrap())
+    .execute(&mut *holder)
+    .await
+    .unwrap();
+    let waited = std::time::Instant::now();
+    let blocked = store.acquire(acct, CostUnits(10), TTL, at(0)).await;
+    assert!(
+        matches!(blocked, Err(AllocateError::Storage(_))),
+        "{blocked:?}"
+    );
+    assert!(waited.elapsed() < std::time::Duration::from_secs(30));
+    holder.rollback().await.unwrap();
+    assert_eq!(
+        balance(&store, acct, at(0)).await,
+        100,
+        "nothing was granted"
+    );
+    audited(&store).await;
+}
+
 #[tokio::test]
 async fn a_closed_pool_is_a_storage_error_never_a_refusal() {
     let Some(store) = store("closed", 1).await else {

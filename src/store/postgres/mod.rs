@@ -62,7 +62,7 @@ use std::time::Duration;
 
 use jiff::Timestamp;
 use sqlx::PgPool;
-use sqlx::postgres::PgPoolOptions;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
 use crate::model::{AccountId, CostUnits, LeaseId};
 use crate::store::{GrantPolicy, GrantPolicyError, StoreError};
@@ -260,6 +260,23 @@ const POOL_CONNECTIONS_MAX: u32 = 10;
 /// The longest a call waits for a pooled connection before failing as a
 /// storage error.
 const POOL_ACQUIRE_TIMEOUT: Duration = Duration::from_secs(5);
+/// Server-side bounds on every connection [`PostgresStore::connect`] opens.
+///
+/// A caller that gives up on a store call (the runtime's
+/// `store_call_timeout`) drops its future, but the server does not know:
+/// a backend waiting for a row lock would keep waiting, and one left idle
+/// inside a transaction would keep its locks, stalling every later call on
+/// the same account. The server ends both itself. Neither bound touches a
+/// statement that is running rather than waiting, so a long audit is not
+/// cut short.
+const SERVER_BOUNDS: [(&str, &str); 2] = [
+    // Waiting for a lock longer than this fails the statement (a storage
+    // error the caller retries).
+    ("lock_timeout", "5s"),
+    // A transaction idle this long has been abandoned: the session ends
+    // and its locks go with it.
+    ("idle_in_transaction_session_timeout", "10s"),
+];
 /// The longest a schema name may be: `PostgreSQL`'s identifier limit.
 const SCHEMA_NAME_LEN_MAX: usize = 63;
 
@@ -268,21 +285,36 @@ impl PostgresStore {
     /// five seconds for a connection) and builds a store on it. Does not
     /// migrate.
     ///
+    /// Each connection has the server end a wait for a row lock after five
+    /// seconds and a transaction left idle after ten, so a call its caller
+    /// gave up on cannot hold an account's locks.
+    ///
     /// # Errors
     ///
     /// An invalid schema name or policy, or [`PostgresError::Connect`].
     pub async fn connect(url: &str, config: PostgresConfig) -> Result<Self, PostgresError> {
         validate(&config)?;
+        let connect_error =
+            |error: sqlx::Error| PostgresError::Connect(StoreError::new(error.to_string()));
+        let options = url
+            .parse::<PgConnectOptions>()
+            .map_err(connect_error)?
+            .options(SERVER_BOUNDS);
         let pool = PgPoolOptions::new()
             .max_connections(POOL_CONNECTIONS_MAX)
             .acquire_timeout(POOL_ACQUIRE_TIMEOUT)
-            .connect(url)
+            .connect_with(options)
             .await
-            .map_err(|error| PostgresError::Connect(StoreError::new(error.to_string())))?;
+            .map_err(connect_error)?;
         Self::with_pool(pool, config)
     }
 
     /// A store over an existing pool. Does not migrate.
+    ///
+    /// The pool is the caller's, and so are its connections' settings: set
+    /// `lock_timeout` and `idle_in_transaction_session_timeout` on it as
+    /// [`connect`](Self::connect) does, or a call abandoned on a timeout can
+    /// leave its locks held.
     ///
     /// # Errors
     ///
