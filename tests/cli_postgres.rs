@@ -308,6 +308,38 @@ fn top_ups_apply_once_per_idempotency_key_and_adjustments_never_go_below_zero() 
     assert!(history.contains("idempotency_key=\"inv-7\""), "{history}");
 }
 
+/// Bad input is named before the command connects: with no server to
+/// reach, each of these still says what is wrong, not that the database is
+/// unreachable.
+#[test]
+fn bad_input_is_named_before_connecting() {
+    let nowhere = |args: &[&str]| {
+        let mut command = Cli::bare();
+        command
+            .arg("--database-url")
+            .arg("postgres://tollgate@127.0.0.1:9/nowhere")
+            .args(args);
+        finish(&command.output().expect("the tollgate binary runs"))
+    };
+    let movement = ["--idempotency-key", "k1", "--reason", "test"];
+    let top_up_nothing = [&["balance", "top-up", "acct_1", "0"][..], &movement].concat();
+    nowhere(&top_up_nothing).fails(2, "0 is not in 1..");
+    nowhere(&["reclaim", "--reclaim-grace", "10s", "--batch", "0"]).fails(2, "at least 1");
+    nowhere(&[
+        "usage",
+        "acct_1",
+        "--since",
+        "2026-01-02T00:00:00Z",
+        "--until",
+        "2026-01-01T00:00:00Z",
+    ])
+    .fails(1, "must be before --until");
+    nowhere(&["account", "create", "--balance", "10", "--mode", "elastic"])
+        .fails(1, "--mode elastic needs --overage-cap");
+    // Good input gets as far as the connection, which fails.
+    nowhere(&["account", "list"]).fails(1, "error");
+}
+
 #[test]
 fn refills_are_set_and_cleared() {
     let Some(cli) = Cli::new("cli_refill") else {

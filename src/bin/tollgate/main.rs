@@ -28,7 +28,7 @@ use tollgate::store::{
 use tollgate::{AccountId, AccountStatus, CostUnits, EnforcementMode, KeyId, PermissionBits};
 
 use crate::config::Settings;
-use crate::parse::{Mode, account_id, duration, key_id, permissions, timestamp};
+use crate::parse::{Mode, account_id, duration, key_id, permissions, positive_count, timestamp};
 
 /// Operate a tollgate deployment's PostgreSQL store.
 #[derive(Debug, Parser)]
@@ -85,8 +85,8 @@ enum Command {
         /// gateways' `reclaim_grace` (or the config file's).
         #[arg(long, value_parser = duration)]
         reclaim_grace: Option<jiff::SignedDuration>,
-        /// Leases settled per transaction.
-        #[arg(long, default_value_t = 100)]
+        /// Leases settled per transaction: at least one.
+        #[arg(long, default_value_t = 100, value_parser = positive_count)]
         batch: usize,
     },
     /// Checks the ledger equation for every account and lease; exits 3 on
@@ -155,7 +155,8 @@ enum BalanceCommand {
         /// The account.
         #[arg(value_parser = account_id)]
         account: AccountId,
-        /// The units to add.
+        /// The units to add: at least one.
+        #[arg(value_parser = clap::value_parser!(u64).range(1..))]
         units: u64,
         #[command(flatten)]
         movement: MovementArgs,
@@ -279,6 +280,7 @@ fn main() -> ExitCode {
 }
 
 async fn run(cli: Cli) -> Result<(), Failure> {
+    check_input(&cli.command)?;
     let settings = Settings::load(
         cli.config.as_deref(),
         cli.database_url.as_deref(),
@@ -484,9 +486,6 @@ async fn refill(
 }
 
 async fn reclaim(store: &PostgresStore, batch: usize, now: Timestamp) -> Result<(), Failure> {
-    if batch == 0 {
-        return Err(Failure::Error("--batch must be at least 1".to_owned()));
-    }
     let mut settled = 0_usize;
     let mut credited = 0_u64;
     loop {
@@ -515,6 +514,24 @@ impl MovementArgs {
             idempotency_key: &self.idempotency_key,
             reason: &self.reason,
         }
+    }
+}
+
+/// The input errors a command can report before it connects, so a bad
+/// argument is named even when the database is unreachable.
+fn check_input(command: &Command) -> Result<(), Failure> {
+    match command {
+        Command::Usage {
+            since: Some(since),
+            until: Some(until),
+            ..
+        } if since >= until => Err(Failure::Error(format!(
+            "--since ({since}) must be before --until ({until})"
+        ))),
+        Command::Account(
+            AccountCommand::Create { mode, .. } | AccountCommand::SetMode { mode, .. },
+        ) => enforcement(mode).map(drop),
+        _ => Ok(()),
     }
 }
 

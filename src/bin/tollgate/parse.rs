@@ -69,6 +69,17 @@ pub(crate) fn duration(text: &str) -> Result<SignedDuration, String> {
     }
 }
 
+/// A count of at least one.
+pub(crate) fn positive_count(text: &str) -> Result<usize, String> {
+    match text.parse::<usize>() {
+        Ok(0) => Err("expected at least 1, got 0".to_owned()),
+        Ok(count) => Ok(count),
+        Err(_) => Err(format!(
+            "expected a whole number of at least 1, got {text:?}"
+        )),
+    }
+}
+
 /// An RFC 3339 instant, e.g. `2026-11-30T00:00:00Z`.
 pub(crate) fn timestamp(text: &str) -> Result<Timestamp, String> {
     text.parse().map_err(|_| {
@@ -79,6 +90,14 @@ pub(crate) fn timestamp(text: &str) -> Result<Timestamp, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_count_is_a_whole_number_of_at_least_one() {
+        assert_eq!(positive_count("100"), Ok(100));
+        assert!(positive_count("0").is_err());
+        assert!(positive_count("-1").is_err());
+        assert!(positive_count("ten").is_err());
+    }
 
     #[test]
     fn ids_take_their_prefix_or_a_bare_number_and_never_zero() {
