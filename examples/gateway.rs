@@ -422,9 +422,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("Ops: http://{bound}/livez  http://{bound}/readyz  http://{bound}/metrics\n");
 
     axum::serve(listener, app)
-        .with_graceful_shutdown(async {
-            let _ = tokio::signal::ctrl_c().await;
-        })
+        .with_graceful_shutdown(stop_requested())
         .await?;
 
     let report = runtime.shutdown().await;
@@ -437,4 +435,25 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     );
     print!("{}", backend.report(clock.now()).await);
     Ok(())
+}
+
+/// Resolves on Ctrl-C, or on SIGTERM where there is one: what a terminal,
+/// systemd and Kubernetes each send to ask for a graceful stop. Either way
+/// the gateway stops admitting, drains usage and returns its leases.
+async fn stop_requested() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut terminate) => {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = terminate.recv() => {}
+                }
+                return;
+            }
+            Err(error) => eprintln!("no SIGTERM handler ({error}); stop with Ctrl-C"),
+        }
+    }
+    let _ = tokio::signal::ctrl_c().await;
 }
