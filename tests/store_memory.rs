@@ -126,6 +126,7 @@ async fn a_long_ttl_is_clamped_to_the_policy_maximum<S: TestStore>() {
         .await
         .unwrap();
     assert_eq!(allocation.grant.expires_at, at(60));
+    audited(&store).await;
 }
 
 async fn acquire_refuses_each_invalid_request_without_touching_the_balance<S: TestStore>() {
@@ -540,6 +541,7 @@ async fn consolidating_an_empty_account_with_nothing_unspent_is_exhaustion<S: Te
             period_end: None
         }))
     );
+    audited(&store).await;
 }
 
 // ---- reclaim --------------------------------------------------------------
@@ -756,6 +758,7 @@ async fn a_refill_interval_must_be_positive<S: TestStore>() {
         store.configure_refill(acct, Some(bad), at(0)).await,
         Err(AdminError::InvalidRefill)
     );
+    audited(&store).await;
 }
 
 // ---- usage ingest ------------------------------------------------------------
@@ -936,6 +939,7 @@ async fn a_key_resolves_by_its_hash_until_revoked<S: TestStore>() {
             .await,
         Err(AdminError::UnknownAccount)
     ));
+    audited(&store).await;
 }
 
 async fn changes_are_enumerated_incrementally_by_revision<S: TestStore>() {
@@ -1011,6 +1015,7 @@ async fn changes_are_enumerated_incrementally_by_revision<S: TestStore>() {
     assert_eq!(fetched.len(), 1, "unknown principals are left out");
     assert_eq!(fetched[0].account_status, AccountStatus::Suspended);
     assert!(fetched[0].policy_revision > changed.snapshots[0].policy_revision);
+    audited(&store).await;
 }
 
 // ---- concurrency ---------------------------------------------------------------

@@ -2,8 +2,9 @@
 //!
 //! Lock order, everywhere in the store (I31): lease rows (by id) before
 //! account rows (by id). Acquire locks only its account; release and consolidate
-//! lock the lease, then its account; reclaim locks its leases, then their
-//! accounts in id order. Rows are locked `FOR NO KEY UPDATE`: writers of the
+//! lock the lease, then its account; reclaim locks its leases (oldest expiry
+//! first, skipping any another transaction holds, so it never waits on one),
+//! then their accounts in id order. Rows are locked `FOR NO KEY UPDATE`: writers of the
 //! same row still exclude each other, while the foreign-key checks of
 //! concurrent inserts (which take `KEY SHARE`) are not blocked by them.
 
