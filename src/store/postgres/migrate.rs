@@ -103,17 +103,23 @@ fn shipped() -> u32 {
 
 /// Compares what the database applied with what this build ships.
 fn compare(applied: &[(u32, Vec<u8>)]) -> SchemaStatus {
+    compare_with(MIGRATIONS, applied)
+}
+
+/// Compares what the database applied with the migrations `shipped`.
+fn compare_with(shipped: &[Migration], applied: &[(u32, Vec<u8>)]) -> SchemaStatus {
+    let newest_shipped = shipped.last().map_or(0, |migration| migration.version);
     let Some(newest) = applied.iter().map(|(version, _)| *version).max() else {
         return SchemaStatus::Missing;
     };
-    if newest > shipped() {
+    if newest > newest_shipped {
         return SchemaStatus::Ahead {
             applied: newest,
-            shipped: shipped(),
+            shipped: newest_shipped,
         };
     }
     for (version, checksum) in applied {
-        let matches = MIGRATIONS
+        let matches = shipped
             .iter()
             .find(|migration| migration.version == *version)
             .is_some_and(|migration| migration.checksum() == *checksum);
@@ -121,10 +127,10 @@ fn compare(applied: &[(u32, Vec<u8>)]) -> SchemaStatus {
             return SchemaStatus::Modified { version: *version };
         }
     }
-    if newest < shipped() {
+    if newest < newest_shipped {
         SchemaStatus::Behind {
             applied: newest,
-            shipped: shipped(),
+            shipped: newest_shipped,
         }
     } else {
         SchemaStatus::Current { version: newest }
@@ -325,11 +331,38 @@ mod tests {
             SchemaStatus::Modified { version: 1 }
         );
         assert_eq!(
-            compare(&[good, (2, vec![0; 32])]),
+            compare(&[good.clone(), (2, vec![0; 32])]),
             SchemaStatus::Ahead {
                 applied: 2,
                 shipped: 1
             }
+        );
+        // A build that ships a second migration finds a database with only
+        // the first one behind, and one whose first was edited modified.
+        let newer = [
+            Migration {
+                version: 1,
+                sql: MIGRATIONS[0].sql,
+            },
+            Migration {
+                version: 2,
+                sql: "ALTER TABLE {schema}.accounts ADD COLUMN note text;",
+            },
+        ];
+        assert_eq!(
+            compare_with(&newer, std::slice::from_ref(&good)),
+            SchemaStatus::Behind {
+                applied: 1,
+                shipped: 2
+            }
+        );
+        assert_eq!(
+            compare_with(&newer, &[(1, vec![0; 32])]),
+            SchemaStatus::Modified { version: 1 }
+        );
+        assert_eq!(
+            compare_with(&newer, &[good, (2, newer[1].checksum())]),
+            SchemaStatus::Current { version: 2 }
         );
     }
 }
