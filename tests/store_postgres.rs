@@ -169,15 +169,35 @@ async fn migrating_twice_applies_nothing_the_second_time_and_the_check_says_so()
     };
     assert_eq!(store.check_schema().await.unwrap(), SchemaStatus::Missing);
     let first = store.migrate().await.unwrap();
-    assert_eq!((first.applied, first.current), (vec![1], 1));
+    assert_eq!((first.applied, first.current), (vec![1, 2], 2));
     let second = store.migrate().await.unwrap();
-    assert_eq!((second.applied, second.current), (vec![], 1));
+    assert_eq!((second.applied, second.current), (vec![], 2));
     assert_eq!(
         store.check_schema().await.unwrap(),
-        SchemaStatus::Current { version: 1 }
+        SchemaStatus::Current { version: 2 }
     );
 
+    // A database an older build migrated is behind, and migrating brings
+    // it up to date.
     let table = format!("{}.schema_migrations", store.schema());
+    sqlx::raw_sql(&format!("DELETE FROM {table} WHERE version = 2"))
+        .execute(store.pool())
+        .await
+        .unwrap();
+    assert_eq!(
+        store.check_schema().await.unwrap(),
+        SchemaStatus::Behind {
+            applied: 1,
+            shipped: 2
+        }
+    );
+    let upgrade = store.migrate().await.unwrap();
+    assert_eq!((upgrade.applied, upgrade.current), (vec![2], 2));
+    assert_eq!(
+        store.check_schema().await.unwrap(),
+        SchemaStatus::Current { version: 2 }
+    );
+
     sqlx::raw_sql(&format!(
         "UPDATE {table} SET checksum = '\\x00'::bytea WHERE version = 1"
     ))
@@ -202,7 +222,7 @@ async fn migrating_twice_applies_nothing_the_second_time_and_the_check_says_so()
         store.check_schema().await.unwrap(),
         SchemaStatus::Ahead {
             applied: 7,
-            shipped: 1
+            shipped: 2
         }
     );
 }
@@ -220,10 +240,14 @@ async fn three_pools_migrating_at_once_apply_the_schema_once() {
         .flat_map(|report| report.unwrap().applied)
         .collect();
     applied.sort_unstable();
-    assert_eq!(applied, vec![1], "exactly one instance applied version 1");
+    assert_eq!(
+        applied,
+        vec![1, 2],
+        "exactly one instance applied each version"
+    );
     assert_eq!(
         second.check_schema().await.unwrap(),
-        SchemaStatus::Current { version: 1 }
+        SchemaStatus::Current { version: 2 }
     );
     audited(&third).await;
 }
