@@ -763,6 +763,68 @@ async fn a_refill_interval_must_be_positive<S: TestStore>() {
 
 // ---- usage ingest ------------------------------------------------------------
 
+/// I15: a batch is judged event by event, in order, however a store records
+/// it. A batch that fits its leases exactly is all accepted; one whose
+/// total does not fit accepts what fits in order, so a small event after a
+/// refused large one still lands; overage in the same batch adds to the
+/// debt.
+async fn a_batch_is_judged_in_order_even_when_it_could_be_recorded_at_once<S: TestStore>() {
+    let Some(store) = S::fresh(policy(1)).await else {
+        return;
+    };
+    let acct = account(&store, 1_000).await;
+    let full = store
+        .acquire(acct, CostUnits(30), TTL, at(0))
+        .await
+        .unwrap();
+    let tight = store
+        .acquire(acct, CostUnits(10), TTL, at(0))
+        .await
+        .unwrap();
+    let overage = |request, units| UsageEvent {
+        source: UsageSource::Overage,
+        ..leased(request, acct, &full, units)
+    };
+    let exact = [
+        leased(1, acct, &full, 10),
+        overage(2, 4),
+        leased(3, acct, &full, 20),
+    ];
+    assert_eq!(
+        store.ingest(&exact).await.unwrap(),
+        vec![IngestOutcome::Accepted; 3],
+        "a batch that fills its lease exactly fits"
+    );
+    let over = [
+        leased(4, acct, &tight, 8),
+        leased(5, acct, &tight, 5),
+        overage(6, 1),
+        leased(7, acct, &tight, 2),
+    ];
+    assert_eq!(
+        store.ingest(&over).await.unwrap(),
+        vec![
+            IngestOutcome::Accepted,
+            IngestOutcome::Rejected(RejectReason::ExceedsLease),
+            IngestOutcome::Accepted,
+            IngestOutcome::Accepted,
+        ]
+    );
+    let billed: Vec<u128> = store
+        .usage(acct)
+        .await
+        .unwrap()
+        .iter()
+        .map(|event| event.request_id.get())
+        .collect();
+    assert_eq!(billed, vec![1, 2, 3, 4, 6, 7]);
+    assert_eq!(
+        store.account(acct, at(1)).await.unwrap().overage_debt,
+        CostUnits(5)
+    );
+    audited(&store).await;
+}
+
 #[allow(
     clippy::too_many_lines,
     reason = "one batch exercising every outcome, read top to bottom"
@@ -1159,6 +1221,7 @@ store_tests! {
             a_top_up_funds_the_next_acquire,
             a_refill_interval_must_be_positive,
             ingest_reports_every_outcome_per_event_in_order,
+            a_batch_is_judged_in_order_even_when_it_could_be_recorded_at_once,
             a_key_resolves_by_its_hash_until_revoked,
             changes_are_enumerated_incrementally_by_revision,
         }
