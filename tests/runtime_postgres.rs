@@ -389,10 +389,9 @@ async fn steady_load(
 #[allow(clippy::too_many_lines, reason = "one scenario, read top to bottom")]
 async fn a_server_outage_serves_from_held_leases_then_fails_closed_then_recovers() {
     let test = "server_outage";
-    if database_url(test).is_none() {
+    let Some(cluster) = Cluster::start_or_skip(test) else {
         return;
-    }
-    let cluster = Cluster::start(test);
+    };
     let schema = unique_schema(test);
     let start = Timestamp::from_second(1_700_000_000).unwrap();
     let clock = Arc::new(ManualClock::new(start));

@@ -990,11 +990,14 @@ async fn sixteen_concurrent_acquirers_on_one_account_never_over_grant() {
     let Some(store) = store("acquire_race", 4).await else {
         return;
     };
-    let store = Arc::new(store);
     let acct = account(&store, 5_000).await;
+    // One pool holds ten connections: two pools let all sixteen acquirers
+    // be inside a transaction at once, as sixteen instances would be.
+    let pools = [Arc::new(sibling(&store).await), Arc::new(store)];
+    let store = Arc::clone(&pools[1]);
     let tasks: Vec<_> = (0..16_u128)
         .map(|task| {
-            let store = Arc::clone(&store);
+            let store = Arc::clone(&pools[usize::from(task % 2 == 0)]);
             tokio::spawn(async move {
                 let mut held = 0_u64;
                 for round in 0..40_u128 {

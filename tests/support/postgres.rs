@@ -67,6 +67,25 @@ pub(crate) struct Cluster {
 }
 
 impl Cluster {
+    /// A cluster of `test`'s own, or `None` (after saying so) on a machine
+    /// without the `PostgreSQL` server binaries that is not CI: a server
+    /// reached through a URL cannot be stopped and started by the test.
+    ///
+    /// # Panics
+    ///
+    /// When `CI` is set and there are no server binaries.
+    pub(crate) fn start_or_skip(test: &str) -> Option<Self> {
+        if server_binaries_present() {
+            return Some(Self::start(test));
+        }
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "{test}: CI is set but there is no initdb on PATH or under /usr/lib/postgresql"
+        );
+        eprintln!("SKIPPED {test}: no PostgreSQL server binaries to start a cluster with");
+        None
+    }
+
     fn script() -> PathBuf {
         PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("scripts/pg-cluster")
     }
@@ -107,4 +126,17 @@ impl Drop for Cluster {
             .arg(&self.dir)
             .output();
     }
+}
+
+/// Whether `scripts/pg-cluster` can find `initdb`: on `PATH`, or where
+/// Debian's packages put it.
+fn server_binaries_present() -> bool {
+    let on_path = std::env::var_os("PATH")
+        .is_some_and(|paths| std::env::split_paths(&paths).any(|dir| dir.join("initdb").is_file()));
+    on_path
+        || std::fs::read_dir("/usr/lib/postgresql").is_ok_and(|versions| {
+            versions
+                .flatten()
+                .any(|version| version.path().join("bin/initdb").is_file())
+        })
 }
