@@ -742,6 +742,30 @@ async fn a_top_up_funds_the_next_acquire<S: TestStore>() {
         Err(AdminError::BalanceOverflow)
     );
     assert_eq!(balance(&store, acct, at(1)).await, 15);
+    // Nor can an account open above the ledger's range: it could spend
+    // units no release could ever credit back.
+    let spec = |balance| AccountSpec {
+        balance: CostUnits(balance),
+        mode: EnforcementMode::Strict,
+        status: AccountStatus::Active,
+        refill: None,
+    };
+    let largest = i64::MAX.unsigned_abs();
+    assert_eq!(
+        store.create_account(spec(largest + 1), at(1)).await,
+        Err(AdminError::BalanceOverflow)
+    );
+    let roomy = store.create_account(spec(largest), at(1)).await.unwrap();
+    let lease = store
+        .acquire(roomy, CostUnits(1_000), TTL, at(1))
+        .await
+        .unwrap()
+        .grant;
+    store
+        .release(lease.lease_id, lease.fencing_token, lease.units, at(1))
+        .await
+        .expect("the largest balance takes its units back");
+    assert_eq!(balance(&store, roomy, at(1)).await, largest);
     audited(&store).await;
 }
 

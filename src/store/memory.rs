@@ -128,7 +128,9 @@ pub enum AdminError {
     UnknownAccount,
     /// No such key.
     UnknownKey,
-    /// The top-up would overflow the balance.
+    /// The opening balance, a top-up or an adjustment would take the balance
+    /// above the most units the ledger holds (`i64::MAX`, what `PostgreSQL`
+    /// can store).
     BalanceOverflow,
     /// A refill interval must be positive, and the period must end within
     /// the representable time range.
@@ -150,7 +152,9 @@ impl fmt::Display for AdminError {
         match self {
             Self::UnknownAccount => f.write_str("unknown account"),
             Self::UnknownKey => f.write_str("unknown key"),
-            Self::BalanceOverflow => f.write_str("the top-up would overflow the balance"),
+            Self::BalanceOverflow => {
+                f.write_str("the balance would exceed the most units the ledger holds")
+            }
             Self::InvalidRefill => {
                 f.write_str("a refill interval must be positive and end within the time range")
             }
@@ -370,6 +374,11 @@ impl MemoryStore {
         spec: AccountSpec,
         now: Timestamp,
     ) -> Result<AccountId, AdminError> {
+        // The ledger's range, as every later movement checks it: a balance
+        // above it could be spent but never credited back.
+        if spec.balance.get() > UNITS_MAX {
+            return Err(AdminError::BalanceOverflow);
+        }
         let refill = match spec.refill {
             Some(schedule) => Some((schedule, first_period_end(schedule, now)?)),
             None => None,
