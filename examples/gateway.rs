@@ -3,7 +3,8 @@
 //! Two demo accounts — one Strict, one Elastic with an overage cap — get a
 //! key each, printed at start with ready-to-paste `curl` lines. The routes
 //! are priced: a cheap read, an expensive write that needs the write
-//! permission, and a slow route behind a concurrency limit. `/admin/accounts`
+//! permission, and a slow route behind a concurrency limit, where a request
+//! admitted and waiting its turn pays nothing if its client leaves. `/admin/accounts`
 //! shows the money move; `/livez`, `/readyz` and `/metrics` are the ops
 //! endpoints. Ctrl-C shuts down in order (stop admitting, drain usage,
 //! return leases) and prints what happened.
@@ -30,7 +31,7 @@ use clap::Parser;
 use jiff::SignedDuration;
 use metrics_exporter_prometheus::PrometheusBuilder;
 use tollgate::admission::SnapshotMapConfig;
-use tollgate::layer::{Admitted, Price, TollgateLayer, ops_router};
+use tollgate::layer::{Admitted, CommitMarkerLayer, Price, TollgateLayer, ops_router};
 use tollgate::runtime::{
     AccountLeaseConfig, InstanceRuntime, InstanceRuntimeConfig, PrincipalSelection,
     ReclaimerConfig, SnapshotManagerConfig, UsageWriterConfig,
@@ -137,10 +138,12 @@ fn runtime_config() -> InstanceRuntimeConfig {
 /// What each route costs and needs.
 fn price(parts: &Parts) -> Price {
     let (units, required) = match (&parts.method, parts.uri.path()) {
-        (&Method::GET, "/v1/read") => (1, READ),
+        // HEAD runs the GET handler, so it is priced as one.
+        (&Method::GET | &Method::HEAD, "/v1/read") => (1, READ),
         (&Method::POST, "/v1/write") => (10, WRITE),
-        (&Method::GET, "/v1/slow") => (5, READ),
-        // Anything else costs nothing but still needs a valid key.
+        (&Method::GET | &Method::HEAD, "/v1/slow") => (5, READ),
+        // No handler runs for anything else (a 404 or a 405), so no commit
+        // point is reached and the reservation is released for zero.
         _ => (0, PermissionBits::NONE),
     };
     Price {
@@ -375,24 +378,35 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     let prometheus = PrometheusBuilder::new().install_recorder()?;
     let (runtime, handle) = backend.spawn(&clock)?;
+    // Admission at the outer edge, the commit where each handler starts: a
+    // request waiting for the slow route holds its reservation, pays in
+    // full once it runs and nothing if its client leaves first, and one
+    // without a usable key is refused at once instead of queueing.
     let tollgate = TollgateLayer::builder(handle.clone())
         .price(price)
+        .commit_in_handler()
         .build()?;
 
     let demo = Demo {
         backend: backend.clone(),
         clock: Arc::clone(&clock),
     };
+    // `route_layer` wraps only a matched method's handler, so a 404 or a
+    // 405 reaches no commit point. On the slow route the limit sits between
+    // tollgate and the commit; later layers are outer.
     let metered = Router::new()
-        .route("/v1/read", get(read))
-        .route("/v1/write", post(write))
-        .route("/v1/slow", get(slow))
-        .layer(tollgate)
-        // Outside tollgate: a request waiting here is not admitted yet, so
-        // one abandoned while it waits costs nothing. Global, because axum
-        // applies a layer to each route separately and a per-route limit
-        // would not make requests wait for one another.
-        .layer(GlobalConcurrencyLimitLayer::new(1));
+        .route("/v1/read", get(read).route_layer(CommitMarkerLayer::new()))
+        .route(
+            "/v1/write",
+            post(write).route_layer(CommitMarkerLayer::new()),
+        )
+        .route(
+            "/v1/slow",
+            get(slow)
+                .route_layer(CommitMarkerLayer::new())
+                .route_layer(GlobalConcurrencyLimitLayer::new(1)),
+        )
+        .layer(tollgate);
     let app = Router::new()
         .merge(metered)
         .route("/admin/accounts", get(accounts).with_state(demo))
