@@ -1217,6 +1217,31 @@ async fn memory_reclaim_is_due_not_a_nanosecond_early() {
     audited(&store).await;
 }
 
+/// Top-ups let one account hold several leases near the ledger's top at
+/// once. The operator view of such an account shows the most it can rather
+/// than overflow, and the store keeps answering.
+#[tokio::test]
+async fn an_account_holding_leases_beyond_one_balance_can_still_be_viewed() {
+    let store = MemoryStore::new(policy(1)).unwrap();
+    let largest = i64::MAX.unsigned_abs();
+    let acct = account(&store, largest).await;
+    for _ in 0..3 {
+        store
+            .acquire(acct, CostUnits(largest), TTL, at(0))
+            .await
+            .unwrap();
+        store.top_up(acct, CostUnits(largest), at(0)).unwrap();
+    }
+    let view = store.account(acct, at(0)).unwrap();
+    assert_eq!(view.leased, CostUnits(u64::MAX), "three near-top leases");
+    assert_eq!(view.balance, CostUnits(largest));
+    store
+        .acquire(acct, CostUnits(1), TTL, at(0))
+        .await
+        .expect("the store still answers");
+    audited(&store).await;
+}
+
 // ---- every store ------------------------------------------------------------------
 
 store_tests! {

@@ -603,10 +603,15 @@ impl MemoryStore {
             .values()
             .filter(|lease| lease.account_id == account)
         {
+            // Each lease is within the ledger's range, but top-ups let an
+            // account hold several near its top at once: a view that cannot
+            // show the sum shows the most it can, rather than panic and
+            // poison the store for every caller.
             match lease.settlement {
-                None => leased += lease.granted,
+                None => leased = leased.saturating_add(lease.granted),
                 Some(settlement) => {
-                    settled_unbilled += lease.granted - settlement.credited - lease.used;
+                    settled_unbilled = settled_unbilled
+                        .saturating_add(lease.granted - settlement.credited - lease.used);
                 }
             }
         }
