@@ -19,7 +19,7 @@ use jiff::{SignedDuration, Timestamp};
 use proptest::prelude::*;
 use tollgate::layer::{
     Admitted, BearerOrApiKey, DenyBody, KeyExtractor, LayerConfigError, MAX_KEY_BYTES, Price,
-    REQUEST_ID_HEADER, TollgateBody, TollgateLayer,
+    REQUEST_ID_HEADER, TollgateLayer,
 };
 use tollgate::runtime::{InstanceRuntime, InstanceRuntimeConfig, RuntimeHandle};
 use tollgate::store::{
@@ -191,7 +191,11 @@ struct Answer {
     body: String,
 }
 
-async fn answer(response: Response<TollgateBody<String>>) -> Answer {
+async fn answer<B>(response: Response<B>) -> Answer
+where
+    B: hyper::body::Body,
+    B::Error: std::fmt::Debug,
+{
     let (parts, body) = response.into_parts();
     let bytes = body.collect().await.unwrap().to_bytes();
     Answer {
@@ -295,6 +299,105 @@ async fn a_future_dropped_before_its_first_poll_charges_nothing() {
     );
     let view = w.store.account(w.account, w.clock.now()).unwrap();
     assert_eq!(view.balance, CostUnits(INITIAL));
+}
+
+/// I4, I23: with `tower::ServiceBuilder` and a concurrency limit inside the
+/// layer, admission still happens at the outer edge. A request without a
+/// usable key is refused at once, not after the limit frees up; a funded
+/// one waits for the limit already admitted, holding its reservation; one
+/// given up while it waits pays nothing, and one that gets through pays in
+/// full. The same in the default commit mode and with a commit marker.
+#[tokio::test(start_paused = true)]
+async fn under_service_builder_a_limit_inside_the_layer_queues_only_admitted_requests() {
+    for deferred in [false, true] {
+        let mut w = world(INITIAL).await;
+        let before = w.remaining();
+        let (release, released) = tokio::sync::watch::channel(false);
+        let handler = service_fn(move |request: Request<String>| {
+            let mut released = released.clone();
+            async move {
+                // The first request holds the limit until released.
+                if request.uri().path() == "/hold" {
+                    released.wait_for(|go| *go).await.unwrap();
+                }
+                echo_admission(request).await
+            }
+        });
+        let builder = TollgateLayer::builder(w.handle.clone())
+            .price(|_: &http::request::Parts| Price {
+                units: CostUnits(PRICE),
+                required: READ,
+            })
+            .policy_revision(REVISION);
+        let layer = if deferred {
+            builder.commit_in_handler().build().unwrap()
+        } else {
+            builder.build().unwrap()
+        };
+        let service = tower::ServiceBuilder::new()
+            .layer(layer)
+            .layer(tower::limit::ConcurrencyLimitLayer::new(1))
+            .layer(tollgate::layer::CommitMarkerLayer::new())
+            .service(handler);
+
+        let holder = tokio::spawn(service.clone().oneshot(w.bearer("/hold")));
+        tokio::time::sleep(ms(10)).await;
+        let mut queued = tokio::spawn(service.clone().oneshot(w.bearer("/read")));
+        tokio::time::sleep(ms(10)).await;
+        assert!(
+            !queued.is_finished(),
+            "the second request waits for the limit"
+        );
+        assert_eq!(
+            w.handle.counters().admitted,
+            2,
+            "deferred: {deferred}: it waits admitted"
+        );
+        assert_eq!(w.remaining(), before - 2 * PRICE, "both hold their price");
+
+        // A bad key does not wait behind the limit.
+        let refused = tokio::time::timeout(
+            ms(1),
+            service
+                .clone()
+                .oneshot(request("/read", &[(AUTHORIZATION, b"Bearer tg_unknown")])),
+        )
+        .await
+        .expect("refused without waiting")
+        .unwrap();
+        check_denial(
+            &answer(refused).await,
+            StatusCode::UNAUTHORIZED,
+            "unknown_principal",
+        );
+
+        // Given up while it waits: its price comes back.
+        queued.abort();
+        let _ = (&mut queued).await;
+        assert_eq!(
+            w.remaining(),
+            before - PRICE,
+            "I4: the queued request paid nothing"
+        );
+
+        // Another one waits, then gets through once the holder finishes.
+        let waiting = tokio::spawn(service.clone().oneshot(w.bearer("/read")));
+        tokio::time::sleep(ms(10)).await;
+        release.send(true).unwrap();
+        assert_eq!(
+            answer(holder.await.unwrap().unwrap()).await.status,
+            StatusCode::OK
+        );
+        assert_eq!(
+            answer(waiting.await.unwrap().unwrap()).await.status,
+            StatusCode::OK
+        );
+        assert_eq!(
+            w.shutdown_and_usage().await,
+            vec![PRICE, PRICE],
+            "deferred: {deferred}: the two that ran paid once each"
+        );
+    }
 }
 
 #[tokio::test(start_paused = true)]

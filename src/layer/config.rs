@@ -54,7 +54,7 @@ pub(super) struct Shared {
     pub(super) renderer: Box<dyn DenyRenderer>,
     pub(super) policy_revision: Option<PolicyRevision>,
     /// Whether the charge is committed by a commit point inside the inner
-    /// service rather than at the response future's first poll.
+    /// service rather than at the hand-over to the inner service.
     pub(super) deferred: bool,
     /// Ids for callers denied after identification: something to quote in
     /// a support request, keying no usage event.
@@ -148,7 +148,7 @@ impl TollgateBuilder {
         self
     }
 
-    /// Defers the commit from the response future's first poll to a commit
+    /// Defers the commit from the hand-over to the inner service to a commit
     /// point inside the inner service: a [`CommitMarkerLayer`] placed
     /// innermost, or a [`Charged`](super::Charged) extractor (feature
     /// `axum`).

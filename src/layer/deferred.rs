@@ -93,7 +93,7 @@ impl Drop for ReleaseOnDrop {
 /// inside any concurrency limit, timeout or queue, just before the handler.
 ///
 /// Use it with [`TollgateBuilder::commit_in_handler`](super::TollgateBuilder::commit_in_handler).
-/// A request without a pending charge (the layer commits at first poll, or
+/// A request without a pending charge (the layer commits at the hand-over, or
 /// the charge was already committed) passes straight through. See the
 /// [module docs](super) for the ordering.
 #[derive(Clone, Copy, Debug, Default)]

@@ -20,7 +20,7 @@ use super::service::Admitted;
 /// released for zero when the request ends (I4); a request whose `T`
 /// succeeds is charged in full before the handler body runs (I3). If the
 /// commit is refused the rejection renders the layer's denial. Without a
-/// pending charge (the layer commits at first poll, or a
+/// pending charge (the layer commits at the hand-over, or a
 /// [`CommitMarkerLayer`](super::CommitMarkerLayer) already committed) it
 /// is `T` alone.
 ///

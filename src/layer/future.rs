@@ -1,4 +1,5 @@
-//! The response future: commits the charge at its first poll.
+//! The response future: waits for the inner service, then commits the
+//! charge as it hands the request over.
 
 use std::fmt;
 use std::future::Future;
@@ -12,6 +13,7 @@ use http::header::HeaderName;
 use http::{HeaderValue, Response};
 use jiff::Timestamp;
 use pin_project_lite::pin_project;
+use tower_service::Service;
 
 use super::body::{DenyBody, TollgateBody};
 use super::config::Shared;
@@ -23,67 +25,81 @@ use crate::{CommitError, CostUnits, DenyReason, RequestId};
 pin_project! {
     /// The future a [`Tollgate`](super::Tollgate) returns.
     ///
-    /// For an admitted request it commits the charge at its first poll,
-    /// before polling the inner future (the default commit point); dropped
-    /// before that poll, it drops the reservation, which charges zero (I4).
-    /// Nothing on this path is boxed.
+    /// An admitted request first waits for the inner service to be ready
+    /// (a concurrency limit inside the layer makes it wait here, already
+    /// admitted), then hands the request over. By default the charge
+    /// commits at that hand-over, just before the inner service is called;
+    /// dropped before it, the future drops the reservation, which charges
+    /// zero (I4). Nothing on this path is boxed.
     ///
     /// In deferred mode
     /// ([`TollgateBuilder::commit_in_handler`](super::TollgateBuilder::commit_in_handler))
-    /// it only polls the inner future; a charge no commit point took by the
-    /// time it completes or is dropped is released for zero (I4).
-    pub struct ResponseFuture<F> {
+    /// it commits nothing itself; a charge no commit point took by the time
+    /// the inner future completes or is dropped is released for zero (I4).
+    pub struct ResponseFuture<S, R, F> {
+        // The inner service's future, once it has taken the request.
         #[pin]
-        state: State<F>,
+        future: Option<F>,
+        // The inner service and the request, until the service is ready.
+        waiting: Option<(S, R)>,
+        charge: Charge,
     }
 }
 
-pin_project! {
-    #[project = StateProj]
-    #[project_replace = StateReplace]
-    enum State<F> {
-        Admitted {
-            #[pin]
-            future: F,
-            // `Some` until the first poll commits it.
-            context: Option<RequestContext>,
-            shared: Arc<Shared>,
-            request_id: RequestId,
-        },
-        Deferred {
-            #[pin]
-            future: F,
-            // Dropped when the request ends: releases an uncommitted charge.
-            guard: Option<ReleaseOnDrop>,
-            request_id: RequestId,
-        },
-        Denied {
-            response: Option<Response<DenyBody>>,
-        },
-    }
+/// What the request owes, and when it settles.
+enum Charge {
+    /// The default commit point: the hand-over to the inner service.
+    AtHandOver {
+        // `Some` until the hand-over commits it.
+        context: Option<RequestContext>,
+        shared: Arc<Shared>,
+        request_id: RequestId,
+    },
+    /// A commit point further in takes it.
+    Deferred {
+        // Dropped when the request ends: releases an uncommitted charge.
+        guard: Option<ReleaseOnDrop>,
+        request_id: RequestId,
+    },
+    /// Refused at admission or at commit.
+    Denied {
+        response: Option<Response<DenyBody>>,
+    },
 }
 
-impl<F> ResponseFuture<F> {
-    pub(super) fn admitted(future: F, context: RequestContext, shared: Arc<Shared>) -> Self {
+impl<S, R, F> ResponseFuture<S, R, F> {
+    pub(super) fn admitted(
+        service: S,
+        request: R,
+        context: RequestContext,
+        shared: Arc<Shared>,
+    ) -> Self {
         let request_id = context.request_id();
-        Self {
-            state: State::Admitted {
-                future,
+        Self::waiting(
+            service,
+            request,
+            Charge::AtHandOver {
                 context: Some(context),
                 shared,
                 request_id,
             },
-        }
+        )
     }
 
-    pub(super) fn deferred(future: F, cell: Arc<ChargeCell>, request_id: RequestId) -> Self {
-        Self {
-            state: State::Deferred {
-                future,
+    pub(super) fn deferred(
+        service: S,
+        request: R,
+        cell: Arc<ChargeCell>,
+        request_id: RequestId,
+    ) -> Self {
+        Self::waiting(
+            service,
+            request,
+            Charge::Deferred {
                 guard: Some(ReleaseOnDrop(cell)),
                 request_id,
             },
-        }
+        )
     }
 
     pub(super) fn denied(
@@ -92,66 +108,78 @@ impl<F> ResponseFuture<F> {
         request_id: Option<RequestId>,
     ) -> Self {
         Self {
-            state: State::Denied {
+            future: None,
+            waiting: None,
+            charge: Charge::Denied {
                 response: Some(render(shared, reason, request_id)),
             },
         }
     }
+
+    fn waiting(service: S, request: R, charge: Charge) -> Self {
+        Self {
+            future: None,
+            waiting: Some((service, request)),
+            charge,
+        }
+    }
 }
 
-impl<F, B, E> Future for ResponseFuture<F>
+impl<S, R, B> Future for ResponseFuture<S, R, S::Future>
 where
-    F: Future<Output = Result<Response<B>, E>>,
+    S: Service<R, Response = Response<B>>,
 {
-    type Output = Result<Response<TollgateBody<B>>, E>;
+    type Output = Result<Response<TollgateBody<B>>, S::Error>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let mut state = self.project().state;
-        let refused = match state.as_mut().project() {
-            StateProj::Admitted {
+        let mut this = self.project();
+        if let Charge::Denied { response } = this.charge {
+            let response = response
+                .take()
+                .expect("a tollgate response future is not polled after it completed");
+            return Poll::Ready(Ok(response.map(TollgateBody::denial)));
+        }
+        if this.future.is_none() {
+            let (service, _) = this
+                .waiting
+                .as_mut()
+                .expect("an admitted request waits for its service until it is handed over");
+            // An error drops the request; the charge, never committed, is
+            // released with this future (I4).
+            ready!(service.poll_ready(cx))?;
+            let (mut service, request) = this.waiting.take().expect("checked above");
+            if let Charge::AtHandOver {
                 context,
                 shared,
                 request_id,
-                ..
-            } => context
-                .take()
-                .and_then(|context| commit(context, shared, *request_id))
-                .map(|reason| render(shared, reason, Some(*request_id))),
-            StateProj::Deferred {
-                future,
-                guard,
-                request_id,
-            } => {
-                let result = ready!(future.poll(cx));
+            } = this.charge
+                && let Some(reason) = context
+                    .take()
+                    .and_then(|context| commit(context, shared, *request_id))
+            {
+                // I2, I9: the commit was refused, so the handler must not
+                // run: the request is dropped without being handed over.
+                let response = render(shared, reason, Some(*request_id));
+                return Poll::Ready(Ok(response.map(TollgateBody::denial)));
+            }
+            this.future.set(Some(service.call(request)));
+        }
+        let future = this
+            .future
+            .as_pin_mut()
+            .expect("the inner service took the request above");
+        let mut response = ready!(future.poll(cx))?;
+        let request_id = match this.charge {
+            Charge::AtHandOver { request_id, .. } => *request_id,
+            Charge::Deferred { guard, request_id } => {
                 // I4: the request is over; a charge no commit point took is
                 // released for zero.
                 drop(guard.take());
-                let mut response = result?;
-                insert_request_id(&mut response, *request_id);
-                return Poll::Ready(Ok(response.map(TollgateBody::inner)));
+                *request_id
             }
-            StateProj::Denied { response } => {
-                let response = response
-                    .take()
-                    .expect("a tollgate response future is not polled after it completed");
-                return Poll::Ready(Ok(response.map(TollgateBody::denial)));
-            }
+            Charge::Denied { .. } => unreachable!("a denied request has no inner future"),
         };
-        if let Some(response) = refused {
-            // I2, I9: the commit was refused, so the handler must not run:
-            // its future is dropped here without ever being polled.
-            state.project_replace(State::Denied { response: None });
-            return Poll::Ready(Ok(response.map(TollgateBody::denial)));
-        }
-        // Committed (now or at an earlier poll): the handler runs.
-        let StateProj::Admitted {
-            future, request_id, ..
-        } = state.project()
-        else {
-            unreachable!("only an admitted state reaches the inner future");
-        };
-        let mut response = ready!(future.poll(cx))?;
-        insert_request_id(&mut response, *request_id);
+        insert_request_id(&mut response, request_id);
         Poll::Ready(Ok(response.map(TollgateBody::inner)))
     }
 }
@@ -240,10 +268,10 @@ fn insert_request_id<B>(response: &mut Response<B>, request_id: RequestId) {
     response.headers_mut().insert(REQUEST_ID_HEADER, value);
 }
 
-impl<F> fmt::Debug for ResponseFuture<F> {
+impl<S, R, F> fmt::Debug for ResponseFuture<S, R, F> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match &self.state {
-            State::Admitted {
+        match &self.charge {
+            Charge::AtHandOver {
                 context,
                 request_id,
                 ..
@@ -251,12 +279,14 @@ impl<F> fmt::Debug for ResponseFuture<F> {
                 .debug_struct("ResponseFuture::Admitted")
                 .field("request_id", request_id)
                 .field("committed", &context.is_none())
+                .field("handed_over", &self.future.is_some())
                 .finish_non_exhaustive(),
-            State::Deferred { request_id, .. } => f
+            Charge::Deferred { request_id, .. } => f
                 .debug_struct("ResponseFuture::Deferred")
                 .field("request_id", request_id)
+                .field("handed_over", &self.future.is_some())
                 .finish_non_exhaustive(),
-            State::Denied { response } => f
+            Charge::Denied { response } => f
                 .debug_struct("ResponseFuture::Denied")
                 .field("status", &response.as_ref().map(Response::status))
                 .finish(),

@@ -13,19 +13,29 @@
 //! 3. reserves the price through
 //!    [`RuntimeHandle::begin_by_key`](crate::runtime::RuntimeHandle::begin_by_key),
 //!    and on success inserts an [`Admitted`] value into the request's
-//!    extensions and calls the inner service; on denial it answers with the
-//!    [`DenyRenderer`]'s response (by default [`ProblemJson`], RFC 9457)
-//!    without calling the inner service. A denial is a response, never a
-//!    service error, so an `Infallible` router stays `Infallible`.
+//!    extensions; on denial it answers with the [`DenyRenderer`]'s response
+//!    (by default [`ProblemJson`], RFC 9457) without calling the inner
+//!    service. A denial is a response, never a service error, so an
+//!    `Infallible` router stays `Infallible`.
+//!
+//! A [`Tollgate`] is always ready: admission happens at the outer edge, so
+//! a request without a usable key or funds is refused at once. An admitted
+//! request then waits, in its [`ResponseFuture`] and holding its
+//! reservation, for a clone of the inner service to be ready (a
+//! `ConcurrencyLimitLayer` inside the layer makes it wait there), and is
+//! handed over.
 //!
 //! # The default commit point
 //!
-//! The charge is committed when the [`ResponseFuture`] is first polled, just
-//! before it polls the inner service's future. That is exact when nothing
-//! queues between the layer and the handler: put buffers, concurrency limits
-//! and load shedding *outside* `TollgateLayer`, so a request waiting in them
-//! has not been admitted yet. A future dropped before its first poll (the
-//! client left before the handler started) drops its reservation, which
+//! The charge is committed at that hand-over, just before the inner service
+//! is called. That is exact when nothing queues between the layer and the
+//! handler other than in the inner service's readiness: a limit that waits
+//! in `poll_ready`, like tower's concurrency limit, may sit inside the
+//! layer, but buffers, timeouts and anything else that waits inside the
+//! inner future need the deferred commit point below, or must sit *outside*
+//! `TollgateLayer`, where a request waiting in them has not been admitted
+//! yet. A future dropped before the hand-over (the client left while the
+//! request waited, or before it was polled) drops its reservation, which
 //! releases it for zero (I4). If the commit itself fails (the lease's window
 //! closed before the start, the instance is shutting down) the denial is
 //! rendered and the inner future is dropped without being polled (I2, I9).
@@ -55,7 +65,7 @@
 //! A refused commit answers with the layer's denial and the handler does
 //! not run (I2, I9). A charge that no commit point took by the time the
 //! request ends is released for zero, so in deferred mode every metered
-//! route needs a commit point. Use the default (first poll) when nothing
+//! route needs a commit point. Use the default (the hand-over) when nothing
 //! queues between the layer and the handler; use the deferred mode when
 //! something must.
 //!

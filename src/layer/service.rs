@@ -68,14 +68,19 @@ impl<S> Tollgate<S> {
 
 impl<S, ReqBody, ResBody> Service<Request<ReqBody>> for Tollgate<S>
 where
-    S: Service<Request<ReqBody>, Response = Response<ResBody>>,
+    S: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone,
 {
     type Response = Response<TollgateBody<ResBody>>;
     type Error = S::Error;
-    type Future = ResponseFuture<S::Future>;
+    type Future = ResponseFuture<S, Request<ReqBody>, S::Future>;
 
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        self.inner.poll_ready(cx)
+    /// Always ready: admission happens in `call`, at the outer edge, so a
+    /// request without funds is refused at once instead of waiting for a
+    /// limit inside the layer. An admitted request waits for the inner
+    /// service in its [`ResponseFuture`], holding its reservation, on a
+    /// clone of the inner service.
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        Poll::Ready(Ok(()))
     }
 
     fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
@@ -153,11 +158,19 @@ where
                     let request_id = context.request_id();
                     let cell = Arc::new(ChargeCell::new(context, Arc::clone(shared)));
                     parts.extensions.insert(PendingCharge(Arc::clone(&cell)));
-                    let future = self.inner.call(Request::from_parts(parts, body));
-                    return ResponseFuture::deferred(future, cell, request_id);
+                    return ResponseFuture::deferred(
+                        self.inner.clone(),
+                        Request::from_parts(parts, body),
+                        cell,
+                        request_id,
+                    );
                 }
-                let future = self.inner.call(Request::from_parts(parts, body));
-                ResponseFuture::admitted(future, context, Arc::clone(shared))
+                ResponseFuture::admitted(
+                    self.inner.clone(),
+                    Request::from_parts(parts, body),
+                    context,
+                    Arc::clone(shared),
+                )
             }
             Err(reason) => {
                 // A caller the runtime identified gets a request id to quote
