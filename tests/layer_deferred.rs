@@ -36,6 +36,9 @@ enum App {
     LimitInside,
     /// `POST /validate`, committing through `Charged<Validated>`.
     ChargedExtractor,
+    /// `GET /work` with the commit marker on its handler only, through
+    /// `MethodRouter::route_layer`.
+    MarkerOnHandler,
 }
 
 /// An extractor that accepts only the body `ok`.
@@ -86,6 +89,12 @@ async fn serve(app: App) -> (TestServer, mpsc::UnboundedReceiver<()>) {
             // limit between it and tollgate, tollgate outermost.
             .layer(CommitMarkerLayer::new())
             .layer(GlobalConcurrencyLimitLayer::new(1))
+            .layer(layer),
+        App::MarkerOnHandler => Router::new()
+            .route(
+                "/work",
+                get(|| async { "work" }).route_layer(CommitMarkerLayer::new()),
+            )
             .layer(layer),
         App::ChargedExtractor => Router::new()
             .route(
@@ -190,5 +199,32 @@ async fn a_charged_extractor_charges_nothing_when_its_input_is_rejected_and_once
         server.finish().await,
         vec![WORK_PRICE],
         "I4: the rejected request was released for zero; I3: the accepted one paid once"
+    );
+}
+
+/// I4: with the marker on each handler (`route_layer`), a request no
+/// handler answers (axum's 404 fallback, or its 405 for a method the route
+/// lacks) reaches no commit point and is released for zero. A marker added
+/// with `Router::layer` would wrap those fallbacks too, and charge them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_marker_on_the_handlers_leaves_unrouted_requests_uncharged() {
+    let (server, _slow_started) = serve(App::MarkerOnHandler).await;
+
+    let missing = server.request("GET", "/nope", "").await;
+    assert!(missing.starts_with("HTTP/1.1 404"), "{missing}");
+    let wrong_method = server.request("DELETE", "/work", "").await;
+    assert!(wrong_method.starts_with("HTTP/1.1 405"), "{wrong_method}");
+    let answered = server.request("GET", "/work", "").await;
+    assert!(answered.starts_with("HTTP/1.1 200"), "{answered}");
+    assert_eq!(
+        server.handle.counters().admitted,
+        3,
+        "all three were admitted"
+    );
+
+    assert_eq!(
+        server.finish().await,
+        vec![WORK_PRICE],
+        "only the request a handler served paid"
     );
 }

@@ -56,9 +56,11 @@
 //! - [`CommitMarkerLayer`], placed innermost, commits as the request
 //!   reaches the route: a request waiting in the limit holds its
 //!   reservation and is charged in full once it gets through (I3), or
-//!   nothing if its client leaves first (I4). With axum's `Router::layer`,
-//!   later calls are outer: `.layer(CommitMarkerLayer::new())` first,
-//!   then the limit, then the tollgate layer.
+//!   nothing if its client leaves first (I4). With axum, put it on the
+//!   handlers with `MethodRouter::route_layer` (`get(h).route_layer(..)`):
+//!   a marker added with `Router::layer` also wraps axum's 404 fallback and
+//!   its 405 answers, and would charge them. Later calls are outer, so the
+//!   marker goes on first, then any limit, then the tollgate layer.
 //! - [`Charged<T>`](Charged) (feature `axum`) commits after the extractor
 //!   `T` succeeds, so a request rejected for bad input pays nothing.
 //!
