@@ -25,12 +25,13 @@ use crate::{CommitError, CostUnits, DenyReason, RequestId};
 pin_project! {
     /// The future a [`Tollgate`](super::Tollgate) returns.
     ///
-    /// An admitted request first waits for the inner service to be ready
-    /// (a concurrency limit inside the layer makes it wait here, already
-    /// admitted), then hands the request over. By default the charge
-    /// commits at that hand-over, just before the inner service is called;
-    /// dropped before it, the future drops the reservation, which charges
-    /// zero (I4). Nothing on this path is boxed.
+    /// An admitted request is handed to the inner service at once when the
+    /// service is ready; otherwise it waits here for the service, already
+    /// admitted (a concurrency limit inside the layer makes it wait), and
+    /// is handed over when it is. By default the charge commits at the
+    /// first poll after the hand-over, just before the inner future is
+    /// polled; dropped before that, the future drops the reservation, which
+    /// charges zero (I4). Nothing on this path is boxed.
     ///
     /// In deferred mode
     /// ([`TollgateBuilder::commit_in_handler`](super::TollgateBuilder::commit_in_handler))
@@ -67,17 +68,23 @@ enum Charge {
     },
 }
 
+/// How an admitted request reaches the inner service.
+pub(super) enum HandOver<S, R, F> {
+    /// The service was ready at admission and has taken the request.
+    Done(F),
+    /// The service was not ready: the request waits for it.
+    Waiting(S, R),
+}
+
 impl<S, R, F> ResponseFuture<S, R, F> {
     pub(super) fn admitted(
-        service: S,
-        request: R,
+        hand_over: HandOver<S, R, F>,
         context: RequestContext,
         shared: Arc<Shared>,
     ) -> Self {
         let request_id = context.request_id();
-        Self::waiting(
-            service,
-            request,
+        Self::started(
+            hand_over,
             Charge::AtHandOver {
                 context: Some(context),
                 shared,
@@ -87,14 +94,12 @@ impl<S, R, F> ResponseFuture<S, R, F> {
     }
 
     pub(super) fn deferred(
-        service: S,
-        request: R,
+        hand_over: HandOver<S, R, F>,
         cell: Arc<ChargeCell>,
         request_id: RequestId,
     ) -> Self {
-        Self::waiting(
-            service,
-            request,
+        Self::started(
+            hand_over,
             Charge::Deferred {
                 guard: Some(ReleaseOnDrop(cell)),
                 request_id,
@@ -116,11 +121,18 @@ impl<S, R, F> ResponseFuture<S, R, F> {
         }
     }
 
-    fn waiting(service: S, request: R, charge: Charge) -> Self {
-        Self {
-            future: None,
-            waiting: Some((service, request)),
-            charge,
+    fn started(hand_over: HandOver<S, R, F>, charge: Charge) -> Self {
+        match hand_over {
+            HandOver::Done(future) => Self {
+                future: Some(future),
+                waiting: None,
+                charge,
+            },
+            HandOver::Waiting(service, request) => Self {
+                future: None,
+                waiting: Some((service, request)),
+                charge,
+            },
         }
     }
 }
@@ -148,26 +160,27 @@ where
             // released with this future (I4).
             ready!(service.poll_ready(cx))?;
             let (mut service, request) = this.waiting.take().expect("checked above");
-            if let Charge::AtHandOver {
-                context,
-                shared,
-                request_id,
-            } = this.charge
-                && let Some(reason) = context
-                    .take()
-                    .and_then(|context| commit(context, shared, *request_id))
-            {
-                // I2, I9: the commit was refused, so the handler must not
-                // run: the request is dropped without being handed over.
-                let response = render(shared, reason, Some(*request_id));
-                return Poll::Ready(Ok(response.map(TollgateBody::denial)));
-            }
             this.future.set(Some(service.call(request)));
+        }
+        if let Charge::AtHandOver {
+            context,
+            shared,
+            request_id,
+        } = this.charge
+            && let Some(reason) = context
+                .take()
+                .and_then(|context| commit(context, shared, *request_id))
+        {
+            // I2, I9: the commit was refused, so the handler must not run:
+            // its future is dropped here without ever being polled.
+            this.future.set(None);
+            let response = render(shared, reason, Some(*request_id));
+            return Poll::Ready(Ok(response.map(TollgateBody::denial)));
         }
         let future = this
             .future
             .as_pin_mut()
-            .expect("the inner service took the request above");
+            .expect("the inner service has taken the request");
         let mut response = ready!(future.poll(cx))?;
         let request_id = match this.charge {
             Charge::AtHandOver { request_id, .. } => *request_id,

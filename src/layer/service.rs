@@ -1,7 +1,7 @@
 //! The service: admission decided in `call`.
 
 use std::sync::Arc;
-use std::task::{Context, Poll};
+use std::task::{Context, Poll, Waker};
 
 use http::header::HeaderName;
 use http::{Request, Response};
@@ -10,7 +10,7 @@ use tower_service::Service;
 use super::body::TollgateBody;
 use super::config::Shared;
 use super::deferred::{ChargeCell, PendingCharge};
-use super::future::ResponseFuture;
+use super::future::{HandOver, ResponseFuture};
 use super::key_memo;
 use crate::store::ApiKey;
 use crate::{AccountId, CostUnits, DenyReason, KeyId, RequestId};
@@ -76,9 +76,9 @@ where
 
     /// Always ready: admission happens in `call`, at the outer edge, so a
     /// request without funds is refused at once instead of waiting for a
-    /// limit inside the layer. An admitted request waits for the inner
-    /// service in its [`ResponseFuture`], holding its reservation, on a
-    /// clone of the inner service.
+    /// limit inside the layer. An admitted request that finds the inner
+    /// service not ready waits for it in its [`ResponseFuture`], holding
+    /// its reservation.
     fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         Poll::Ready(Ok(()))
     }
@@ -158,19 +158,11 @@ where
                     let request_id = context.request_id();
                     let cell = Arc::new(ChargeCell::new(context, Arc::clone(shared)));
                     parts.extensions.insert(PendingCharge(Arc::clone(&cell)));
-                    return ResponseFuture::deferred(
-                        self.inner.clone(),
-                        Request::from_parts(parts, body),
-                        cell,
-                        request_id,
-                    );
+                    let hand_over = hand_over(&mut self.inner, Request::from_parts(parts, body));
+                    return ResponseFuture::deferred(hand_over, cell, request_id);
                 }
-                ResponseFuture::admitted(
-                    self.inner.clone(),
-                    Request::from_parts(parts, body),
-                    context,
-                    Arc::clone(shared),
-                )
+                let hand_over = hand_over(&mut self.inner, Request::from_parts(parts, body));
+                ResponseFuture::admitted(hand_over, context, Arc::clone(shared))
             }
             Err(reason) => {
                 // A caller the runtime identified gets a request id to quote
@@ -188,6 +180,23 @@ where
             }
         }
     }
+}
+
+/// Hands an admitted request to `inner` if it is ready now, as it is
+/// unless something inside the layer makes requests wait. Otherwise the
+/// request waits for it in its response future, on the service as it
+/// stands (with whatever wait `poll_ready` has begun), and `inner` becomes
+/// a fresh clone for the next request.
+fn hand_over<S, R>(inner: &mut S, request: R) -> HandOver<S, R, S::Future>
+where
+    S: Service<R> + Clone,
+{
+    let mut cx = Context::from_waker(Waker::noop());
+    if let Poll::Ready(Ok(())) = inner.poll_ready(&mut cx) {
+        return HandOver::Done(inner.call(request));
+    }
+    let fresh = inner.clone();
+    HandOver::Waiting(std::mem::replace(inner, fresh), request)
 }
 
 /// Whether a denial at admission came after the key was identified: every
