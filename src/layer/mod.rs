@@ -20,10 +20,10 @@
 //!
 //! A [`Tollgate`] is always ready: admission happens at the outer edge, so
 //! a request without a usable key or funds is refused at once. An admitted
-//! request then waits, in its [`ResponseFuture`] and holding its
-//! reservation, for a clone of the inner service to be ready (a
-//! `ConcurrencyLimitLayer` inside the layer makes it wait there), and is
-//! handed over.
+//! request is handed to the inner service at once if it is ready;
+//! otherwise (a `ConcurrencyLimitLayer` inside the layer is full) it waits
+//! for it in its [`ResponseFuture`], holding its reservation, and the layer
+//! keeps a fresh clone of the service for the next request.
 //!
 //! # The default commit point
 //!
