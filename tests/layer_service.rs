@@ -175,7 +175,6 @@ async fn echo_admission(request: Request<String>) -> Result<Response<String>, In
     let admitted = request
         .extensions()
         .get::<Admitted>()
-        .copied()
         .expect("an admitted request carries Admitted");
     Ok(Response::new(format!(
         "{} {} {}",

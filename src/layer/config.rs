@@ -56,6 +56,8 @@ pub(super) struct Shared {
     /// Whether the charge is committed by a commit point inside the inner
     /// service rather than at the hand-over to the inner service.
     pub(super) deferred: bool,
+    /// Whether admitted requests carry a cancellation token.
+    pub(super) track_cancellation: bool,
     /// Ids for callers denied after identification: something to quote in
     /// a support request, keying no usage event.
     pub(super) denial_ids: RequestIds,
@@ -67,6 +69,7 @@ impl fmt::Debug for Shared {
             .field("handle", &self.handle)
             .field("policy_revision", &self.policy_revision)
             .field("deferred", &self.deferred)
+            .field("track_cancellation", &self.track_cancellation)
             .finish_non_exhaustive()
     }
 }
@@ -93,6 +96,7 @@ impl TollgateLayer {
             renderer: Box::new(ProblemJson),
             policy_revision: None,
             deferred: false,
+            track_cancellation: false,
         }
     }
 }
@@ -116,6 +120,7 @@ pub struct TollgateBuilder {
     renderer: Box<dyn DenyRenderer>,
     policy_revision: Option<PolicyRevision>,
     deferred: bool,
+    track_cancellation: bool,
 }
 
 impl TollgateBuilder {
@@ -165,6 +170,18 @@ impl TollgateBuilder {
         self
     }
 
+    /// Gives every admitted request a cancellation token, in
+    /// [`Admitted::cancellation`](super::Admitted::cancellation), cancelled
+    /// when the request's response future is dropped before it completed:
+    /// its client disconnected, or a timeout outside the layer gave up.
+    ///
+    /// Off by default because the token is an allocation per admitted
+    /// request, which the request path otherwise does without.
+    pub fn track_cancellation(mut self) -> Self {
+        self.track_cancellation = true;
+        self
+    }
+
     /// The layer.
     ///
     /// # Errors
@@ -183,6 +200,7 @@ impl TollgateBuilder {
                 renderer: self.renderer,
                 policy_revision: self.policy_revision,
                 deferred: self.deferred,
+                track_cancellation: self.track_cancellation,
                 denial_ids,
             }),
         })
@@ -196,6 +214,7 @@ impl fmt::Debug for TollgateBuilder {
             .field("price", &self.price.as_ref().map(|_| "fn"))
             .field("policy_revision", &self.policy_revision)
             .field("deferred", &self.deferred)
+            .field("track_cancellation", &self.track_cancellation)
             .finish_non_exhaustive()
     }
 }

@@ -110,7 +110,7 @@ impl<S: Send + Sync> FromRequestParts<S> for Admitted {
         parts
             .extensions
             .get::<Admitted>()
-            .copied()
+            .cloned()
             .ok_or(MissingAdmission)
     }
 }

@@ -13,6 +13,7 @@ use http::header::HeaderName;
 use http::{HeaderValue, Response};
 use jiff::Timestamp;
 use pin_project_lite::pin_project;
+use tokio_util::sync::{CancellationToken, DropGuard};
 use tower_service::Service;
 
 use super::body::{DenyBody, TollgateBody};
@@ -44,6 +45,9 @@ pin_project! {
         // The inner service and the request, until the service is ready.
         waiting: Option<(S, R)>,
         charge: Charge,
+        // Cancels the request's token if this future is dropped before it
+        // completes; disarmed when it completes.
+        cancel_on_drop: Option<DropGuard>,
     }
 }
 
@@ -81,6 +85,7 @@ impl<S, R, F> ResponseFuture<S, R, F> {
         hand_over: HandOver<S, R, F>,
         context: RequestContext,
         shared: Arc<Shared>,
+        cancellation: Option<CancellationToken>,
     ) -> Self {
         let request_id = context.request_id();
         Self::started(
@@ -90,6 +95,7 @@ impl<S, R, F> ResponseFuture<S, R, F> {
                 shared,
                 request_id,
             },
+            cancellation,
         )
     }
 
@@ -97,6 +103,7 @@ impl<S, R, F> ResponseFuture<S, R, F> {
         hand_over: HandOver<S, R, F>,
         cell: Arc<ChargeCell>,
         request_id: RequestId,
+        cancellation: Option<CancellationToken>,
     ) -> Self {
         Self::started(
             hand_over,
@@ -104,6 +111,7 @@ impl<S, R, F> ResponseFuture<S, R, F> {
                 guard: Some(ReleaseOnDrop(cell)),
                 request_id,
             },
+            cancellation,
         )
     }
 
@@ -118,20 +126,28 @@ impl<S, R, F> ResponseFuture<S, R, F> {
             charge: Charge::Denied {
                 response: Some(render(shared, reason, request_id)),
             },
+            cancel_on_drop: None,
         }
     }
 
-    fn started(hand_over: HandOver<S, R, F>, charge: Charge) -> Self {
+    fn started(
+        hand_over: HandOver<S, R, F>,
+        charge: Charge,
+        cancellation: Option<CancellationToken>,
+    ) -> Self {
+        let cancel_on_drop = cancellation.map(CancellationToken::drop_guard);
         match hand_over {
             HandOver::Done(future) => Self {
                 future: Some(future),
                 waiting: None,
                 charge,
+                cancel_on_drop,
             },
             HandOver::Waiting(service, request) => Self {
                 future: None,
                 waiting: Some((service, request)),
                 charge,
+                cancel_on_drop,
             },
         }
     }
@@ -158,7 +174,10 @@ where
                 .expect("an admitted request waits for its service until it is handed over");
             // An error drops the request; the charge, never committed, is
             // released with this future (I4).
-            ready!(service.poll_ready(cx))?;
+            if let Err(error) = ready!(service.poll_ready(cx)) {
+                disarm(this.cancel_on_drop);
+                return Poll::Ready(Err(error));
+            }
             let (mut service, request) = this.waiting.take().expect("checked above");
             this.future.set(Some(service.call(request)));
         }
@@ -174,6 +193,7 @@ where
             // I2, I9: the commit was refused, so the handler must not run:
             // its future is dropped here without ever being polled.
             this.future.set(None);
+            disarm(this.cancel_on_drop);
             let response = render(shared, reason, Some(*request_id));
             return Poll::Ready(Ok(response.map(TollgateBody::denial)));
         }
@@ -181,7 +201,11 @@ where
             .future
             .as_pin_mut()
             .expect("the inner service has taken the request");
-        let mut response = ready!(future.poll(cx))?;
+        let outcome = ready!(future.poll(cx));
+        // Complete: whatever happens to the response now, nobody gave up
+        // on it.
+        disarm(this.cancel_on_drop);
+        let mut response = outcome?;
         let request_id = match this.charge {
             Charge::AtHandOver { request_id, .. } => *request_id,
             Charge::Deferred { guard, request_id } => {
@@ -194,6 +218,14 @@ where
         };
         insert_request_id(&mut response, request_id);
         Poll::Ready(Ok(response.map(TollgateBody::inner)))
+    }
+}
+
+/// Lets the request's cancellation token live on uncancelled: its response
+/// future completed.
+fn disarm(cancel_on_drop: &mut Option<DropGuard>) {
+    if let Some(guard) = cancel_on_drop.take() {
+        guard.disarm();
     }
 }
 

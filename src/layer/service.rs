@@ -5,6 +5,7 @@ use std::task::{Context, Poll, Waker};
 
 use http::header::HeaderName;
 use http::{Request, Response};
+use tokio_util::sync::CancellationToken;
 use tower_service::Service;
 
 use super::body::TollgateBody;
@@ -21,7 +22,7 @@ pub const REQUEST_ID_HEADER: HeaderName = HeaderName::from_static("x-tollgate-re
 
 /// What admission decided about a request, inserted into its extensions
 /// before the inner service sees it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 #[non_exhaustive]
 pub struct Admitted {
     /// The units reserved, charged when the handler starts.
@@ -32,12 +33,23 @@ pub struct Admitted {
     pub key_id: Option<KeyId>,
     /// The request's id, also sent as `x-tollgate-request-id`.
     pub request_id: RequestId,
+    /// Whether cancellation was requested: cancelled once nobody waits for
+    /// the response any more (its client disconnected, or a timeout outside
+    /// the layer gave up) before the response was complete. `None` unless
+    /// the layer was built with
+    /// [`track_cancellation`](super::TollgateBuilder::track_cancellation).
+    ///
+    /// The handler's own future is dropped at that moment, so this is for
+    /// work it handed to other tasks: they can watch the token and stop
+    /// work nobody will read. The charge is not affected: a request whose
+    /// handler started pays in full (I3).
+    pub cancellation: Option<CancellationToken>,
 }
 
 /// Meters the requests of `S`; built by
 /// [`TollgateLayer`](super::TollgateLayer).
 ///
-/// `poll_ready` forwards to the inner service; `call` decides admission.
+/// Always ready; `call` decides admission (see [`poll_ready`](Self::poll_ready)).
 /// Clones share the layer's state and so its leases.
 #[derive(Clone, Debug)]
 pub struct Tollgate<S> {
@@ -141,11 +153,14 @@ where
                 if let Some(revision) = shared.policy_revision {
                     context.set_policy_revision(revision);
                 }
+                // Opt-in: the token is this path's one allocation.
+                let cancellation = shared.track_cancellation.then(CancellationToken::new);
                 let admitted = Admitted {
                     units: context.units(),
                     account_id: context.account_id(),
                     key_id: context.key_id(),
                     request_id: context.request_id(),
+                    cancellation: cancellation.clone(),
                 };
                 if traced {
                     span.record("account", admitted.account_id.get());
@@ -159,10 +174,10 @@ where
                     let cell = Arc::new(ChargeCell::new(context, Arc::clone(shared)));
                     parts.extensions.insert(PendingCharge(Arc::clone(&cell)));
                     let hand_over = hand_over(&mut self.inner, Request::from_parts(parts, body));
-                    return ResponseFuture::deferred(hand_over, cell, request_id);
+                    return ResponseFuture::deferred(hand_over, cell, request_id, cancellation);
                 }
                 let hand_over = hand_over(&mut self.inner, Request::from_parts(parts, body));
-                ResponseFuture::admitted(hand_over, context, Arc::clone(shared))
+                ResponseFuture::admitted(hand_over, context, Arc::clone(shared), cancellation)
             }
             Err(reason) => {
                 // A caller the runtime identified gets a request id to quote
