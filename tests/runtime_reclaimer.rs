@@ -148,6 +148,7 @@ impl LeaseAllocator for ScriptedAllocator {
                     })
                     .collect(),
                 more,
+                ..ReclaimBatch::default()
             }),
             Answer::Fail => Err(StoreError::new("scripted outage")),
             Answer::Hang => std::future::pending().await,
@@ -283,6 +284,62 @@ async fn an_expired_lease_is_reclaimed_only_once_its_grace_has_passed() {
     run_for(&clock, 3).await;
     assert_eq!(reclaimer.stats(), stats(11, 1, 26), "settled once");
     assert_eq!(reclaimer.shutdown().await, stats(11, 1, 26));
+}
+
+/// I19: an expired lease whose remainder its account's balance has no room
+/// for (below the ledger's `i64::MAX`) is passed over and reported, not an
+/// error: a smaller account's lease due at the same time is still
+/// reclaimed in the same pass, and the blocked one settles once its
+/// account has room.
+#[tokio::test(start_paused = true)]
+async fn a_lease_that_cannot_be_credited_is_reported_and_holds_up_no_other() {
+    const TOP: u64 = i64::MAX as u64;
+    let store = store();
+    let clock = Arc::new(ManualClock::new(start()));
+    let full = open_account(&store, TOP - 10);
+    let blocked = lease(&store, full, 100).await;
+    store
+        .top_up(full, CostUnits(100), start())
+        .expect("the balance alone stays in range");
+    let small = open_account(&store, 50);
+    lease(&store, small, 30).await;
+    let reclaimer = spawn(store.clone(), &clock, config(1, 10, 1));
+    settle().await;
+    run_for(&clock, 7).await;
+    assert_eq!(
+        reclaimer.stats(),
+        ReclaimStats {
+            blocked_leases: 1,
+            ..stats(8, 1, 30)
+        },
+        "the small account's lease is reclaimed past the blocked one"
+    );
+    assert_eq!(balance(&store, small), 50);
+    assert_eq!(balance(&store, full), TOP - 10, "nothing credited");
+    audited(&store);
+
+    // The account spends: a new lease takes 200 units out of the balance,
+    // and they are billed. Now the blocked remainder fits.
+    let spent = store
+        .acquire(full, CostUnits(200), TTL, clock.now())
+        .await
+        .expect("funded")
+        .grant;
+    bill(&store, 1, &spent, 200).await;
+    run_for(&clock, 1).await;
+    assert_eq!(
+        reclaimer.stats(),
+        ReclaimStats {
+            blocked_leases: 0,
+            ..stats(9, 2, 130)
+        }
+    );
+    assert_eq!(balance(&store, full), TOP - 110);
+    let view = store.account(full, clock.now()).expect("exists");
+    assert_eq!(view.leased, CostUnits(200), "only the spent lease is out");
+    assert_ne!(blocked.lease_id, spent.lease_id);
+    audited(&store);
+    reclaimer.shutdown().await;
 }
 
 /// While a batch says more leases are due, the reclaimer asks again at once,

@@ -14,8 +14,9 @@ use support::stores::{TestStore, store_tests};
 #[cfg(feature = "postgres")]
 use tollgate::store::PostgresStore;
 use tollgate::store::{
-    AccountSpec, AdminError, AllocateError, Allocation, GrantPolicy, IngestOutcome, KeyHash,
-    LeaseAllocator, MemoryStore, RefillSchedule, RejectReason, SnapshotCursor, TailSharing,
+    AccountSpec, AdminError, AllocateError, Allocation, BlockedLease, GrantPolicy, IngestOutcome,
+    KeyHash, LeaseAllocator, MemoryStore, RefillSchedule, RejectReason, SnapshotCursor,
+    TailSharing,
 };
 use tollgate::{
     AccountId, AccountStatus, BalanceExhaustion, BalanceShortfall, CostUnits, EnforcementMode,
@@ -608,6 +609,68 @@ async fn reclaim_pages_through_due_leases<S: TestStore>() {
     let third = store.reclaim_expired_batch(at(40), 2).await.unwrap();
     assert_eq!((third.reclaimed.len(), third.more), (1, false));
     assert_eq!(balance(&store, acct, at(40)).await, 1_000);
+    audited(&store).await;
+}
+
+/// I19: a due lease whose remainder its account's balance has no room for
+/// (below `i64::MAX`) is passed over and reported, never an error: it
+/// counts against no limit, the leases behind it are settled and paged as
+/// usual, and it settles once its account has room.
+async fn a_lease_reclaim_cannot_credit_is_reported_and_holds_up_no_other<S: TestStore>() {
+    const TOP: u64 = i64::MAX as u64;
+    let Some(store) = S::fresh(policy(1)).await else {
+        return;
+    };
+    let full = account(&store, TOP - 10).await;
+    let a = store
+        .acquire(full, CostUnits(100), TTL, at(0))
+        .await
+        .unwrap();
+    store.top_up(full, CostUnits(100), at(0)).await.unwrap();
+    let small = account(&store, 1_000).await;
+    let b = store
+        .acquire(small, CostUnits(10), TTL, at(1))
+        .await
+        .unwrap();
+    let c = store
+        .acquire(small, CostUnits(10), TTL, at(2))
+        .await
+        .unwrap();
+    let blocked = vec![BlockedLease {
+        lease_id: a.grant.lease_id,
+        account_id: full,
+        remainder: CostUnits(100),
+    }];
+
+    let first = store.reclaim_expired_batch(at(50), 1).await.unwrap();
+    assert_eq!(first.reclaimed.len(), 1);
+    assert_eq!(first.reclaimed[0].lease_id, b.grant.lease_id);
+    assert_eq!((first.more, &first.blocked), (true, &blocked));
+    let second = store.reclaim_expired_batch(at(50), 1).await.unwrap();
+    assert_eq!(second.reclaimed.len(), 1);
+    assert_eq!(second.reclaimed[0].lease_id, c.grant.lease_id);
+    assert_eq!((second.more, &second.blocked), (false, &blocked));
+    let third = store.reclaim_expired_batch(at(50), 1).await.unwrap();
+    assert_eq!(
+        (third.reclaimed.len(), third.more, &third.blocked),
+        (0, false, &blocked)
+    );
+    assert_eq!(balance(&store, small, at(50)).await, 1_000);
+    assert_eq!(balance(&store, full, at(50)).await, TOP - 10);
+    audited(&store).await;
+
+    // The account spends 200 units; now the remainder fits.
+    let d = store
+        .acquire(full, CostUnits(200), TTL, at(50))
+        .await
+        .unwrap();
+    store.ingest(&[leased(1, full, &d, 200)]).await.unwrap();
+    let last = store.reclaim_expired_batch(at(50), 1).await.unwrap();
+    assert_eq!(last.reclaimed.len(), 1);
+    assert_eq!(last.reclaimed[0].lease_id, a.grant.lease_id);
+    assert_eq!(last.reclaimed[0].credited, CostUnits(100));
+    assert!(last.blocked.is_empty());
+    assert_eq!(balance(&store, full, at(50)).await, TOP - 110);
     audited(&store).await;
 }
 
@@ -1265,6 +1328,7 @@ store_tests! {
             consolidating_an_empty_account_with_nothing_unspent_is_exhaustion,
             reclaim_waits_for_the_grace_and_credits_the_remainder_net_of_usage,
             reclaim_pages_through_due_leases,
+            a_lease_reclaim_cannot_credit_is_reported_and_holds_up_no_other,
             concurrent_reclaimers_settle_each_lease_once,
             a_refill_resets_the_balance_at_each_period_end,
             a_top_up_funds_the_next_acquire,

@@ -108,6 +108,7 @@ where
 /// | `tollgate_lease_{acquired,acquired_units,acquire_timeouts,uncertain_acquires,released,released_units,release_timeouts,abandoned,consolidated,consolidations_deferred}_total` | counter | |
 /// | `tollgate_lease_refused_total`, `tollgate_lease_release_refused_total` | counter | `reason` ([`AllocateError::NAMES`]) |
 /// | `tollgate_reclaim_{passes,reclaimed_leases,reclaimed_units,errors,timeouts}_total` | counter | |
+/// | `tollgate_reclaim_blocked_leases` | gauge | |
 /// | `tollgate_manager_restarts_total` | counter | |
 ///
 /// Every deny reason and every refusal name has its own series from the
@@ -305,6 +306,7 @@ fn publish_reclaimer(reclaimer: &ReclaimStats) {
     metrics::counter!("tollgate_reclaim_reclaimed_units_total").absolute(reclaimer.reclaimed_units);
     metrics::counter!("tollgate_reclaim_errors_total").absolute(reclaimer.errors);
     metrics::counter!("tollgate_reclaim_timeouts_total").absolute(reclaimer.timeouts);
+    level("tollgate_reclaim_blocked_leases", reclaimer.blocked_leases);
 }
 
 fn flag(name: &'static str, value: bool) {

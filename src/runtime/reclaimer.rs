@@ -117,6 +117,11 @@ pub struct ReclaimStats {
     pub errors: u64,
     /// Passes ended by a call cut off by `store_call_timeout` (I22).
     pub timeouts: u64,
+    /// Due leases the latest batch passed over because their account's
+    /// balance has no room for their remainder
+    /// ([`BlockedLease`](crate::store::BlockedLease)): a level, not a
+    /// count. They are retried on every pass.
+    pub blocked_leases: u64,
 }
 
 /// The owner's handle on the reclaimer task.
@@ -223,6 +228,7 @@ struct Counters {
     reclaimed_units: AtomicU64,
     errors: AtomicU64,
     timeouts: AtomicU64,
+    blocked_leases: AtomicU64,
 }
 
 impl Counters {
@@ -234,6 +240,7 @@ impl Counters {
             reclaimed_units: read(&self.reclaimed_units),
             errors: read(&self.errors),
             timeouts: read(&self.timeouts),
+            blocked_leases: read(&self.blocked_leases),
         }
     }
 }
@@ -328,6 +335,19 @@ impl Task {
             bump(&self.counters.reclaimed_leases, 1);
             bump(&self.counters.reclaimed_units, lease.credited.get());
         }
+        for lease in &batch.blocked {
+            tracing::warn!(
+                lease_id = %lease.lease_id,
+                account_id = %lease.account_id,
+                units = lease.remainder.get(),
+                "reclaimer: an expired lease cannot be settled yet: its account's balance \
+                 has no room for its remainder below the ledger's range; retrying every pass"
+            );
+        }
+        self.counters.blocked_leases.store(
+            u64::try_from(batch.blocked.len()).unwrap_or(u64::MAX),
+            Ordering::Relaxed,
+        );
         if !batch.more {
             bump(&self.counters.passes, 1);
             return Next::Done;

@@ -2,6 +2,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt;
+use std::ops::Bound::{Excluded, Unbounded};
 use std::sync::{Mutex, MutexGuard};
 
 use async_trait::async_trait;
@@ -18,8 +19,8 @@ use crate::store::rules::{
     plan_consolidation,
 };
 use crate::store::{
-    AllocateError, Allocation, ApiKey, GrantPolicy, GrantPolicyError, IngestOutcome, KeyHash,
-    KeyPrefix, LeaseAllocator, ReclaimBatch, ReclaimedLease, RejectReason, Released,
+    AllocateError, Allocation, ApiKey, BlockedLease, GrantPolicy, GrantPolicyError, IngestOutcome,
+    KeyHash, KeyPrefix, LeaseAllocator, ReclaimBatch, ReclaimedLease, RejectReason, Released,
     SnapshotCursor, SnapshotPage, SnapshotSource, StoreError, UsageSink,
 };
 
@@ -753,19 +754,20 @@ impl MemoryStore {
             return Ok(ReclaimBatch::default());
         };
         let mut ledger = self.lock()?;
-        let due: Vec<LeaseId> = ledger
-            .expiring
-            .iter()
-            .take_while(|(expires_at, _)| *expires_at <= cutoff)
-            .map(|(_, lease_id)| *lease_id)
-            .take(limit.saturating_add(1))
-            .collect();
-        let more = due.len() > limit;
-        let mut batch = ReclaimBatch {
-            reclaimed: Vec::with_capacity(due.len().min(limit)),
-            more,
-        };
-        for lease_id in due.into_iter().take(limit) {
+        let mut batch = ReclaimBatch::default();
+        // Walked in expiry order from just past the last lease looked at:
+        // settling removes a lease from the order, a blocked one stays.
+        let mut after = None;
+        loop {
+            let next = match after {
+                None => ledger.expiring.first(),
+                Some(key) => ledger.expiring.range((Excluded(key), Unbounded)).next(),
+            };
+            let Some(&key) = next.filter(|(expires_at, _)| *expires_at <= cutoff) else {
+                break;
+            };
+            after = Some(key);
+            let lease_id = key.1;
             let lease = &ledger.leases[&lease_id];
             let (account, remainder) = (lease.account_id, lease.granted - lease.used);
             let Some(Ok(entry)) = ledger.account_at(account, now) else {
@@ -773,9 +775,21 @@ impl MemoryStore {
                     "{lease_id} names a missing account"
                 )));
             };
-            entry.balance = credited_balance(entry.balance, remainder).map_err(|_| {
-                StoreError::new(format!("reclaiming {lease_id} would overflow {account}"))
-            })?;
+            let Ok(balance) = credited_balance(entry.balance, remainder) else {
+                if batch.blocked.len() < limit {
+                    batch.blocked.push(BlockedLease {
+                        lease_id,
+                        account_id: account,
+                        remainder: CostUnits(remainder),
+                    });
+                }
+                continue;
+            };
+            if batch.reclaimed.len() == limit {
+                batch.more = true;
+                break;
+            }
+            entry.balance = balance;
             ledger.settle(lease_id, remainder);
             batch.reclaimed.push(ReclaimedLease {
                 lease_id,

@@ -114,7 +114,9 @@ pub trait LeaseAllocator: Send + Sync {
     /// Settles up to `limit` active leases whose `expires_at + reclaim_grace`
     /// is at or before `now`, crediting each one's remainder net of accepted
     /// usage. Safe to run from many processes at once: each lease is settled
-    /// once.
+    /// once. A lease whose credit would overflow its account's balance is
+    /// passed over and reported in [`ReclaimBatch::blocked`], so one account
+    /// never holds up the others (I19).
     async fn reclaim_expired_batch(
         &self,
         now: Timestamp,
@@ -191,8 +193,27 @@ pub struct Released {
 pub struct ReclaimBatch {
     /// The leases this call settled.
     pub reclaimed: Vec<ReclaimedLease>,
-    /// Whether more leases were due than `limit` allowed.
+    /// Whether more leases that can be settled were due than `limit`
+    /// allowed.
     pub more: bool,
+    /// Due leases left active because crediting their remainder would take
+    /// their account's balance past the ledger's range (`i64::MAX` units):
+    /// up to `limit` of them, oldest expiry first. They neither count
+    /// against `limit` nor hold up other leases, and settle on a later call
+    /// once their account's balance has room.
+    pub blocked: Vec<BlockedLease>,
+}
+
+/// A due lease reclaim could not settle: crediting its remainder would
+/// overflow its account's balance.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockedLease {
+    /// The lease.
+    pub lease_id: LeaseId,
+    /// Its account.
+    pub account_id: AccountId,
+    /// The remainder waiting to be credited: granted minus accepted usage.
+    pub remainder: CostUnits,
 }
 
 /// A lease settled by TTL reclaim.

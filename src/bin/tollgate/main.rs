@@ -488,6 +488,8 @@ async fn refill(
 async fn reclaim(store: &PostgresStore, batch: usize, now: Timestamp) -> Result<(), Failure> {
     let mut settled = 0_usize;
     let mut credited = 0_u64;
+    // Every page reports the blocked leases again; name each once.
+    let mut blocked = std::collections::BTreeSet::new();
     loop {
         let page = store.reclaim_expired_batch(now, batch).await?;
         for lease in &page.reclaimed {
@@ -499,12 +501,28 @@ async fn reclaim(store: &PostgresStore, batch: usize, now: Timestamp) -> Result<
             );
             credited = credited.saturating_add(lease.credited.get());
         }
+        for lease in &page.blocked {
+            if blocked.insert(lease.lease_id) {
+                println!(
+                    "blocked {} of {}: its {} units would take the balance past the ledger's range",
+                    lease.lease_id,
+                    lease.account_id,
+                    lease.remainder.get()
+                );
+            }
+        }
         settled += page.reclaimed.len();
         if !page.more {
             break;
         }
     }
     println!("{settled} leases reclaimed, {credited} units credited");
+    if !blocked.is_empty() {
+        println!(
+            "{} leases blocked; they settle once their accounts' balances have room",
+            blocked.len()
+        );
+    }
     Ok(())
 }
 

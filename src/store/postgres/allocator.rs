@@ -19,9 +19,10 @@ use crate::store::postgres::PostgresStore;
 use crate::store::postgres::convert::{amount, get, id, micros, storage, to_i64, to_pg, units};
 use crate::store::postgres::ledger::Entry;
 use crate::store::postgres::tx::{begin, finish};
-use crate::store::rules::{credited_balance, plan_acquire, plan_consolidation};
+use crate::store::rules::{UNITS_MAX, credited_balance, plan_acquire, plan_consolidation};
 use crate::store::{
-    AllocateError, Allocation, LeaseAllocator, ReclaimBatch, ReclaimedLease, Released, StoreError,
+    AllocateError, Allocation, BlockedLease, LeaseAllocator, ReclaimBatch, ReclaimedLease,
+    Released, StoreError,
 };
 
 /// A lease row, locked by the caller.
@@ -339,16 +340,19 @@ impl PostgresStore {
     ) -> Result<ReclaimBatch, StoreError> {
         // I19: due once `expires_at + reclaim_grace <= now`. Leases another
         // reclaimer holds are skipped (I31), so concurrent reclaimers split
-        // the work and settle each lease once.
+        // the work and settle each lease once. A lease whose remainder its
+        // account's balance has no room for is left out here, so it cannot
+        // hold up the leases behind it, and reported below.
         let fetch = i64::try_from(limit.saturating_add(1)).unwrap_or(i64::MAX);
         let sql = self.sql(&format!(
-            "SELECT {LEASE_COLUMNS} FROM {{schema}}.leases \
-             WHERE state = 'active' AND expires_at <= $1 \
+            "SELECT {LEASE_COLUMNS} FROM {{schema}}.leases l \
+             WHERE state = 'active' AND expires_at <= $1 AND {ROOM_FOR_REMAINDER} \
              ORDER BY expires_at, id LIMIT $2 FOR NO KEY UPDATE SKIP LOCKED"
         ));
         let rows = sqlx::query(&sql)
             .bind(to_pg(cutoff)?)
             .bind(fetch)
+            .bind(amount(UNITS_MAX, "the ledger's range")?)
             .fetch_all(&mut *conn)
             .await
             .map_err(|error| storage("selecting due leases", &error))?;
@@ -377,6 +381,7 @@ impl PostgresStore {
         let mut batch = ReclaimBatch {
             reclaimed: Vec::with_capacity(due.len()),
             more,
+            blocked: Vec::new(),
         };
         for lease in &due {
             let remainder = lease.granted.saturating_sub(lease.used);
@@ -386,12 +391,17 @@ impl PostgresStore {
                 .ok_or_else(|| {
                     StoreError::new("postgres: a reclaimed lease's account was not locked")
                 })?;
-            let balance = credited_balance(slot.1, remainder).map_err(|_| {
-                StoreError::new(format!(
-                    "reclaiming {} would overflow {}",
-                    lease.id, lease.account_id
-                ))
-            })?;
+            // The filter above read the balance before the lock (and before
+            // a due refill), and two leases of one account can each fit
+            // alone: checked again here.
+            let Ok(balance) = credited_balance(slot.1, remainder) else {
+                batch.blocked.push(BlockedLease {
+                    lease_id: lease.id,
+                    account_id: lease.account_id,
+                    remainder: CostUnits(remainder),
+                });
+                continue;
+            };
             slot.1 = balance;
             self.set_balance(conn, lease.account_id, balance).await?;
             self.settle(conn, lease, remainder, balance, JournalKind::Reclaim, now)
@@ -402,9 +412,54 @@ impl PostgresStore {
                 credited: CostUnits(remainder),
             });
         }
+        self.blocked_in(conn, cutoff, limit, &mut batch.blocked)
+            .await?;
         Ok(batch)
     }
+
+    /// Adds to `blocked` (up to `limit` in all) the due leases the reclaim
+    /// query left out because their account's balance has no room for
+    /// their remainder. Read without locks: a report, not a settlement.
+    async fn blocked_in(
+        &self,
+        conn: &mut PgConnection,
+        cutoff: Timestamp,
+        limit: usize,
+        blocked: &mut Vec<BlockedLease>,
+    ) -> Result<(), StoreError> {
+        let Some(wanted) = limit.checked_sub(blocked.len()).filter(|n| *n > 0) else {
+            return Ok(());
+        };
+        let sql = self.sql(&format!(
+            "SELECT id, account_id, granted - used AS remainder FROM {{schema}}.leases l \
+             WHERE state = 'active' AND expires_at <= $1 AND NOT {ROOM_FOR_REMAINDER} \
+             ORDER BY expires_at, id LIMIT $2"
+        ));
+        let rows = sqlx::query(&sql)
+            .bind(to_pg(cutoff)?)
+            .bind(i64::try_from(wanted).unwrap_or(i64::MAX))
+            .bind(amount(UNITS_MAX, "the ledger's range")?)
+            .fetch_all(&mut *conn)
+            .await
+            .map_err(|error| storage("selecting blocked leases", &error))?;
+        for row in &rows {
+            let lease = BlockedLease {
+                lease_id: LeaseId(id(get(row, "id")?, "lease id")?),
+                account_id: AccountId(id(get(row, "account_id")?, "account id")?),
+                remainder: CostUnits(units(get(row, "remainder")?, "remainder")?),
+            };
+            if !blocked.iter().any(|seen| seen.lease_id == lease.lease_id) {
+                blocked.push(lease);
+            }
+        }
+        Ok(())
+    }
 }
+
+/// Whether the balance of lease `l`'s account has room for the lease's
+/// remainder below the ledger's range (`$3`).
+const ROOM_FOR_REMAINDER: &str = "(granted - used <= $3 - \
+     (SELECT a.balance FROM {schema}.accounts a WHERE a.id = l.account_id))";
 
 #[async_trait]
 impl LeaseAllocator for PostgresStore {
