@@ -772,6 +772,45 @@ async fn a_refill_resets_the_balance_at_each_period_end<S: TestStore>() {
     audited(&store).await;
 }
 
+/// I14: a refill resets the balance, not the units out on leases: what a
+/// lease leased before the reset does not spend is credited to the new
+/// period when it comes back.
+async fn units_leased_at_a_reset_come_back_to_the_new_period<S: TestStore>() {
+    let Some(store) = S::fresh(policy(1)).await else {
+        return;
+    };
+    let acct = store
+        .create_account(
+            AccountSpec {
+                balance: CostUnits(100),
+                mode: EnforcementMode::Strict,
+                status: AccountStatus::Active,
+                refill: Some(RefillSchedule {
+                    amount: CostUnits(100),
+                    interval: secs(100),
+                }),
+            },
+            at(0),
+        )
+        .await
+        .unwrap();
+    let lease = store
+        .acquire(acct, CostUnits(60), secs(60), at(50))
+        .await
+        .unwrap();
+    store.ingest(&[leased(1, acct, &lease, 20)]).await.unwrap();
+    // The 40 units left in the balance are not carried forward...
+    assert_eq!(balance(&store, acct, at(100)).await, 100);
+    // ...but the 40 the lease did not spend are.
+    let g = lease.grant;
+    store
+        .release(g.lease_id, g.fencing_token, CostUnits(40), at(100))
+        .await
+        .unwrap();
+    assert_eq!(balance(&store, acct, at(100)).await, 140);
+    audited(&store).await;
+}
+
 async fn a_top_up_funds_the_next_acquire<S: TestStore>() {
     let Some(store) = S::fresh(policy(1)).await else {
         return;
@@ -1331,6 +1370,7 @@ store_tests! {
             a_lease_reclaim_cannot_credit_is_reported_and_holds_up_no_other,
             concurrent_reclaimers_settle_each_lease_once,
             a_refill_resets_the_balance_at_each_period_end,
+            units_leased_at_a_reset_come_back_to_the_new_period,
             a_top_up_funds_the_next_acquire,
             a_refill_interval_must_be_positive,
             ingest_reports_every_outcome_per_event_in_order,
