@@ -612,65 +612,140 @@ async fn reclaim_pages_through_due_leases<S: TestStore>() {
     audited(&store).await;
 }
 
+const TOP: u64 = i64::MAX as u64;
+
+/// An account whose balance is `TOP - 10` with a lease of 100 units out
+/// since `granted_at`: the lease's remainder has no room to come back.
+async fn full_account<S: TestStore>(store: &S, granted_at: i64) -> (AccountId, Allocation) {
+    let acct = account(store, TOP - 10).await;
+    let lease = store
+        .acquire(acct, CostUnits(100), TTL, at(granted_at))
+        .await
+        .unwrap();
+    store
+        .top_up(acct, CostUnits(100), at(granted_at))
+        .await
+        .unwrap();
+    (acct, lease)
+}
+
+fn blocked(account: AccountId, lease: &Allocation) -> BlockedLease {
+    BlockedLease {
+        lease_id: lease.grant.lease_id,
+        account_id: account,
+        remainder: CostUnits(100),
+    }
+}
+
 /// I19: a due lease whose remainder its account's balance has no room for
 /// (below `i64::MAX`) is passed over and reported, never an error: it
 /// counts against no limit, the leases behind it are settled and paged as
-/// usual, and it settles once its account has room.
+/// usual, the first `limit` blocked leases by expiry are named on every
+/// call, and a blocked lease settles once its account has room.
 async fn a_lease_reclaim_cannot_credit_is_reported_and_holds_up_no_other<S: TestStore>() {
-    const TOP: u64 = i64::MAX as u64;
     let Some(store) = S::fresh(policy(1)).await else {
         return;
     };
-    let full = account(&store, TOP - 10).await;
-    let a = store
-        .acquire(full, CostUnits(100), TTL, at(0))
-        .await
-        .unwrap();
-    store.top_up(full, CostUnits(100), at(0)).await.unwrap();
     let small = account(&store, 1_000).await;
+    let (full, a) = full_account(&store, 0).await;
     let b = store
         .acquire(small, CostUnits(10), TTL, at(1))
         .await
         .unwrap();
-    let c = store
-        .acquire(small, CostUnits(10), TTL, at(2))
+    let (other, c) = full_account(&store, 2).await;
+    let d = store
+        .acquire(small, CostUnits(10), TTL, at(3))
         .await
         .unwrap();
-    let blocked = vec![BlockedLease {
-        lease_id: a.grant.lease_id,
-        account_id: full,
-        remainder: CostUnits(100),
-    }];
 
     let first = store.reclaim_expired_batch(at(50), 1).await.unwrap();
     assert_eq!(first.reclaimed.len(), 1);
     assert_eq!(first.reclaimed[0].lease_id, b.grant.lease_id);
-    assert_eq!((first.more, &first.blocked), (true, &blocked));
-    let second = store.reclaim_expired_batch(at(50), 1).await.unwrap();
-    assert_eq!(second.reclaimed.len(), 1);
-    assert_eq!(second.reclaimed[0].lease_id, c.grant.lease_id);
-    assert_eq!((second.more, &second.blocked), (false, &blocked));
-    let third = store.reclaim_expired_batch(at(50), 1).await.unwrap();
+    assert!(first.more, "d can still be settled");
     assert_eq!(
-        (third.reclaimed.len(), third.more, &third.blocked),
-        (0, false, &blocked)
+        first.blocked,
+        vec![blocked(full, &a)],
+        "the first by expiry"
     );
+    let second = store.reclaim_expired_batch(at(50), 2).await.unwrap();
+    assert_eq!(second.reclaimed.len(), 1);
+    assert_eq!(second.reclaimed[0].lease_id, d.grant.lease_id);
+    assert!(!second.more);
+    assert_eq!(second.blocked, vec![blocked(full, &a), blocked(other, &c)]);
+    let third = store.reclaim_expired_batch(at(50), 2).await.unwrap();
+    assert!(third.reclaimed.is_empty());
+    assert!(!third.more);
+    assert_eq!(third.blocked, second.blocked, "named again on every call");
     assert_eq!(balance(&store, small, at(50)).await, 1_000);
     assert_eq!(balance(&store, full, at(50)).await, TOP - 10);
     audited(&store).await;
 
-    // The account spends 200 units; now the remainder fits.
-    let d = store
+    // The account spends 200 units; now its remainder fits.
+    let spent = store
         .acquire(full, CostUnits(200), TTL, at(50))
         .await
         .unwrap();
-    store.ingest(&[leased(1, full, &d, 200)]).await.unwrap();
-    let last = store.reclaim_expired_batch(at(50), 1).await.unwrap();
+    store.ingest(&[leased(1, full, &spent, 200)]).await.unwrap();
+    let last = store.reclaim_expired_batch(at(50), 2).await.unwrap();
     assert_eq!(last.reclaimed.len(), 1);
     assert_eq!(last.reclaimed[0].lease_id, a.grant.lease_id);
     assert_eq!(last.reclaimed[0].credited, CostUnits(100));
-    assert!(last.blocked.is_empty());
+    assert_eq!(last.blocked, vec![blocked(other, &c)]);
     assert_eq!(balance(&store, full, at(50)).await, TOP - 110);
+    audited(&store).await;
+}
+
+/// I19, I14: room is judged on the balance an account has at the reclaim,
+/// after any refill due by then, and after the credits the same batch made:
+/// of two leases that each fit alone, the second is reported blocked.
+async fn reclaim_judges_room_after_refills_and_its_own_credits<S: TestStore>() {
+    let Some(store) = S::fresh(policy(1)).await else {
+        return;
+    };
+    // A refill of 100 every 100 s; balance topped up near the top after a
+    // lease went out. The refill at 100 resets the balance to 100.
+    let refilled = store
+        .create_account(
+            AccountSpec {
+                balance: CostUnits(100),
+                mode: EnforcementMode::Strict,
+                status: AccountStatus::Active,
+                refill: Some(RefillSchedule {
+                    amount: CostUnits(100),
+                    interval: secs(100),
+                }),
+            },
+            at(0),
+        )
+        .await
+        .unwrap();
+    let r = store
+        .acquire(refilled, CostUnits(100), TTL, at(0))
+        .await
+        .unwrap();
+    store
+        .top_up(refilled, CostUnits(TOP - 10), at(0))
+        .await
+        .unwrap();
+    // Two leases of 100 and 100 units of room: one of them comes back.
+    let twice = account(&store, TOP - 210).await;
+    let x = store
+        .acquire(twice, CostUnits(100), TTL, at(1))
+        .await
+        .unwrap();
+    let y = store
+        .acquire(twice, CostUnits(100), TTL, at(2))
+        .await
+        .unwrap();
+    store.top_up(twice, CostUnits(300), at(2)).await.unwrap();
+
+    let batch = store.reclaim_expired_batch(at(150), 10).await.unwrap();
+    let settled: Vec<LeaseId> = batch.reclaimed.iter().map(|l| l.lease_id).collect();
+    assert_eq!(settled, vec![r.grant.lease_id, x.grant.lease_id]);
+    assert!(!batch.more);
+    assert_eq!(batch.blocked, vec![blocked(twice, &y)]);
+    assert_eq!(balance(&store, refilled, at(150)).await, 200);
+    assert_eq!(balance(&store, twice, at(150)).await, TOP - 10);
     audited(&store).await;
 }
 
@@ -1368,6 +1443,7 @@ store_tests! {
             reclaim_waits_for_the_grace_and_credits_the_remainder_net_of_usage,
             reclaim_pages_through_due_leases,
             a_lease_reclaim_cannot_credit_is_reported_and_holds_up_no_other,
+            reclaim_judges_room_after_refills_and_its_own_credits,
             concurrent_reclaimers_settle_each_lease_once,
             a_refill_resets_the_balance_at_each_period_end,
             units_leased_at_a_reset_come_back_to_the_new_period,

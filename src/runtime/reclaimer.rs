@@ -25,6 +25,7 @@
 //! flight (store calls are cancellable). Dropping the [`Reclaimer`] instead
 //! aborts the task and logs it.
 
+use std::collections::HashSet;
 use std::fmt;
 use std::future::Future;
 use std::sync::Arc;
@@ -35,6 +36,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio::time::{MissedTickBehavior, interval, timeout};
 
+use crate::model::LeaseId;
 use crate::store::{Clock, LeaseAllocator, ReclaimBatch};
 
 /// How often and how much the reclaimer settles.
@@ -117,10 +119,11 @@ pub struct ReclaimStats {
     pub errors: u64,
     /// Passes ended by a call cut off by `store_call_timeout` (I22).
     pub timeouts: u64,
-    /// Due leases the latest batch passed over because their account's
-    /// balance has no room for their remainder
+    /// Due leases the latest batch reported blocked because their
+    /// account's balance has no room for their remainder
     /// ([`BlockedLease`](crate::store::BlockedLease)): a level, not a
-    /// count. They are retried on every pass.
+    /// count, and at most `batch_limit`. They are retried on every pass and
+    /// logged once a pass.
     pub blocked_leases: u64,
 }
 
@@ -283,6 +286,9 @@ impl Task {
     /// Settles batches until the store says nothing more is due, or a call
     /// fails.
     async fn pass(&mut self) -> Result<(), Stopped> {
+        // Every batch names the blocked leases again; each is logged once a
+        // pass.
+        let mut named = HashSet::new();
         loop {
             let now = self.clock.now();
             let limit = self.config.store_call_timeout;
@@ -298,7 +304,7 @@ impl Task {
             )
             .await?;
             let next = match answer {
-                Ok(Ok(batch)) => self.settle(&batch),
+                Ok(Ok(batch)) => self.settle(&batch, &mut named),
                 Ok(Err(error)) => {
                     bump(&self.counters.errors, 1);
                     tracing::warn!(%error, "reclaimer: the store failed; trying again next interval");
@@ -321,7 +327,7 @@ impl Task {
     }
 
     /// Counts and reports one batch, and says whether the pass goes on.
-    fn settle(&self, batch: &ReclaimBatch) -> Next {
+    fn settle(&self, batch: &ReclaimBatch, named: &mut HashSet<LeaseId>) -> Next {
         for lease in &batch.reclaimed {
             // The crash exposure of the ledger being settled: reported,
             // never silent.
@@ -335,7 +341,11 @@ impl Task {
             bump(&self.counters.reclaimed_leases, 1);
             bump(&self.counters.reclaimed_units, lease.credited.get());
         }
-        for lease in &batch.blocked {
+        for lease in batch
+            .blocked
+            .iter()
+            .filter(|lease| named.insert(lease.lease_id))
+        {
             tracing::warn!(
                 lease_id = %lease.lease_id,
                 account_id = %lease.account_id,

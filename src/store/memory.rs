@@ -756,46 +756,39 @@ impl MemoryStore {
         let mut ledger = self.lock()?;
         let mut batch = ReclaimBatch::default();
         // Walked in expiry order from just past the last lease looked at:
-        // settling removes a lease from the order, a blocked one stays.
+        // settling removes a lease from the order, a blocked one stays and
+        // is passed over.
         let mut after = None;
-        loop {
-            let next = match after {
-                None => ledger.expiring.first(),
-                Some(key) => ledger.expiring.range((Excluded(key), Unbounded)).next(),
-            };
-            let Some(&key) = next.filter(|(expires_at, _)| *expires_at <= cutoff) else {
-                break;
-            };
-            after = Some(key);
-            let lease_id = key.1;
-            let lease = &ledger.leases[&lease_id];
-            let (account, remainder) = (lease.account_id, lease.granted - lease.used);
-            let Some(Ok(entry)) = ledger.account_at(account, now) else {
-                return Err(StoreError::new(format!(
-                    "{lease_id} names a missing account"
-                )));
-            };
-            let Ok(balance) = credited_balance(entry.balance, remainder) else {
-                if batch.blocked.len() < limit {
-                    batch.blocked.push(BlockedLease {
-                        lease_id,
-                        account_id: account,
-                        remainder: CostUnits(remainder),
-                    });
-                }
+        while let Some((lease_id, credit)) = ledger.next_due(&mut after, cutoff, now)? {
+            let Some((account, remainder, balance)) = credit else {
                 continue;
             };
             if batch.reclaimed.len() == limit {
                 batch.more = true;
                 break;
             }
-            entry.balance = balance;
+            ledger.credit_reclaimed(account, balance)?;
             ledger.settle(lease_id, remainder);
             batch.reclaimed.push(ReclaimedLease {
                 lease_id,
                 account_id: account,
                 credited: CostUnits(remainder),
             });
+        }
+        // Reported after the credits, so a lease this batch left without
+        // room is named too.
+        let mut after = None;
+        while batch.blocked.len() < limit
+            && let Some((lease_id, credit)) = ledger.next_due(&mut after, cutoff, now)?
+        {
+            if credit.is_none() {
+                let lease = &ledger.leases[&lease_id];
+                batch.blocked.push(BlockedLease {
+                    lease_id,
+                    account_id: lease.account_id,
+                    remainder: CostUnits(lease.granted - lease.used),
+                });
+            }
         }
         Ok(batch)
     }
@@ -937,6 +930,48 @@ impl Ledger {
             units: CostUnits(units),
             expires_at,
         }
+    }
+
+    /// The next due lease after `after` in expiry order (advancing
+    /// `after`), with what settling it would do: its account, remainder and
+    /// the balance after the credit, or `None` when the balance (after any
+    /// refill due by `now`) has no room for the remainder.
+    #[allow(clippy::type_complexity, reason = "a private step of one walk")]
+    fn next_due(
+        &mut self,
+        after: &mut Option<(Timestamp, LeaseId)>,
+        cutoff: Timestamp,
+        now: Timestamp,
+    ) -> Result<Option<(LeaseId, Option<(AccountId, u64, u64)>)>, StoreError> {
+        let next = match *after {
+            None => self.expiring.first(),
+            Some(key) => self.expiring.range((Excluded(key), Unbounded)).next(),
+        };
+        let Some(&key) = next.filter(|(expires_at, _)| *expires_at <= cutoff) else {
+            return Ok(None);
+        };
+        *after = Some(key);
+        let lease_id = key.1;
+        let lease = &self.leases[&lease_id];
+        let (account, remainder) = (lease.account_id, lease.granted - lease.used);
+        let Some(entry) = self.account_at(account, now) else {
+            return Err(StoreError::new(format!(
+                "{lease_id} names a missing account"
+            )));
+        };
+        let credit = credited_balance(entry?.balance, remainder)
+            .ok()
+            .map(|balance| (account, remainder, balance));
+        Ok(Some((lease_id, credit)))
+    }
+
+    /// Sets the balance of `account` to `balance`, a reclaim's credit.
+    fn credit_reclaimed(&mut self, account: AccountId, balance: u64) -> Result<(), StoreError> {
+        self.accounts
+            .get_mut(&account)
+            .ok_or_else(|| StoreError::new(format!("{account} went missing")))?
+            .balance = balance;
+        Ok(())
     }
 
     /// Marks a lease settled with `credited` units returned. The caller has

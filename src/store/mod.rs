@@ -193,14 +193,16 @@ pub struct Released {
 pub struct ReclaimBatch {
     /// The leases this call settled.
     pub reclaimed: Vec<ReclaimedLease>,
-    /// Whether more leases that can be settled were due than `limit`
-    /// allowed.
+    /// Whether leases that can be settled are still due: the call stopped
+    /// at `limit`. A store may also stop early (answering `false`) when a
+    /// lease it selected turned out blocked; the next call goes on.
     pub more: bool,
     /// Due leases left active because crediting their remainder would take
     /// their account's balance past the ledger's range (`i64::MAX` units):
-    /// up to `limit` of them, oldest expiry first. They neither count
-    /// against `limit` nor hold up other leases, and settle on a later call
-    /// once their account's balance has room.
+    /// the first `limit` of them by expiry, as balances stand after this
+    /// call's credits. They neither count against `limit` nor hold up other
+    /// leases, and settle on a later call once their account's balance has
+    /// room.
     pub blocked: Vec<BlockedLease>,
 }
 

@@ -353,10 +353,11 @@ impl PostgresStore {
             .bind(to_pg(cutoff)?)
             .bind(fetch)
             .bind(amount(UNITS_MAX, "the ledger's range")?)
+            .bind(to_pg(now)?)
             .fetch_all(&mut *conn)
             .await
             .map_err(|error| storage("selecting due leases", &error))?;
-        let more = rows.len() > limit;
+        let extra = rows.len() > limit;
         let due = rows
             .iter()
             .take(limit)
@@ -380,7 +381,7 @@ impl PostgresStore {
         }
         let mut batch = ReclaimBatch {
             reclaimed: Vec::with_capacity(due.len()),
-            more,
+            more: false,
             blocked: Vec::new(),
         };
         for lease in &due {
@@ -391,15 +392,10 @@ impl PostgresStore {
                 .ok_or_else(|| {
                     StoreError::new("postgres: a reclaimed lease's account was not locked")
                 })?;
-            // The filter above read the balance before the lock (and before
-            // a due refill), and two leases of one account can each fit
-            // alone: checked again here.
+            // The filter above read the balance before the lock, and two
+            // leases of one account can each fit alone: checked again here.
+            // A lease that no longer fits is reported with the others below.
             let Ok(balance) = credited_balance(slot.1, remainder) else {
-                batch.blocked.push(BlockedLease {
-                    lease_id: lease.id,
-                    account_id: lease.account_id,
-                    remainder: CostUnits(remainder),
-                });
                 continue;
             };
             slot.1 = balance;
@@ -412,24 +408,24 @@ impl PostgresStore {
                 credited: CostUnits(remainder),
             });
         }
-        self.blocked_in(conn, cutoff, limit, &mut batch.blocked)
-            .await?;
+        // More is claimed only after a full batch: a selected lease that
+        // turned out blocked ends the pass, and the next one goes on.
+        batch.more = extra && batch.reclaimed.len() == due.len();
+        batch.blocked = self.blocked_in(conn, cutoff, limit, now).await?;
         Ok(batch)
     }
 
-    /// Adds to `blocked` (up to `limit` in all) the due leases the reclaim
-    /// query left out because their account's balance has no room for
-    /// their remainder. Read without locks: a report, not a settlement.
+    /// The first `limit` due leases, oldest expiry first, whose account's
+    /// balance (after this transaction's credits, and after any refill due
+    /// by `now`) has no room for their remainder. Read without locks: a
+    /// report, not a settlement.
     async fn blocked_in(
         &self,
         conn: &mut PgConnection,
         cutoff: Timestamp,
         limit: usize,
-        blocked: &mut Vec<BlockedLease>,
-    ) -> Result<(), StoreError> {
-        let Some(wanted) = limit.checked_sub(blocked.len()).filter(|n| *n > 0) else {
-            return Ok(());
-        };
+        now: Timestamp,
+    ) -> Result<Vec<BlockedLease>, StoreError> {
         let sql = self.sql(&format!(
             "SELECT id, account_id, granted - used AS remainder FROM {{schema}}.leases l \
              WHERE state = 'active' AND expires_at <= $1 AND NOT {ROOM_FOR_REMAINDER} \
@@ -437,29 +433,31 @@ impl PostgresStore {
         ));
         let rows = sqlx::query(&sql)
             .bind(to_pg(cutoff)?)
-            .bind(i64::try_from(wanted).unwrap_or(i64::MAX))
+            .bind(i64::try_from(limit).unwrap_or(i64::MAX))
             .bind(amount(UNITS_MAX, "the ledger's range")?)
+            .bind(to_pg(now)?)
             .fetch_all(&mut *conn)
             .await
             .map_err(|error| storage("selecting blocked leases", &error))?;
-        for row in &rows {
-            let lease = BlockedLease {
-                lease_id: LeaseId(id(get(row, "id")?, "lease id")?),
-                account_id: AccountId(id(get(row, "account_id")?, "account id")?),
-                remainder: CostUnits(units(get(row, "remainder")?, "remainder")?),
-            };
-            if !blocked.iter().any(|seen| seen.lease_id == lease.lease_id) {
-                blocked.push(lease);
-            }
-        }
-        Ok(())
+        rows.iter()
+            .map(|row| {
+                Ok(BlockedLease {
+                    lease_id: LeaseId(id(get(row, "id")?, "lease id")?),
+                    account_id: AccountId(id(get(row, "account_id")?, "account id")?),
+                    remainder: CostUnits(units(get(row, "remainder")?, "remainder")?),
+                })
+            })
+            .collect()
     }
 }
 
 /// Whether the balance of lease `l`'s account has room for the lease's
-/// remainder below the ledger's range (`$3`).
+/// remainder below the ledger's range (`$3`). The balance is the one the
+/// account has at `$4`: a refill period that has ended resets it to the
+/// refill amount, as locking the account would (I14).
 const ROOM_FOR_REMAINDER: &str = "(granted - used <= $3 - \
-     (SELECT a.balance FROM {schema}.accounts a WHERE a.id = l.account_id))";
+     (SELECT CASE WHEN a.period_end <= $4 THEN a.refill_amount ELSE a.balance END \
+      FROM {schema}.accounts a WHERE a.id = l.account_id))";
 
 #[async_trait]
 impl LeaseAllocator for PostgresStore {
