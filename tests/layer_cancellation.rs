@@ -1,13 +1,20 @@
 //! Whether cancellation was requested, as a handler sees it through
 //! [`Admitted::cancellation`], in a real axum server on 127.0.0.1 with raw
-//! TCP clients: a client that disconnects while its handler runs cancels
-//! the request's token (and still pays in full, I3); a request that
-//! completes never does; a layer built without tracking gives no token.
+//! TCP clients: a client that disconnects while its handler runs, or while
+//! its response body streams, cancels the request's token (and still pays
+//! in full, I3); a request whose response was sent to its end never does; a
+//! layer built without tracking gives no token.
 
 mod support;
 
+use std::io::Read as _;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
 use axum::Router;
+use axum::body::{Body, Bytes};
 use axum::routing::{MethodRouter, get};
+use http_body::Frame;
 use support::http::{TestServer, priced_by_path};
 use support::runtime::ms;
 use tokio::sync::mpsc;
@@ -29,9 +36,41 @@ enum Setup {
 /// What each handler hands the test: its request's token, if any.
 type Tokens = mpsc::UnboundedReceiver<Option<CancellationToken>>;
 
+/// A response body of one-byte chunks: `Some(n)` sends n more and ends;
+/// `None` sends one and then waits forever without ending.
+struct Chunks {
+    left: Option<u32>,
+    sent: bool,
+}
+
+impl http_body::Body for Chunks {
+    type Data = Bytes;
+    type Error = std::convert::Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        _cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        let chunk = Poll::Ready(Some(Ok(Frame::data(Bytes::from_static(b"x")))));
+        match self.left {
+            Some(0) => Poll::Ready(None),
+            Some(n) => {
+                self.left = Some(n - 1);
+                chunk
+            }
+            None if self.sent => Poll::Pending,
+            None => {
+                self.sent = true;
+                chunk
+            }
+        }
+    }
+}
+
 /// A server whose `/hang` handler hands its cancellation token to the test
-/// and then never answers, and whose `/quick` handler hands it over and
-/// answers at once.
+/// and then never answers, whose `/quick` handler hands it over and
+/// answers at once, and whose `/stream` and `/chunks` handlers hand it over
+/// and answer with a body that never ends or ends after three chunks.
 async fn serve(setup: Setup) -> (TestServer, Tokens) {
     let world = support::runtime::start_real_time(INITIAL).await;
     let mut builder = priced_by_path(&world.handle, |_| PRICE);
@@ -45,6 +84,8 @@ async fn serve(setup: Setup) -> (TestServer, Tokens) {
     let layer = builder.build().unwrap();
     let (tokens, received) = mpsc::unbounded_channel();
     let quick_tokens = tokens.clone();
+    let stream_tokens = tokens.clone();
+    let chunk_tokens = tokens.clone();
     let committed_in_handler = |route: MethodRouter| {
         if deferred {
             route.route_layer(CommitMarkerLayer::new())
@@ -65,6 +106,26 @@ async fn serve(setup: Setup) -> (TestServer, Tokens) {
             committed_in_handler(get(move |admitted: Admitted| async move {
                 quick_tokens.send(admitted.cancellation).unwrap();
                 "done"
+            })),
+        )
+        .route(
+            "/stream",
+            committed_in_handler(get(move |admitted: Admitted| async move {
+                stream_tokens.send(admitted.cancellation).unwrap();
+                Body::new(Chunks {
+                    left: None,
+                    sent: false,
+                })
+            })),
+        )
+        .route(
+            "/chunks",
+            committed_in_handler(get(move |admitted: Admitted| async move {
+                chunk_tokens.send(admitted.cancellation).unwrap();
+                Body::new(Chunks {
+                    left: Some(3),
+                    sent: false,
+                })
             })),
         )
         .layer(layer);
@@ -135,6 +196,47 @@ async fn a_layer_built_without_tracking_gives_no_token() {
     assert!(
         next_token(&mut received).await.is_none(),
         "tracking is opt-in"
+    );
+    assert_eq!(server.finish().await, vec![PRICE]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_leaves_mid_stream_cancels_the_token() {
+    let (server, mut received) = serve(Setup::Tracked).await;
+    let mut client = server.send("/stream");
+    let token = next_token(&mut received).await.expect("tracking is on");
+    // The headers and the first chunk arrive: the handler has returned,
+    // but the body is still being sent.
+    let mut seen = Vec::new();
+    let mut buffer = [0_u8; 512];
+    client.set_read_timeout(Some(ms(5_000))).unwrap();
+    while !String::from_utf8_lossy(&seen).contains("\r\n\r\n1\r\nx") {
+        let read = client
+            .read(&mut buffer)
+            .expect("the server sends the first chunk");
+        assert_ne!(read, 0, "the server keeps the stream open");
+        seen.extend_from_slice(&buffer[..read]);
+    }
+    assert!(!token.is_cancelled(), "the body is still streaming");
+
+    drop(client);
+    tokio::time::timeout(ms(5_000), token.cancelled())
+        .await
+        .expect("leaving mid-stream cancels the token within five seconds");
+    assert_eq!(server.finish().await, vec![PRICE]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_sent_to_its_end_is_never_cancelled() {
+    let (server, mut received) = serve(Setup::Tracked).await;
+    let response = server.get("/chunks").await;
+    assert!(response.starts_with("HTTP/1.1 200"), "{response}");
+    assert!(response.ends_with("1\r\nx\r\n0\r\n\r\n"), "{response:?}");
+    let token = next_token(&mut received).await.expect("tracking is on");
+    tokio::time::sleep(ms(200)).await;
+    assert!(
+        !token.is_cancelled(),
+        "a body sent to its end completes the request"
     );
     assert_eq!(server.finish().await, vec![PRICE]);
 }

@@ -6,6 +6,7 @@ use std::task::{Context, Poll};
 
 use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
+use tokio_util::sync::DropGuard;
 
 /// The bytes of a rendered denial: what a [`DenyRenderer`](super::DenyRenderer)
 /// puts in its response.
@@ -40,6 +41,9 @@ pin_project! {
     pub struct TollgateBody<B> {
         #[pin]
         kind: Kind<B>,
+        // Cancels the request's token if the body is dropped before its
+        // end: its client left mid-stream. Disarmed at the end.
+        cancel_on_drop: Option<DropGuard>,
     }
 }
 
@@ -56,6 +60,16 @@ impl<B> TollgateBody<B> {
     pub fn inner(body: B) -> Self {
         Self {
             kind: Kind::Inner { body },
+            cancel_on_drop: None,
+        }
+    }
+
+    /// Wraps the inner service's body, which is not at its end yet, so that
+    /// dropping it before the end cancels the request's token.
+    pub(super) fn streaming(body: B, cancel_on_drop: DropGuard) -> Self {
+        Self {
+            kind: Kind::Inner { body },
+            cancel_on_drop: Some(cancel_on_drop),
         }
     }
 
@@ -64,6 +78,7 @@ impl<B> TollgateBody<B> {
         let bytes = (!body.0.is_empty()).then_some(body.0);
         Self {
             kind: Kind::Denial { bytes },
+            cancel_on_drop: None,
         }
     }
 
@@ -85,8 +100,22 @@ where
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
-        match self.project().kind.project() {
-            KindProj::Inner { body } => body.poll_frame(cx),
+        let this = self.project();
+        match this.kind.project() {
+            KindProj::Inner { mut body } => {
+                let frame = body.as_mut().poll_frame(cx);
+                let ended = match &frame {
+                    Poll::Ready(None) => true,
+                    Poll::Ready(Some(Ok(_))) => body.is_end_stream(),
+                    // An error ends nothing: whatever feeds the body has
+                    // no reader left once it is dropped.
+                    Poll::Ready(Some(Err(_))) | Poll::Pending => false,
+                };
+                if ended && let Some(guard) = this.cancel_on_drop.take() {
+                    guard.disarm();
+                }
+                frame
+            }
             KindProj::Denial { bytes } => {
                 Poll::Ready(bytes.take().map(|bytes| Ok(Frame::data(bytes.into()))))
             }
@@ -113,7 +142,10 @@ where
 impl<B> fmt::Debug for TollgateBody<B> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match &self.kind {
-            Kind::Inner { .. } => f.write_str("TollgateBody::Inner"),
+            Kind::Inner { .. } => f
+                .debug_struct("TollgateBody::Inner")
+                .field("cancels_if_dropped", &self.cancel_on_drop.is_some())
+                .finish_non_exhaustive(),
             Kind::Denial { bytes } => f
                 .debug_struct("TollgateBody::Denial")
                 .field("len", &bytes.as_ref().map_or(0, Vec::len))

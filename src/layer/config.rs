@@ -172,8 +172,9 @@ impl TollgateBuilder {
 
     /// Gives every admitted request a cancellation token, in
     /// [`Admitted::cancellation`](super::Admitted::cancellation), cancelled
-    /// when the request's response future is dropped before it completed:
-    /// its client disconnected, or a timeout outside the layer gave up.
+    /// when the request ends before its response was sent to the end: its
+    /// client disconnected (while the handler ran, or while the body
+    /// streamed), or a timeout outside the layer gave up.
     ///
     /// Off by default because the token is an allocation per admitted
     /// request, which the request path otherwise does without.

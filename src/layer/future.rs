@@ -46,7 +46,8 @@ pin_project! {
         waiting: Option<(S, R)>,
         charge: Charge,
         // Cancels the request's token if this future is dropped before it
-        // completes; disarmed when it completes.
+        // completes. On completion it is disarmed, or handed to a response
+        // body that is still to stream.
         cancel_on_drop: Option<DropGuard>,
     }
 }
@@ -156,6 +157,7 @@ impl<S, R, F> ResponseFuture<S, R, F> {
 impl<S, R, B> Future for ResponseFuture<S, R, S::Future>
 where
     S: Service<R, Response = Response<B>>,
+    B: http_body::Body,
 {
     type Output = Result<Response<TollgateBody<B>>, S::Error>;
 
@@ -202,8 +204,13 @@ where
             .as_pin_mut()
             .expect("the inner service has taken the request");
         let outcome = ready!(future.poll(cx));
-        // Complete: whatever happens to the response now, nobody gave up
-        // on it.
+        // The handler is done. The request is complete once its body has
+        // been sent: a body still to stream carries the token's guard, so
+        // a client leaving mid-stream still cancels.
+        let streaming = match &outcome {
+            Ok(response) if !response.body().is_end_stream() => this.cancel_on_drop.take(),
+            _ => None,
+        };
         disarm(this.cancel_on_drop);
         let mut response = outcome?;
         let request_id = match this.charge {
@@ -217,7 +224,10 @@ where
             Charge::Denied { .. } => unreachable!("a denied request has no inner future"),
         };
         insert_request_id(&mut response, request_id);
-        Poll::Ready(Ok(response.map(TollgateBody::inner)))
+        Poll::Ready(Ok(response.map(|body| match streaming {
+            Some(guard) => TollgateBody::streaming(body, guard),
+            None => TollgateBody::inner(body),
+        })))
     }
 }
 

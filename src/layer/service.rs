@@ -22,6 +22,9 @@ pub const REQUEST_ID_HEADER: HeaderName = HeaderName::from_static("x-tollgate-re
 
 /// What admission decided about a request, inserted into its extensions
 /// before the inner service sees it.
+///
+/// `Clone` but neither `Copy` nor `Eq`: it may carry the request's
+/// cancellation token.
 #[derive(Debug, Clone)]
 #[non_exhaustive]
 pub struct Admitted {
@@ -35,14 +38,14 @@ pub struct Admitted {
     pub request_id: RequestId,
     /// Whether cancellation was requested: cancelled once nobody waits for
     /// the response any more (its client disconnected, or a timeout outside
-    /// the layer gave up) before the response was complete. `None` unless
-    /// the layer was built with
+    /// the layer gave up) before the response was complete, that is before
+    /// its body was sent to the end. `None` unless the layer was built with
     /// [`track_cancellation`](super::TollgateBuilder::track_cancellation).
     ///
     /// The handler's own future is dropped at that moment, so this is for
-    /// work it handed to other tasks: they can watch the token and stop
-    /// work nobody will read. The charge is not affected: a request whose
-    /// handler started pays in full (I3).
+    /// work it handed to other tasks, such as one feeding a streamed body:
+    /// they can watch the token and stop work nobody will read. The charge
+    /// is not affected: a request whose handler started pays in full (I3).
     pub cancellation: Option<CancellationToken>,
 }
 
@@ -81,6 +84,7 @@ impl<S> Tollgate<S> {
 impl<S, ReqBody, ResBody> Service<Request<ReqBody>> for Tollgate<S>
 where
     S: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone,
+    ResBody: http_body::Body,
 {
     type Response = Response<TollgateBody<ResBody>>;
     type Error = S::Error;
