@@ -103,6 +103,9 @@ where
         let this = self.project();
         match this.kind.project() {
             KindProj::Inner { mut body } => {
+                if this.cancel_on_drop.is_none() {
+                    return body.poll_frame(cx);
+                }
                 let frame = body.as_mut().poll_frame(cx);
                 let ended = match &frame {
                     Poll::Ready(None) => true,

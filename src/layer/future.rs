@@ -207,11 +207,14 @@ where
         // The handler is done. The request is complete once its body has
         // been sent: a body still to stream carries the token's guard, so
         // a client leaving mid-stream still cancels.
-        let streaming = match &outcome {
-            Ok(response) if !response.body().is_end_stream() => this.cancel_on_drop.take(),
-            _ => None,
+        let streaming = match (this.cancel_on_drop.take(), &outcome) {
+            (Some(guard), Ok(response)) if !response.body().is_end_stream() => Some(guard),
+            (Some(guard), _) => {
+                guard.disarm();
+                None
+            }
+            (None, _) => None,
         };
-        disarm(this.cancel_on_drop);
         let mut response = outcome?;
         let request_id = match this.charge {
             Charge::AtHandOver { request_id, .. } => *request_id,
