@@ -119,7 +119,7 @@ pub struct ReclaimStats {
     pub errors: u64,
     /// Passes ended by a call cut off by `store_call_timeout` (I22).
     pub timeouts: u64,
-    /// Due leases the latest batch reported blocked because their
+    /// Due leases the last completed pass found blocked because their
     /// account's balance has no room for their remainder
     /// ([`BlockedLease`](crate::store::BlockedLease)): a level, not a
     /// count, and at most `batch_limit`. They are retried on every pass and
@@ -354,11 +354,12 @@ impl Task {
                  has no room for its remainder below the ledger's range; retrying every pass"
             );
         }
-        self.counters.blocked_leases.store(
-            u64::try_from(batch.blocked.len()).unwrap_or(u64::MAX),
-            Ordering::Relaxed,
-        );
         if !batch.more {
+            // The call that ends a pass names what is blocked.
+            self.counters.blocked_leases.store(
+                u64::try_from(batch.blocked.len()).unwrap_or(u64::MAX),
+                Ordering::Relaxed,
+            );
             bump(&self.counters.passes, 1);
             return Next::Done;
         }

@@ -757,10 +757,20 @@ impl MemoryStore {
         let mut batch = ReclaimBatch::default();
         // Walked in expiry order from just past the last lease looked at:
         // settling removes a lease from the order, a blocked one stays and
-        // is passed over.
+        // is passed over. Each lease is judged once, after every credit
+        // before it; later credits only raise balances, so a lease judged
+        // blocked stays blocked for the rest of the call.
         let mut after = None;
         while let Some((lease_id, credit)) = ledger.next_due(&mut after, cutoff, now)? {
             let Some((account, remainder, balance)) = credit else {
+                if batch.blocked.len() < limit {
+                    let lease = &ledger.leases[&lease_id];
+                    batch.blocked.push(BlockedLease {
+                        lease_id,
+                        account_id: lease.account_id,
+                        remainder: CostUnits(lease.granted - lease.used),
+                    });
+                }
                 continue;
             };
             if batch.reclaimed.len() == limit {
@@ -774,21 +784,6 @@ impl MemoryStore {
                 account_id: account,
                 credited: CostUnits(remainder),
             });
-        }
-        // Reported after the credits, so a lease this batch left without
-        // room is named too.
-        let mut after = None;
-        while batch.blocked.len() < limit
-            && let Some((lease_id, credit)) = ledger.next_due(&mut after, cutoff, now)?
-        {
-            if credit.is_none() {
-                let lease = &ledger.leases[&lease_id];
-                batch.blocked.push(BlockedLease {
-                    lease_id,
-                    account_id: lease.account_id,
-                    remainder: CostUnits(lease.granted - lease.used),
-                });
-            }
         }
         Ok(batch)
     }

@@ -193,16 +193,17 @@ pub struct Released {
 pub struct ReclaimBatch {
     /// The leases this call settled.
     pub reclaimed: Vec<ReclaimedLease>,
-    /// Whether leases that can be settled are still due: the call stopped
-    /// at `limit`. A store may also stop early (answering `false`) when a
-    /// lease it selected turned out blocked; the next call goes on.
+    /// Whether leases that can be settled may still be due: the call
+    /// stopped at `limit`. A store may also stop early (answering `false`)
+    /// when a lease it selected turned out blocked; the next pass goes on.
     pub more: bool,
     /// Due leases left active because crediting their remainder would take
-    /// their account's balance past the ledger's range (`i64::MAX` units):
-    /// the first `limit` of them by expiry, as balances stand after this
-    /// call's credits. They neither count against `limit` nor hold up other
-    /// leases, and settle on a later call once their account's balance has
-    /// room.
+    /// their account's balance past the ledger's range (`i64::MAX` units).
+    /// On a call that answers `more: false` (the last of a pass) these are
+    /// the first `limit` of them by expiry, as balances stand after the
+    /// call's credits; a call that answers `true` may name fewer or none.
+    /// They neither count against `limit` nor hold up other leases, and
+    /// settle on a later call once their account's balance has room.
     pub blocked: Vec<BlockedLease>,
 }
 
