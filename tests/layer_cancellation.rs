@@ -2,7 +2,7 @@
 //! [`Admitted::cancellation`], in a real axum server on 127.0.0.1 with raw
 //! TCP clients: a client that disconnects while its handler runs, or while
 //! its response body streams, cancels the request's token (and still pays
-//! in full, I3); a request whose response was sent to its end never does; a
+//! in full, I3); a request whose response the server had complete never does; a
 //! layer built without tracking gives no token.
 
 mod support;
@@ -67,6 +67,28 @@ impl http_body::Body for Chunks {
     }
 }
 
+/// A response body of one data frame and then trailers.
+struct Trailing {
+    step: u8,
+}
+
+impl http_body::Body for Trailing {
+    type Data = Bytes;
+    type Error = std::convert::Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        _cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        self.step += 1;
+        Poll::Ready(match self.step {
+            1 => Some(Ok(Frame::data(Bytes::from_static(b"x")))),
+            2 => Some(Ok(Frame::trailers(http::HeaderMap::new()))),
+            _ => None,
+        })
+    }
+}
+
 /// A server whose `/hang` handler hands its cancellation token to the test
 /// and then never answers, whose `/quick` handler hands it over and
 /// answers at once, and whose `/stream` and `/chunks` handlers hand it over
@@ -86,6 +108,8 @@ async fn serve(setup: Setup) -> (TestServer, Tokens) {
     let quick_tokens = tokens.clone();
     let stream_tokens = tokens.clone();
     let chunk_tokens = tokens.clone();
+    let length_tokens = tokens.clone();
+    let trailer_tokens = tokens.clone();
     let committed_in_handler = |route: MethodRouter| {
         if deferred {
             route.route_layer(CommitMarkerLayer::new())
@@ -126,6 +150,24 @@ async fn serve(setup: Setup) -> (TestServer, Tokens) {
                     left: Some(3),
                     sent: false,
                 })
+            })),
+        )
+        .route(
+            "/length",
+            committed_in_handler(get(move |admitted: Admitted| async move {
+                length_tokens.send(admitted.cancellation).unwrap();
+                let body = Body::new(Chunks {
+                    left: Some(3),
+                    sent: false,
+                });
+                ([(http::header::CONTENT_LENGTH, "3")], body)
+            })),
+        )
+        .route(
+            "/trailers",
+            committed_in_handler(get(move |admitted: Admitted| async move {
+                trailer_tokens.send(admitted.cancellation).unwrap();
+                Body::new(Trailing { step: 0 })
             })),
         )
         .layer(layer);
@@ -226,17 +268,35 @@ async fn a_client_that_leaves_mid_stream_cancels_the_token() {
     assert_eq!(server.finish().await, vec![PRICE]);
 }
 
+/// Each way a response can be sent complete, including those where the
+/// server stops reading the body before its end: a declared length, a
+/// trailers frame, a `HEAD` request.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_stream_sent_to_its_end_is_never_cancelled() {
+async fn a_response_sent_complete_is_never_cancelled() {
     let (server, mut received) = serve(Setup::Tracked).await;
-    let response = server.get("/chunks").await;
-    assert!(response.starts_with("HTTP/1.1 200"), "{response}");
-    assert!(response.ends_with("1\r\nx\r\n0\r\n\r\n"), "{response:?}");
-    let token = next_token(&mut received).await.expect("tracking is on");
+    let cases: [(&str, &str, &str); 4] = [
+        ("GET", "/chunks", "1\r\nx\r\n0\r\n\r\n"),
+        ("GET", "/length", "\r\n\r\nxxx"),
+        ("GET", "/trailers", "1\r\nx\r\n0\r\n\r\n"),
+        ("HEAD", "/quick", "\r\n\r\n"),
+    ];
+    let mut tokens = Vec::new();
+    for (method, path, ending) in cases {
+        let response = server.request(method, path, "").await;
+        assert!(
+            response.starts_with("HTTP/1.1 200"),
+            "{method} {path}: {response}"
+        );
+        assert!(response.ends_with(ending), "{method} {path}: {response:?}");
+        let token = next_token(&mut received).await.expect("tracking is on");
+        tokens.push((method, path, token));
+    }
     tokio::time::sleep(ms(200)).await;
-    assert!(
-        !token.is_cancelled(),
-        "a body sent to its end completes the request"
-    );
-    assert_eq!(server.finish().await, vec![PRICE]);
+    for (method, path, token) in tokens {
+        assert!(
+            !token.is_cancelled(),
+            "{method} {path}: a response sent complete completes the request"
+        );
+    }
+    assert_eq!(server.finish().await, vec![PRICE; 4]);
 }

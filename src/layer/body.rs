@@ -4,6 +4,7 @@ use std::fmt;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
+use bytes::Buf;
 use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
 use tokio_util::sync::DropGuard;
@@ -43,7 +44,7 @@ pin_project! {
         kind: Kind<B>,
         // Cancels the request's token if the body is dropped before its
         // end: its client left mid-stream. Disarmed at the end.
-        cancel_on_drop: Option<DropGuard>,
+        cancel_on_drop: Option<StreamGuard>,
     }
 }
 
@@ -65,11 +66,16 @@ impl<B> TollgateBody<B> {
     }
 
     /// Wraps the inner service's body, which is not at its end yet, so that
-    /// dropping it before the end cancels the request's token.
-    pub(super) fn streaming(body: B, cancel_on_drop: DropGuard) -> Self {
+    /// dropping it before the end cancels the request's token. `length` is
+    /// the length the response declares, if any: a server stops reading a
+    /// body once it has sent that many bytes.
+    pub(super) fn streaming(body: B, guard: DropGuard, length: Option<u64>) -> Self {
         Self {
             kind: Kind::Inner { body },
-            cancel_on_drop: Some(cancel_on_drop),
+            cancel_on_drop: Some(StreamGuard {
+                guard,
+                left: length,
+            }),
         }
     }
 
@@ -107,15 +113,22 @@ where
                     return body.poll_frame(cx);
                 }
                 let frame = body.as_mut().poll_frame(cx);
-                let ended = match &frame {
-                    Poll::Ready(None) => true,
-                    Poll::Ready(Some(Ok(_))) => body.is_end_stream(),
+                let ended = match (&frame, this.cancel_on_drop.as_mut()) {
+                    (Poll::Ready(None), _) => true,
+                    (Poll::Ready(Some(Ok(frame))), Some(stream)) => {
+                        if let (Some(left), Some(data)) = (stream.left.as_mut(), frame.data_ref()) {
+                            let sent = u64::try_from(data.remaining()).unwrap_or(u64::MAX);
+                            *left = left.saturating_sub(sent);
+                        }
+                        // Trailers are always a body's last frame.
+                        frame.is_trailers() || body.is_end_stream() || stream.left == Some(0)
+                    }
                     // An error ends nothing: whatever feeds the body has
                     // no reader left once it is dropped.
-                    Poll::Ready(Some(Err(_))) | Poll::Pending => false,
+                    _ => false,
                 };
-                if ended && let Some(guard) = this.cancel_on_drop.take() {
-                    guard.disarm();
+                if ended && let Some(stream) = this.cancel_on_drop.take() {
+                    stream.guard.disarm();
                 }
                 frame
             }
@@ -140,6 +153,13 @@ where
             }
         }
     }
+}
+
+/// A streaming body's hold on the request's cancellation token.
+struct StreamGuard {
+    guard: DropGuard,
+    /// Bytes still to send of a declared length.
+    left: Option<u64>,
 }
 
 impl<B> fmt::Debug for TollgateBody<B> {

@@ -172,7 +172,7 @@ impl TollgateBuilder {
 
     /// Gives every admitted request a cancellation token, in
     /// [`Admitted::cancellation`](super::Admitted::cancellation), cancelled
-    /// when the request ends before its response was sent to the end: its
+    /// when the request ends before the server had its whole response: its
     /// client disconnected (while the handler ran, or while the body
     /// streamed), or a timeout outside the layer gave up.
     ///

@@ -48,7 +48,7 @@ pin_project! {
         // Cancels the request's token if this future is dropped before it
         // completes. On completion it is disarmed, or handed to a response
         // body that is still to stream.
-        cancel_on_drop: Option<DropGuard>,
+        cancel_on_drop: Option<CancelOnDrop>,
     }
 }
 
@@ -86,7 +86,7 @@ impl<S, R, F> ResponseFuture<S, R, F> {
         hand_over: HandOver<S, R, F>,
         context: RequestContext,
         shared: Arc<Shared>,
-        cancellation: Option<CancellationToken>,
+        cancellation: Option<CancelOnDrop>,
     ) -> Self {
         let request_id = context.request_id();
         Self::started(
@@ -104,7 +104,7 @@ impl<S, R, F> ResponseFuture<S, R, F> {
         hand_over: HandOver<S, R, F>,
         cell: Arc<ChargeCell>,
         request_id: RequestId,
-        cancellation: Option<CancellationToken>,
+        cancellation: Option<CancelOnDrop>,
     ) -> Self {
         Self::started(
             hand_over,
@@ -134,9 +134,8 @@ impl<S, R, F> ResponseFuture<S, R, F> {
     fn started(
         hand_over: HandOver<S, R, F>,
         charge: Charge,
-        cancellation: Option<CancellationToken>,
+        cancel_on_drop: Option<CancelOnDrop>,
     ) -> Self {
-        let cancel_on_drop = cancellation.map(CancellationToken::drop_guard);
         match hand_over {
             HandOver::Done(future) => Self {
                 future: Some(future),
@@ -208,9 +207,11 @@ where
         // been sent: a body still to stream carries the token's guard, so
         // a client leaving mid-stream still cancels.
         let streaming = match (this.cancel_on_drop.take(), &outcome) {
-            (Some(guard), Ok(response)) if !response.body().is_end_stream() => Some(guard),
-            (Some(guard), _) => {
-                guard.disarm();
+            (Some(cancel), Ok(response)) if cancel.bodied && streams(response) => {
+                Some((cancel.guard, declared_length(response)))
+            }
+            (Some(cancel), _) => {
+                cancel.guard.disarm();
                 None
             }
             (None, _) => None,
@@ -228,7 +229,7 @@ where
         };
         insert_request_id(&mut response, request_id);
         Poll::Ready(Ok(response.map(|body| match streaming {
-            Some(guard) => TollgateBody::streaming(body, guard),
+            Some((guard, length)) => TollgateBody::streaming(body, guard, length),
             None => TollgateBody::inner(body),
         })))
     }
@@ -236,10 +237,49 @@ where
 
 /// Lets the request's cancellation token live on uncancelled: its response
 /// future completed.
-fn disarm(cancel_on_drop: &mut Option<DropGuard>) {
-    if let Some(guard) = cancel_on_drop.take() {
-        guard.disarm();
+fn disarm(cancel_on_drop: &mut Option<CancelOnDrop>) {
+    if let Some(cancel) = cancel_on_drop.take() {
+        cancel.guard.disarm();
     }
+}
+
+/// The hold on an admitted request's cancellation token.
+pub(super) struct CancelOnDrop {
+    guard: DropGuard,
+    /// Whether the response may have a body: false for `HEAD`, whose
+    /// response is complete with its headers.
+    bodied: bool,
+}
+
+impl CancelOnDrop {
+    pub(super) fn new(token: CancellationToken, method: &http::Method) -> Self {
+        Self {
+            guard: token.drop_guard(),
+            bodied: method != http::Method::HEAD,
+        }
+    }
+}
+
+/// Whether `response` still has a body to send: a server sends none with
+/// 1xx, 204 or 304, and none for a declared length of zero.
+fn streams<B: http_body::Body>(response: &Response<B>) -> bool {
+    let status = response.status();
+    !(status.is_informational()
+        || status == http::StatusCode::NO_CONTENT
+        || status == http::StatusCode::NOT_MODIFIED
+        || response.body().is_end_stream()
+        || declared_length(response) == Some(0))
+}
+
+/// The body length `response` declares: its `Content-Length`, else its
+/// body's exact size. A server stops reading the body after that many
+/// bytes, without waiting for its end.
+fn declared_length<B: http_body::Body>(response: &Response<B>) -> Option<u64> {
+    response
+        .headers()
+        .get(http::header::CONTENT_LENGTH)
+        .and_then(|value| value.to_str().ok()?.parse().ok())
+        .or_else(|| response.body().size_hint().exact())
 }
 
 /// Commits `context` at the runtime's current time; returns why not, if

@@ -11,7 +11,7 @@ use tower_service::Service;
 use super::body::TollgateBody;
 use super::config::Shared;
 use super::deferred::{ChargeCell, PendingCharge};
-use super::future::{HandOver, ResponseFuture};
+use super::future::{CancelOnDrop, HandOver, ResponseFuture};
 use super::key_memo;
 use crate::store::ApiKey;
 use crate::{AccountId, CostUnits, DenyReason, KeyId, RequestId};
@@ -39,7 +39,9 @@ pub struct Admitted {
     /// Whether cancellation was requested: cancelled once nobody waits for
     /// the response any more (its client disconnected, or a timeout outside
     /// the layer gave up) before the response was complete, that is before
-    /// its body was sent to the end. `None` unless the layer was built with
+    /// the server had its whole body (a body still streaming counts as
+    /// incomplete; bytes the server has but not yet written do not).
+    /// `None` unless the layer was built with
     /// [`track_cancellation`](super::TollgateBuilder::track_cancellation).
     ///
     /// The handler's own future is dropped at that moment, so this is for
@@ -159,12 +161,15 @@ where
                 }
                 // Opt-in: the token is this path's one allocation.
                 let cancellation = shared.track_cancellation.then(CancellationToken::new);
+                let cancel_on_drop = cancellation
+                    .clone()
+                    .map(|token| CancelOnDrop::new(token, &parts.method));
                 let admitted = Admitted {
                     units: context.units(),
                     account_id: context.account_id(),
                     key_id: context.key_id(),
                     request_id: context.request_id(),
-                    cancellation: cancellation.clone(),
+                    cancellation,
                 };
                 if traced {
                     span.record("account", admitted.account_id.get());
@@ -178,10 +183,10 @@ where
                     let cell = Arc::new(ChargeCell::new(context, Arc::clone(shared)));
                     parts.extensions.insert(PendingCharge(Arc::clone(&cell)));
                     let hand_over = hand_over(&mut self.inner, Request::from_parts(parts, body));
-                    return ResponseFuture::deferred(hand_over, cell, request_id, cancellation);
+                    return ResponseFuture::deferred(hand_over, cell, request_id, cancel_on_drop);
                 }
                 let hand_over = hand_over(&mut self.inner, Request::from_parts(parts, body));
-                ResponseFuture::admitted(hand_over, context, Arc::clone(shared), cancellation)
+                ResponseFuture::admitted(hand_over, context, Arc::clone(shared), cancel_on_drop)
             }
             Err(reason) => {
                 // A caller the runtime identified gets a request id to quote
