@@ -203,30 +203,16 @@ async fn disconnect_while_running(setup: Setup) {
     );
 
     drop(client);
-    tokio::time::timeout(ms(5_000), token.cancelled())
-        .await
-        .expect("the disconnect cancels the token within five seconds");
-
-    // I3: the handler had started, so the charge stands. `finish` checks
-    // the balance is INITIAL minus exactly this event and the audit.
-    assert_eq!(server.finish().await, vec![PRICE]);
+    cancelled_and_charged(server, &token).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_request_that_completes_is_never_cancelled() {
-    let (server, mut received) = serve(Setup::Tracked).await;
-    let response = server.get("/quick").await;
-    assert!(response.starts_with("HTTP/1.1 200"), "{response}");
-    assert!(response.ends_with("done"), "{response}");
-    let token = next_token(&mut received).await.expect("tracking is on");
-
-    // The response was read and the connection closed (`Connection:
-    // close`): the future completed before anything was dropped.
-    tokio::time::sleep(ms(200)).await;
-    assert!(
-        !token.is_cancelled(),
-        "a completed request's token stays uncancelled"
-    );
+/// Waits (at most five seconds) for `token` to be cancelled by a client
+/// that left, then checks the request still paid in full (I3): `finish`
+/// checks the balance is INITIAL minus exactly this event, and the audit.
+async fn cancelled_and_charged(server: TestServer, token: &CancellationToken) {
+    tokio::time::timeout(ms(5_000), token.cancelled())
+        .await
+        .expect("the client leaving cancels the token within five seconds");
     assert_eq!(server.finish().await, vec![PRICE]);
 }
 
@@ -262,19 +248,18 @@ async fn a_client_that_leaves_mid_stream_cancels_the_token() {
     assert!(!token.is_cancelled(), "the body is still streaming");
 
     drop(client);
-    tokio::time::timeout(ms(5_000), token.cancelled())
-        .await
-        .expect("leaving mid-stream cancels the token within five seconds");
-    assert_eq!(server.finish().await, vec![PRICE]);
+    cancelled_and_charged(server, &token).await;
 }
 
-/// Each way a response can be sent complete, including those where the
-/// server stops reading the body before its end: a declared length, a
-/// trailers frame, a `HEAD` request.
+/// Each way a response can be sent complete, the connection then closing
+/// (`Connection: close`): a plain body, a chunked stream polled to its
+/// end, and those whose body the server stops reading before its end: a
+/// declared length, a trailers frame, a `HEAD` request.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_response_sent_complete_is_never_cancelled() {
     let (server, mut received) = serve(Setup::Tracked).await;
-    let cases: [(&str, &str, &str); 4] = [
+    let cases: [(&str, &str, &str); 5] = [
+        ("GET", "/quick", "\r\n\r\ndone"),
         ("GET", "/chunks", "1\r\nx\r\n0\r\n\r\n"),
         ("GET", "/length", "\r\n\r\nxxx"),
         ("GET", "/trailers", "1\r\nx\r\n0\r\n\r\n"),
@@ -298,5 +283,5 @@ async fn a_response_sent_complete_is_never_cancelled() {
             "{method} {path}: a response sent complete completes the request"
         );
     }
-    assert_eq!(server.finish().await, vec![PRICE; 4]);
+    assert_eq!(server.finish().await, vec![PRICE; 5]);
 }

@@ -64,6 +64,26 @@ async fn account<S: TestStore>(store: &S, balance: u64) -> AccountId {
         .unwrap()
 }
 
+/// A Strict account opened at 0 with `balance` units and a refill to
+/// `amount` every 100 s.
+async fn refilled_account<S: TestStore>(store: &S, balance: u64, amount: u64) -> AccountId {
+    store
+        .create_account(
+            AccountSpec {
+                balance: CostUnits(balance),
+                mode: EnforcementMode::Strict,
+                status: AccountStatus::Active,
+                refill: Some(RefillSchedule {
+                    amount: CostUnits(amount),
+                    interval: secs(100),
+                }),
+            },
+            at(0),
+        )
+        .await
+        .unwrap()
+}
+
 async fn balance<S: TestStore>(store: &S, account: AccountId, now: Timestamp) -> u64 {
     store.account(account, now).await.unwrap().balance.get()
 }
@@ -710,21 +730,7 @@ async fn reclaim_judges_room_after_refills_and_its_own_credits<S: TestStore>() {
     };
     // A refill of 100 every 100 s; balance topped up near the top after a
     // lease went out. The refill at 100 resets the balance to 100.
-    let refilled = store
-        .create_account(
-            AccountSpec {
-                balance: CostUnits(100),
-                mode: EnforcementMode::Strict,
-                status: AccountStatus::Active,
-                refill: Some(RefillSchedule {
-                    amount: CostUnits(100),
-                    interval: secs(100),
-                }),
-            },
-            at(0),
-        )
-        .await
-        .unwrap();
+    let refilled = refilled_account(&store, 100, 100).await;
     let r = store
         .acquire(refilled, CostUnits(100), TTL, at(0))
         .await
@@ -806,21 +812,7 @@ async fn a_refill_resets_the_balance_at_each_period_end<S: TestStore>() {
     let Some(store) = S::fresh(policy(1)).await else {
         return;
     };
-    let acct = store
-        .create_account(
-            AccountSpec {
-                balance: CostUnits(50),
-                mode: EnforcementMode::Strict,
-                status: AccountStatus::Active,
-                refill: Some(RefillSchedule {
-                    amount: CostUnits(200),
-                    interval: secs(100),
-                }),
-            },
-            at(0),
-        )
-        .await
-        .unwrap();
+    let acct = refilled_account(&store, 50, 200).await;
     let first = store
         .acquire(acct, CostUnits(50), TTL, at(1))
         .await
@@ -860,21 +852,7 @@ async fn units_leased_at_a_reset_come_back_to_the_new_period<S: TestStore>() {
     let Some(store) = S::fresh(policy(1)).await else {
         return;
     };
-    let acct = store
-        .create_account(
-            AccountSpec {
-                balance: CostUnits(100),
-                mode: EnforcementMode::Strict,
-                status: AccountStatus::Active,
-                refill: Some(RefillSchedule {
-                    amount: CostUnits(100),
-                    interval: secs(100),
-                }),
-            },
-            at(0),
-        )
-        .await
-        .unwrap();
+    let acct = refilled_account(&store, 100, 100).await;
     let lease = store
         .acquire(acct, CostUnits(60), secs(60), at(50))
         .await
