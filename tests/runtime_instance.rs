@@ -21,6 +21,8 @@ use tollgate::{
     PermissionBits, Principal,
 };
 
+use support::logs::Logs;
+
 const INITIAL: u64 = 20_000;
 const LEASE_TTL: SignedDuration = SignedDuration::from_secs(60);
 const GRACE: SignedDuration = SignedDuration::from_secs(10);
@@ -31,35 +33,6 @@ fn ms(n: u64) -> Duration {
 
 fn config() -> InstanceRuntimeConfig {
     support::runtime::config(support::runtime::Pace::Paused)
-}
-
-/// Captured log output.
-#[derive(Clone, Default)]
-struct Logs(Arc<std::sync::Mutex<Vec<u8>>>);
-
-impl Logs {
-    fn text(&self) -> String {
-        String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
-    }
-}
-
-impl std::io::Write for Logs {
-    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(bytes);
-        Ok(bytes.len())
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Logs {
-    type Writer = Logs;
-
-    fn make_writer(&'a self) -> Self::Writer {
-        self.clone()
-    }
 }
 
 struct Instance {
@@ -210,14 +183,8 @@ async fn three_instances_spend_one_balance_exactly_even_when_one_crashes() {
         assert!(report.unfinished_accounts.is_empty());
     }
     // The crash is not silent: dropping a runtime says what it leaves behind.
-    let logs = Logs::default();
     let crash_logged = {
-        let _capture = tracing::subscriber::set_default(
-            tracing_subscriber::fmt()
-                .with_writer(logs.clone())
-                .with_ansi(false)
-                .finish(),
-        );
+        let (logs, _capture) = Logs::capture();
         drop(instances[2].runtime.take());
         logs.text()
     };

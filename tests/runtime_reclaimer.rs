@@ -4,6 +4,8 @@
 //! and end to end on the memory store, audited after every scenario (I14,
 //! I15, I19, I22).
 
+mod support;
+
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
@@ -13,14 +15,16 @@ use jiff::{SignedDuration, Timestamp};
 use tokio::time::Instant;
 use tollgate::runtime::{ReclaimStats, Reclaimer, ReclaimerConfig, ReclaimerConfigError};
 use tollgate::store::{
-    AccountSpec, AllocateError, Allocation, Clock, GrantPolicy, IngestOutcome, LeaseAllocator,
-    ManualClock, MemoryStore, ReclaimBatch, ReclaimedLease, Released, StoreError, TailSharing,
-    UsageSink,
+    AccountSpec, AllocateError, Allocation, BlockedLease, Clock, GrantPolicy, IngestOutcome,
+    LeaseAllocator, ManualClock, MemoryStore, ReclaimBatch, ReclaimedLease, Released, StoreError,
+    TailSharing, UsageSink,
 };
 use tollgate::{
     AccountId, AccountStatus, CostUnits, EnforcementMode, FencingToken, LeaseGrant, LeaseId,
     PolicyRevision, RequestId, UsageEvent, UsageSource,
 };
+
+use support::logs::Logs;
 
 const GRACE: SignedDuration = SignedDuration::from_secs(2);
 const TTL: SignedDuration = SignedDuration::from_secs(5);
@@ -68,6 +72,9 @@ fn stats(passes: u64, reclaimed_leases: u64, reclaimed_units: u64) -> ReclaimSta
 enum Answer {
     /// These leases (id, units credited), and whether more are due.
     Batch(Vec<(u64, u64)>, bool),
+    /// One lease settled (id, units), these leases named blocked, and
+    /// whether more are due.
+    Blocked((u64, u64), Vec<u64>, bool),
     Fail,
     Hang,
 }
@@ -149,6 +156,22 @@ impl LeaseAllocator for ScriptedAllocator {
                     .collect(),
                 more,
                 ..ReclaimBatch::default()
+            }),
+            Answer::Blocked((lease, units), blocked, more) => Ok(ReclaimBatch {
+                reclaimed: vec![ReclaimedLease {
+                    lease_id: LeaseId(lease),
+                    account_id: AccountId(1),
+                    credited: CostUnits(units),
+                }],
+                blocked: blocked
+                    .into_iter()
+                    .map(|lease| BlockedLease {
+                        lease_id: LeaseId(lease),
+                        account_id: AccountId(2),
+                        remainder: CostUnits(lease * 100),
+                    })
+                    .collect(),
+                more,
             }),
             Answer::Fail => Err(StoreError::new("scripted outage")),
             Answer::Hang => std::future::pending().await,
@@ -363,6 +386,57 @@ async fn a_batch_that_says_more_is_followed_at_once_not_after_an_interval() {
     run_for(&clock, 1).await;
     assert_eq!(allocator.calls(), vec![(0, 3), (0, 3), (0, 3), (10, 3)]);
     assert_eq!(reclaimer.shutdown().await, stats(2, 5, 72));
+}
+
+/// I19: every batch of a pass names the leases still blocked, but each is
+/// logged once a pass, not once a batch; the next pass names them again,
+/// and the gauge holds what the call that ended the pass named.
+#[tokio::test(start_paused = true)]
+async fn a_blocked_lease_is_logged_once_a_pass_however_many_batches_name_it() {
+    const BLOCKED: &str = "an expired lease cannot be settled yet";
+    let allocator = ScriptedAllocator::new([
+        Answer::Blocked((1, 10), vec![7], true),
+        Answer::Blocked((2, 10), vec![7, 8], true),
+        Answer::Blocked((3, 10), vec![7, 8], false),
+        Answer::Blocked((4, 10), vec![8], false),
+    ]);
+    let clock = Arc::new(ManualClock::new(start()));
+    let (logs, _capture) = Logs::capture();
+    let reclaimer = spawn(allocator.clone(), &clock, config(10, 3, 1));
+    settle().await;
+    assert_eq!(allocator.calls().len(), 3, "one pass of three batches");
+    let first_pass = logs.lines_with(BLOCKED);
+    assert_eq!(
+        first_pass.len(),
+        2,
+        "two leases, each named once: {first_pass:#?}"
+    );
+    for (line, lease) in first_pass.iter().zip([7, 8]) {
+        assert!(line.contains(&LeaseId(lease).to_string()), "{line}");
+    }
+    assert_eq!(
+        reclaimer.stats(),
+        ReclaimStats {
+            blocked_leases: 2,
+            ..stats(1, 3, 30)
+        }
+    );
+
+    run_for(&clock, 10).await;
+    let both_passes = logs.lines_with(BLOCKED);
+    assert_eq!(both_passes.len(), 3, "the next pass names lease 8 again");
+    assert!(
+        both_passes[2].contains(&LeaseId(8).to_string()),
+        "{}",
+        both_passes[2]
+    );
+    assert_eq!(
+        reclaimer.shutdown().await,
+        ReclaimStats {
+            blocked_leases: 1,
+            ..stats(2, 4, 40)
+        }
+    );
 }
 
 /// I19: every due lease is settled in one pass of several batches, and the

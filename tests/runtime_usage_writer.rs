@@ -3,6 +3,8 @@
 //! bounded shutdown, and the accounting identity that says nothing is lost
 //! silently (I20, I21, I22).
 
+mod support;
+
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
@@ -18,6 +20,8 @@ use tollgate::{
     AccountId, CostUnits, DenyReason, LocalSharding, PolicyRevision, RequestId, UsageEvent,
     UsageSource,
 };
+
+use support::logs::Logs;
 
 const MAX_BATCH: usize = 4;
 const FLUSH_MS: u64 = 100;
@@ -55,35 +59,6 @@ fn event(id: u128) -> UsageEvent {
         at: start(),
         policy_revision: PolicyRevision::UNSTATED,
         key_id: None,
-    }
-}
-
-/// Log lines, captured.
-#[derive(Clone, Default)]
-struct Logs(Arc<Mutex<Vec<u8>>>);
-
-impl Logs {
-    fn text(&self) -> String {
-        String::from_utf8_lossy(&lock(&self.0)).into_owned()
-    }
-}
-
-impl std::io::Write for Logs {
-    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
-        lock(&self.0).extend_from_slice(bytes);
-        Ok(bytes.len())
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-impl tracing_subscriber::fmt::MakeWriter<'_> for Logs {
-    type Writer = Self;
-
-    fn make_writer(&self) -> Self::Writer {
-        self.clone()
     }
 }
 
@@ -400,22 +375,11 @@ async fn duplicates_are_counted_and_rejections_are_never_retried() {
     ])]);
     // The test's runtime runs the writer on this thread, so a subscriber
     // set here hears it.
-    let logs = Logs::default();
-    let _capture = tracing::subscriber::set_default(
-        tracing_subscriber::fmt()
-            .with_writer(logs.clone())
-            .with_ansi(false)
-            .finish(),
-    );
+    let (logs, _capture) = Logs::capture();
     let mut h = Harness::new(sink);
     h.record(0..4);
     sleep(DRAIN * 5).await;
-    let rejections: Vec<String> = logs
-        .text()
-        .lines()
-        .filter(|line| line.contains("the sink rejected a usage event"))
-        .map(str::to_owned)
-        .collect();
+    let rejections = logs.lines_with("the sink rejected a usage event");
     assert_eq!(rejections.len(), 1, "the rejection is logged once");
     assert!(
         rejections[0].contains(&RequestId(2).to_string())

@@ -6,6 +6,7 @@
 
 pub(crate) mod counting_allocator;
 pub(crate) mod http;
+pub(crate) mod logs;
 #[cfg(feature = "postgres")]
 pub(crate) mod postgres;
 pub(crate) mod runtime;

@@ -1,0 +1,59 @@
+//! Log lines captured from the `tracing` events of the current thread.
+
+use std::sync::{Arc, Mutex, PoisonError};
+
+use tracing::subscriber::DefaultGuard;
+
+/// What the capture has heard so far, as plain text (no colours).
+#[derive(Clone, Default)]
+pub(crate) struct Logs(Arc<Mutex<Vec<u8>>>);
+
+impl Logs {
+    /// Starts hearing this thread's events until the guard drops. A task on
+    /// a current-thread runtime driven from this thread is heard too.
+    pub(crate) fn capture() -> (Self, DefaultGuard) {
+        let logs = Self::default();
+        let guard = tracing::subscriber::set_default(
+            tracing_subscriber::fmt()
+                .with_writer(logs.clone())
+                .with_ansi(false)
+                .finish(),
+        );
+        (logs, guard)
+    }
+
+    pub(crate) fn text(&self) -> String {
+        String::from_utf8_lossy(&self.0.lock().unwrap_or_else(PoisonError::into_inner)).into_owned()
+    }
+
+    /// The captured lines that contain `needle`.
+    pub(crate) fn lines_with(&self, needle: &str) -> Vec<String> {
+        self.text()
+            .lines()
+            .filter(|line| line.contains(needle))
+            .map(str::to_owned)
+            .collect()
+    }
+}
+
+impl std::io::Write for Logs {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        self.0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl tracing_subscriber::fmt::MakeWriter<'_> for Logs {
+    type Writer = Self;
+
+    fn make_writer(&self) -> Self::Writer {
+        self.clone()
+    }
+}
