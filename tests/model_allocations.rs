@@ -9,8 +9,8 @@ use std::sync::Arc;
 use jiff::{SignedDuration, Timestamp};
 use support::counting_allocator::{CountingAllocator, allocations_during, assert_counter_works};
 use tollgate::{
-    AccountId, AccountOverage, CommitFunding, CostUnits, EnforcementMode, FencingToken, KeyId,
-    LeaseGrant, LeaseId, LocalLease, LocalSharding, PolicyRevision, RequestId, Reservation,
+    AccountId, AccountOverage, CommitFunding, CostUnits, DenyReason, EnforcementMode, FencingToken,
+    KeyId, LeaseGrant, LeaseId, LocalLease, LocalSharding, PolicyRevision, RequestId, Reservation,
 };
 
 #[global_allocator]
@@ -102,9 +102,18 @@ fn denials_allocate_nothing() {
     let counted = allocations_during(|| {
         for _ in 0..100 {
             // Exhausted, expired, and an overage past its cap.
-            assert!(Reservation::reserve(&lease, CostUnits(2_000_000), at(1)).is_err());
-            assert!(Reservation::reserve(&lease, CostUnits(1), at(995)).is_err());
-            assert!(Reservation::reserve_overage(&overage, CostUnits(9), CostUnits(8)).is_err());
+            assert_eq!(
+                Reservation::reserve(&lease, CostUnits(2_000_000), at(1)).unwrap_err(),
+                DenyReason::LeaseExhausted
+            );
+            assert_eq!(
+                Reservation::reserve(&lease, CostUnits(1), at(995)).unwrap_err(),
+                DenyReason::LeaseExpired
+            );
+            assert!(matches!(
+                Reservation::reserve_overage(&overage, CostUnits(9), CostUnits(8)).unwrap_err(),
+                DenyReason::OverageCapExhausted { .. }
+            ));
         }
     });
     assert_eq!(counted, 0, "I5: a denial allocated");

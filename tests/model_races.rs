@@ -170,25 +170,41 @@ fn four_threads_spilling_into_overage_never_pass_the_cap() {
 
 #[test]
 fn threads_pinned_to_shards_keep_their_debits_on_their_own_shard() {
+    const EACH: u64 = 100;
     let lease = lease(LocalSharding::shards(4).unwrap());
-    std::thread::scope(|scope| {
-        for shard in 0..4 {
-            let lease = &lease;
-            scope.spawn(move || {
-                for _ in 0..100 {
-                    let r = Reservation::reserve_at_locality(
-                        lease,
-                        CostUnits(1),
-                        at(0),
-                        Locality::new(shard),
-                    )
-                    .unwrap();
-                    drop(r);
-                }
-            });
-        }
+    let start = std::sync::Barrier::new(4);
+    // Each thread holds its reservations, so where the units came from is
+    // still visible when they have all run.
+    let held: Vec<Vec<Reservation>> = std::thread::scope(|scope| {
+        let threads: Vec<_> = (0..4)
+            .map(|shard| {
+                let (lease, start) = (&lease, &start);
+                scope.spawn(move || {
+                    start.wait();
+                    (0..EACH)
+                        .map(|_| {
+                            Reservation::reserve_at_locality(
+                                lease,
+                                CostUnits(1),
+                                at(0),
+                                Locality::new(shard),
+                            )
+                            .unwrap()
+                        })
+                        .collect()
+                })
+            })
+            .collect();
+        threads.into_iter().map(|t| t.join().unwrap()).collect()
     });
+    let occupancy = lease.occupancy();
+    assert_eq!(
+        (occupancy.remaining_min, occupancy.remaining_max),
+        (CostUnits(GRANTED / 4 - EACH), CostUnits(GRANTED / 4 - EACH)),
+        "every shard gave exactly its own thread's units"
+    );
+    assert_eq!(lease.contended_debits(), 0, "no two threads shared a shard");
+    drop(held);
     assert_eq!(lease.remaining(), CostUnits(GRANTED));
     assert_eq!(lease.occupancy().remaining_min, CostUnits(GRANTED / 4));
-    assert_eq!(lease.contended_debits(), 0, "no two threads shared a shard");
 }

@@ -191,6 +191,78 @@ mod tests {
         assert_eq!(response.headers()[CACHE_CONTROL], "no-store");
     }
 
+    /// I12: the codes, statuses and retry classes callers and dashboards
+    /// depend on, written out rather than derived, so renaming a code or
+    /// moving a reason to another status fails here.
+    #[test]
+    fn every_reason_keeps_its_published_code_status_and_retry_class() {
+        use crate::CostUnits;
+        use StatusCode as S;
+
+        #[track_caller]
+        fn check(reason: DenyReason, code: &str, status: StatusCode, retry: Retry) {
+            assert_eq!(reason.code(), code, "{reason:?}");
+            assert_eq!(deny_status(reason), status, "{reason:?}");
+            assert_eq!(reason.retry(), retry, "{reason:?}");
+        }
+
+        let never = Retry::Never;
+        let soon = Retry::Transient;
+        let table = [
+            ("missing_credential", S::UNAUTHORIZED, never),
+            ("malformed_credential", S::UNAUTHORIZED, never),
+            ("unknown_principal", S::UNAUTHORIZED, never),
+            ("key_revoked", S::UNAUTHORIZED, never),
+            ("account_inactive", S::FORBIDDEN, never),
+            ("permission_denied", S::FORBIDDEN, never),
+            ("snapshot_unavailable", S::SERVICE_UNAVAILABLE, soon),
+            ("snapshot_stale", S::SERVICE_UNAVAILABLE, soon),
+            ("lease_unavailable", S::SERVICE_UNAVAILABLE, soon),
+            ("lease_exhausted", S::TOO_MANY_REQUESTS, soon),
+            ("lease_expired", S::TOO_MANY_REQUESTS, soon),
+            ("funding_expired_at_start", S::SERVICE_UNAVAILABLE, soon),
+            // The period end is unknown in `ALL`'s placeholders.
+            ("balance_exhausted", S::PAYMENT_REQUIRED, never),
+            ("balance_insufficient", S::PAYMENT_REQUIRED, never),
+            ("overage_cap_exhausted", S::PAYMENT_REQUIRED, never),
+            (
+                "overage_cap_temporarily_exhausted",
+                S::TOO_MANY_REQUESTS,
+                soon,
+            ),
+            (
+                "overage_commit_in_progress",
+                S::TOO_MANY_REQUESTS,
+                Retry::AfterInFlight,
+            ),
+            ("accounting_backpressure", S::SERVICE_UNAVAILABLE, soon),
+            ("shutting_down", S::SERVICE_UNAVAILABLE, soon),
+        ];
+        assert_eq!(table.len(), DenyReason::ALL.len());
+        for (reason, (code, status, retry)) in DenyReason::ALL.into_iter().zip(table) {
+            check(reason, code, status, retry);
+        }
+        // A known period end makes the balance denials retryable at it.
+        let at = Timestamp::from_second(1_000).unwrap();
+        check(
+            DenyReason::BalanceExhausted {
+                period_end: Some(at),
+            },
+            "balance_exhausted",
+            S::PAYMENT_REQUIRED,
+            Retry::At(at),
+        );
+        check(
+            DenyReason::BalanceInsufficient {
+                remaining: CostUnits(3),
+                period_end: Some(at),
+            },
+            "balance_insufficient",
+            S::PAYMENT_REQUIRED,
+            Retry::At(at),
+        );
+    }
+
     #[test]
     fn every_reason_renders_a_problem_document_with_its_code_and_status() {
         for reason in DenyReason::ALL {

@@ -190,6 +190,39 @@ mod tests {
         );
     }
 
+    /// The staleness bound rests on the ticker's cadence: one refresh per
+    /// tick, none between. Tokio's paused clock drives the ticks; the system
+    /// clock is the real one, so each refresh must land on a later reading.
+    #[tokio::test(start_paused = true)]
+    async fn a_coarse_clock_refreshes_once_a_tick_and_never_reads_ahead() {
+        async fn let_the_ticker_run() {
+            for _ in 0..8 {
+                tokio::task::yield_now().await;
+            }
+        }
+        let tick = Duration::from_secs(3_600);
+        let clock = CoarseClock::start(tick).unwrap();
+        assert_eq!(clock.staleness_bound(), tick * 2);
+        let_the_ticker_run().await;
+        let first = clock.now();
+        // The system clock moves past the value held, so a refresh shows.
+        while Timestamp::now() <= first {
+            std::hint::spin_loop();
+        }
+        let just_short = Duration::from_secs(3_599);
+        tokio::time::advance(just_short).await;
+        let_the_ticker_run().await;
+        assert_eq!(clock.now(), first, "no refresh before the tick");
+        tokio::time::advance(Duration::from_secs(1)).await;
+        let_the_ticker_run().await;
+        let refreshed = clock.now();
+        assert!(refreshed > first, "the tick refreshed it");
+        assert!(
+            refreshed <= Timestamp::now(),
+            "it never reads ahead of the system clock"
+        );
+    }
+
     #[test]
     fn a_manual_clock_moves_only_when_told() {
         let start = Timestamp::from_second(100).unwrap();
