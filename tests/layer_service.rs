@@ -23,7 +23,8 @@ use tollgate::layer::{
 };
 use tollgate::runtime::{InstanceRuntime, InstanceRuntimeConfig, RuntimeHandle};
 use tollgate::store::{
-    AccountSpec, Clock, GrantPolicy, ManualClock, MemoryStore, RefillSchedule, TailSharing,
+    AccountSpec, Clock, GrantPolicy, ManualClock, MemoryStore, RefillSchedule, SnapshotCursor,
+    SnapshotPage, SnapshotSource, StoreError, TailSharing,
 };
 use tollgate::{
     AccountId, AccountStatus, CostUnits, EnforcementMode, PermissionBits, PolicyRevision,
@@ -61,6 +62,15 @@ struct World {
 /// A store with one account of `balance` units and one `READ` key, and a
 /// runtime over it that has had time to load its snapshots and lease.
 async fn world(balance: u64) -> World {
+    world_with(balance, |store| store as _).await
+}
+
+/// [`world`], with the runtime reading policy from what `snapshots` makes
+/// of the store.
+async fn world_with(
+    balance: u64,
+    snapshots: impl FnOnce(Arc<MemoryStore>) -> Arc<dyn SnapshotSource>,
+) -> World {
     let start = Timestamp::from_second(1_700_000_000).unwrap();
     let clock = Arc::new(ManualClock::new(start));
     let store = Arc::new(
@@ -92,7 +102,7 @@ async fn world(balance: u64) -> World {
         .expose()
         .to_owned();
     let (runtime, handle) = InstanceRuntime::spawn(
-        Arc::clone(&store) as _,
+        snapshots(Arc::clone(&store)),
         Arc::clone(&store) as _,
         Arc::clone(&store) as _,
         Arc::clone(&clock) as Arc<dyn Clock>,
@@ -719,15 +729,113 @@ where
     }
 }
 
+/// A shutting-down instance refuses before it looks the key up, so a valid
+/// key and a made-up one get the same answer, with no request id, and both
+/// refusals are counted.
 #[tokio::test(start_paused = true)]
 async fn a_shutting_down_instance_answers_503_with_retry_after() {
     let mut w = world(INITIAL).await;
     w.handle.request_shutdown();
-    let answer = send(&w, w.bearer("/read")).await;
-    check_denial(&answer, StatusCode::SERVICE_UNAVAILABLE, "shutting_down");
-    assert_eq!(answer.headers[RETRY_AFTER], "1");
-    identified_denial(&answer);
+    let made_up = request(
+        "/read",
+        &[(AUTHORIZATION, b"Bearer tg_not_a_real_key".as_slice())],
+    );
+    for request in [w.bearer("/read"), made_up] {
+        let answer = send(&w, request).await;
+        check_denial(&answer, StatusCode::SERVICE_UNAVAILABLE, "shutting_down");
+        assert_eq!(answer.headers[RETRY_AFTER], "1");
+        assert!(!answer.headers.contains_key(REQUEST_ID_HEADER));
+    }
+    let counters = w.handle.counters();
+    assert_eq!(counters.denied_for(tollgate::DenyReason::ShuttingDown), 2);
+    assert_eq!(counters.denied_total(), 2);
     assert_eq!(w.shutdown_and_usage().await, Vec::<u64>::new());
+}
+
+/// Policy the source has not yet answered for: every lookup waits for the
+/// gate to open.
+struct Gated {
+    store: Arc<MemoryStore>,
+    open: tokio::sync::watch::Receiver<bool>,
+}
+
+impl Gated {
+    async fn opened(&self) {
+        let mut open = self.open.clone();
+        open.wait_for(|open| *open).await.unwrap();
+    }
+}
+
+#[async_trait::async_trait]
+impl SnapshotSource for Gated {
+    async fn fetch(
+        &self,
+        principals: &[tollgate::Principal],
+        now: Timestamp,
+    ) -> Result<Vec<tollgate::PrincipalSnapshot>, StoreError> {
+        self.opened().await;
+        self.store.fetch(principals, now).await
+    }
+
+    async fn changed_since(
+        &self,
+        since: SnapshotCursor,
+        limit: usize,
+        now: Timestamp,
+    ) -> Result<SnapshotPage, StoreError> {
+        self.opened().await;
+        self.store.changed_since(since, limit, now).await
+    }
+
+    async fn lookup_key(
+        &self,
+        hash: &tollgate::KeyHash,
+        now: Timestamp,
+    ) -> Result<Option<tollgate::PrincipalSnapshot>, StoreError> {
+        self.opened().await;
+        self.store.lookup_key(hash, now).await
+    }
+}
+
+/// I24: before the first complete load of policy, a key the instance has
+/// not heard of may be a valid one: it is refused as not loaded yet (503,
+/// retry), never as unknown (401, which tells a client its key is bad).
+/// Once policy is loaded, the same key is admitted and a made-up one is
+/// unknown.
+#[tokio::test(start_paused = true)]
+async fn a_valid_key_before_policy_is_loaded_gets_503_not_401() {
+    let (open, gate) = tokio::sync::watch::channel(false);
+    let mut w = world_with(INITIAL, |store| Arc::new(Gated { store, open: gate })).await;
+    let made_up = || {
+        request(
+            "/read",
+            &[(AUTHORIZATION, b"Bearer tg_not_a_real_key".as_slice())],
+        )
+    };
+    for request in [w.bearer("/read"), made_up()] {
+        let answer = send(&w, request).await;
+        check_denial(
+            &answer,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "snapshot_unavailable",
+        );
+        assert!(answer.headers.contains_key(RETRY_AFTER));
+        assert!(!answer.headers.contains_key(WWW_AUTHENTICATE));
+    }
+    assert_eq!(
+        w.handle
+            .counters()
+            .denied_for(tollgate::DenyReason::SnapshotUnavailable),
+        2
+    );
+
+    open.send(true).unwrap();
+    tokio::time::sleep(ms(200)).await;
+    let admitted = send(&w, w.bearer("/read")).await;
+    assert_eq!(admitted.status, StatusCode::OK, "{}", admitted.body);
+    let unknown = send(&w, made_up()).await;
+    check_denial(&unknown, StatusCode::UNAUTHORIZED, "unknown_principal");
+    assert_eq!(w.shutdown_and_usage().await, vec![PRICE]);
 }
 
 #[tokio::test(start_paused = true)]

@@ -109,8 +109,10 @@ impl AdmissionEngine {
     ///
     /// # Errors
     ///
-    /// [`DenyReason::UnknownPrincipal`] for a key no published principal
-    /// has, then as [`begin`](Self::begin).
+    /// For a key no published principal has,
+    /// [`DenyReason::UnknownPrincipal`] while the map can vouch for its keys
+    /// and [`DenyReason::SnapshotUnavailable`] before its first complete
+    /// refresh or once it is stale (I24); then as [`begin`](Self::begin).
     #[inline]
     pub fn begin_by_key(
         &self,
@@ -120,7 +122,7 @@ impl AdmissionEngine {
         now: Timestamp,
     ) -> Result<RequestContext, DenyReason> {
         let pinned = self.snapshots.pin();
-        self.admit(pinned.entry_by_key(key), required, quote, now)
+        self.admit(pinned.entry_by_key(key, now), required, quote, now)
     }
 
     /// The admission counters.
@@ -1095,10 +1097,22 @@ mod tests {
             .unwrap();
         assert_eq!(context.principal(), ALICE);
         assert_eq!(lease.remaining(), CostUnits(7));
+        // I24: until a complete refresh vouches for the map's keys, a key it
+        // lacks may be one it has not loaded yet.
+        let guess = KeyHash::of(b"tg_guess");
         denied(
-            f.engine
-                .begin_by_key(&KeyHash::of(b"tg_guess"), READ, CostUnits(1), at(0)),
+            f.engine.begin_by_key(&guess, READ, CostUnits(1), at(0)),
+            DenyReason::SnapshotUnavailable,
+        );
+        f.map.mark_verified(at(0));
+        denied(
+            f.engine.begin_by_key(&guess, READ, CostUnits(1), at(0)),
             DenyReason::UnknownPrincipal,
+        );
+        let stale = at(0) + f.map.config().max_staleness + SignedDuration::from_nanos(1);
+        denied(
+            f.engine.begin_by_key(&guess, READ, CostUnits(1), stale),
+            DenyReason::SnapshotUnavailable,
         );
         keyed.key_status = KeyStatus::Revoked;
         f.map.publish([keyed]);
@@ -1114,7 +1128,7 @@ mod tests {
             DenyReason::UnknownPrincipal,
         );
         let stats = f.engine.counters().read();
-        assert_eq!((stats.admitted, stats.denied_total()), (1, 3));
+        assert_eq!((stats.admitted, stats.denied_total()), (1, 5));
     }
 
     #[test]

@@ -155,22 +155,32 @@ impl Pinned<'_> {
         }
     }
 
-    /// The entry of the principal whose API key hashes to `hash`, or
-    /// [`DenyReason::UnknownPrincipal`] for a key no published principal
-    /// has: the HTTP layer's read. A key issued since the last refresh is
-    /// known after the next one.
+    /// The entry of the principal whose API key hashes to `hash`: the HTTP
+    /// layer's read. A key issued since the last refresh is known after the
+    /// next one.
+    ///
+    /// A key no published principal has is [`DenyReason::UnknownPrincipal`]
+    /// only while the map can vouch for its set of keys: after a complete
+    /// refresh, and no longer than the maximum staleness after the last
+    /// one. Before the first, or once the source has been out of reach that
+    /// long, the key may be one the map has not heard of yet, and the
+    /// denial is [`DenyReason::SnapshotUnavailable`] (I24).
     #[allow(
         clippy::inline_always,
         reason = "inlined so the admitted context is built in place, not copied out of a call"
     )]
     #[inline(always)]
-    pub(crate) fn entry_by_key(&self, hash: &KeyHash) -> Result<&Entry, DenyReason> {
+    pub(crate) fn entry_by_key(
+        &self,
+        hash: &KeyHash,
+        now: Timestamp,
+    ) -> Result<&Entry, DenyReason> {
         let published = self.published()?;
         published
             .by_key
             .get(hash)
             .and_then(|principal| published.entries.get(principal))
-            .ok_or(DenyReason::UnknownPrincipal)
+            .ok_or_else(|| self.map.missing_key(now))
     }
 
     /// The pinned generation. Missing only once the drop has taken it, which
@@ -267,6 +277,20 @@ impl ArcSwapSnapshotMap {
         // already has plenty to look up.
         let _ = self.lookups.push(principal);
         DenyReason::SnapshotUnavailable
+    }
+
+    /// Why a key no published principal has is refused (see
+    /// [`Pinned::entry_by_key`]).
+    #[cold]
+    fn missing_key(&self, now: Timestamp) -> DenyReason {
+        let verified = self.verified_at.load(Ordering::Acquire);
+        let vouched = verified != i64::MIN
+            && now.as_nanosecond() - i128::from(verified) <= self.config.max_staleness.as_nanos();
+        if vouched {
+            DenyReason::UnknownPrincipal
+        } else {
+            DenyReason::SnapshotUnavailable
+        }
     }
 
     /// The principal whose API key hashes to `hash`, if one is published.

@@ -125,7 +125,10 @@ pub struct TollgateBuilder {
 
 impl TollgateBuilder {
     /// Prices each request from its method, URI, headers and extensions.
-    /// Called once per request, after the key is identified.
+    /// Called once per request that presents a well-formed key, before the
+    /// key is looked up: admission needs the price and the key's policy in
+    /// one step. Keep it cheap and free of side effects, since callers with
+    /// unknown keys are priced too (and charged nothing).
     pub fn price<F>(mut self, price: F) -> Self
     where
         F: Fn(&http::request::Parts) -> Price + Send + Sync + 'static,

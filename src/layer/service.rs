@@ -225,7 +225,8 @@ where
 
 /// Whether a denial at admission came after the key was identified: every
 /// reason but those of a key that is absent, malformed, unknown, revoked or
-/// not yet loaded.
+/// not yet loaded, and a shutdown, which refuses before the key is looked
+/// up.
 fn identified(reason: DenyReason) -> bool {
     !matches!(
         reason,
@@ -234,6 +235,7 @@ fn identified(reason: DenyReason) -> bool {
             | DenyReason::UnknownPrincipal
             | DenyReason::KeyRevoked
             | DenyReason::SnapshotUnavailable
+            | DenyReason::ShuttingDown
     )
 }
 

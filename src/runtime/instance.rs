@@ -546,7 +546,7 @@ impl RuntimeHandle {
         now: Timestamp,
     ) -> Result<RequestContext, DenyReason> {
         if !self.shared.admitting.load(Ordering::Acquire) {
-            return Err(DenyReason::ShuttingDown);
+            return Err(self.shutting_down());
         }
         self.shared.engine.begin(principal, required, quote, now)
     }
@@ -567,9 +567,20 @@ impl RuntimeHandle {
         now: Timestamp,
     ) -> Result<RequestContext, DenyReason> {
         if !self.shared.admitting.load(Ordering::Acquire) {
-            return Err(DenyReason::ShuttingDown);
+            return Err(self.shutting_down());
         }
         self.shared.engine.begin_by_key(key, required, quote, now)
+    }
+
+    /// A refusal decided before the engine runs, counted with the engine's
+    /// so that it shows under its code in the metrics.
+    #[cold]
+    fn shutting_down(&self) -> DenyReason {
+        self.shared
+            .engine
+            .counters()
+            .denied(DenyReason::ShuttingDown);
+        DenyReason::ShuttingDown
     }
 
     /// The admission engine, for its counters and snapshot map.
