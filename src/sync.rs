@@ -6,14 +6,14 @@
 //! too, and every crate built on tokio's networking would stop compiling.
 //!
 //! `Arc` is deliberately not routed through here. The models check the phase
-//! and counter protocols; reference counts only decide when a lease is
+//! and counter protocols, and the usage queue's word of free places; reference counts only decide when a lease is
 //! quiescent, which the lease manager reads from a single task.
 
 #[cfg(not(tollgate_loom))]
-pub(crate) use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
+pub(crate) use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, AtomicUsize, Ordering};
 
 #[cfg(tollgate_loom)]
-pub(crate) use loom::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
+pub(crate) use loom::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, AtomicUsize, Ordering};
 
 /// Runs `f` on the value of an atomic the caller holds exclusively. With
 /// `&mut` no other thread can race, so this is a plain memory access; loom

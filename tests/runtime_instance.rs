@@ -17,8 +17,8 @@ use tollgate::store::{
     MemoryStore, ReclaimBatch, Released, StoreError, TailSharing,
 };
 use tollgate::{
-    AccountId, AccountStatus, CostUnits, DenyReason, EnforcementMode, FencingToken, LeaseId,
-    PermissionBits, Principal,
+    AccountId, AccountStatus, CommitError, CostUnits, DenyReason, EnforcementMode, FencingToken,
+    LeaseId, PermissionBits, Principal,
 };
 
 use support::logs::Logs;
@@ -345,6 +345,43 @@ async fn an_instance_is_ready_only_once_policy_and_funds_are_loaded_and_stops_ad
         "I14: exactly the one charge"
     );
     assert_eq!(view.leased, CostUnits::ZERO);
+    assert!(w.store.audit().unwrap().is_empty());
+}
+
+/// I21, I25: a request admitted before shutdown whose handler would start
+/// only after the usage writer has given up is refused at commit, because
+/// its usage event could never be delivered: the handler must not run
+/// unbilled. The writer counted its place as lost; the charge itself is
+/// released, and the lease goes back whole.
+#[tokio::test(start_paused = true)]
+async fn a_commit_after_the_usage_writer_gave_up_is_refused_and_charges_nothing() {
+    let w = world(10_000);
+    let (runtime, handle) = w.spawn();
+    tokio::time::sleep(ms(200)).await;
+    let mut late = handle
+        .begin(
+            w.principal,
+            PermissionBits::NONE,
+            CostUnits(5),
+            w.clock.now(),
+        )
+        .expect("admitted before shutdown");
+    let shutdown = tokio::spawn(runtime.shutdown());
+    // Past the writer's drain deadline: it waited for this permit, then
+    // gave up.
+    tokio::time::sleep(ms(1_100)).await;
+    assert_eq!(
+        late.commit(w.clock.now()),
+        Err(CommitError::Denied(DenyReason::ShuttingDown))
+    );
+    drop(late);
+    let report = shutdown.await.expect("shutdown ran");
+    assert_eq!(report.lost_events(), 1, "the writer counted the place lost");
+    assert_eq!((report.released(), report.abandoned()), (1, 0));
+    let view = w.store.account(w.account, w.clock.now()).unwrap();
+    assert_eq!(view.balance, CostUnits(10_000), "nothing was charged");
+    assert_eq!(view.leased, CostUnits::ZERO);
+    assert!(w.store.usage(w.account).unwrap().is_empty());
     assert!(w.store.audit().unwrap().is_empty());
 }
 

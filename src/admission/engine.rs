@@ -303,6 +303,11 @@ impl RequestContext {
     /// charge is zero.
     #[inline]
     pub fn commit(&mut self, now: Timestamp) -> Result<CostUnits, CommitError> {
+        // I21: with nothing left to deliver its event, the handler must not
+        // run; the charge stays pending and is released with the context.
+        if self.permit.writer_gone() {
+            return Err(CommitError::Denied(DenyReason::ShuttingDown));
+        }
         let funding = match &self.elastic {
             Some((overage, cap)) => CommitFunding::OverageFallback { overage, cap: *cap },
             None => CommitFunding::LeaseOnly,

@@ -11,7 +11,7 @@
 
 use std::collections::VecDeque;
 use std::fmt;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::task::Waker;
 
@@ -25,6 +25,8 @@ use crate::model::{
     CachePadded, DenyReason, KeyId, LeaseHold, LocalSharding, Locality, PolicyRevision, RequestId,
     Reservation, UsageEvent,
 };
+// The places' word is what the loom models check here (see `CLOSED`).
+use crate::sync::AtomicUsize;
 
 /// Hands usage events to the writer. Cheap to clone; every clone feeds the
 /// same queue.
@@ -76,6 +78,7 @@ struct Recorded {
 }
 
 struct Stripe {
+    /// Free places, with [`CLOSED`] and [`ABANDONED`] in its top bits.
     available: AtomicUsize,
     events: ArrayQueue<Recorded>,
     capacity: usize,
@@ -84,11 +87,27 @@ struct Stripe {
     hub: Arc<Hub>,
 }
 
+/// Set in every stripe's `available` when the queue closes.
+///
+/// Taking a place and closing then change the same word, so they are ordered
+/// by it: a place is either taken before the close, and the writer, which
+/// reads the word after closing it, waits for it; or the take sees the bit
+/// and is refused. A separate flag read before the take would let a permit
+/// slip in after the writer had found every place free and finished (I21).
+const CLOSED: usize = 1 << (usize::BITS - 1);
+
+/// Set in every stripe's `available` when the writer gives up: nothing will
+/// deliver what is recorded from then on, so a commit is refused rather
+/// than let a handler run whose charge can never be billed.
+const ABANDONED: usize = 1 << (usize::BITS - 2);
+
+/// The count of free places in an `available` word.
+const PLACES: usize = ABANDONED - 1;
+
 /// What every stripe shares: read on the request path, written rarely.
 struct Hub {
     capacity: usize,
     waker: AtomicWaker,
-    closed: AtomicBool,
     /// Events whose push failed; impossible while I20 holds, counted so a
     /// broken invariant is loud rather than silent.
     overflowed: AtomicU64,
@@ -134,7 +153,6 @@ impl UsageRecorder {
         let hub = Arc::new(Hub {
             capacity,
             waker: AtomicWaker::new(),
-            closed: AtomicBool::new(false),
             overflowed: AtomicU64::new(0),
         });
         // Each stripe wakes the writer at a whole batch (or when full, if it
@@ -181,25 +199,30 @@ impl UsageRecorder {
     #[inline]
     pub(crate) fn try_permit_at(&self, locality: Locality) -> Result<UsagePermit, DenyReason> {
         let queue = &*self.queue;
-        if queue.hub.closed.load(Ordering::Acquire) {
-            return Err(DenyReason::ShuttingDown);
-        }
         let count = queue.stripes.len();
         let home = locality.shard_of(count);
         // Home first, then the others in turn, without a division per step.
         let (before_home, from_home) = queue.stripes.split_at(home);
         for stripe in from_home.iter().chain(before_home) {
-            // I20: a place is taken only if one is free.
-            if stripe
+            // I20: a place is taken only if one is free, and (I21) only
+            // while the queue is open, decided in the same read-modify-write
+            // (see `CLOSED`).
+            match stripe
                 .available
                 .fetch_update(Ordering::AcqRel, Ordering::Acquire, |free| {
-                    free.checked_sub(1)
-                })
-                .is_ok()
-            {
-                return Ok(UsagePermit {
-                    stripe: Some(Arc::clone(stripe)),
-                });
+                    if free & CLOSED == 0 {
+                        free.checked_sub(1)
+                    } else {
+                        None
+                    }
+                }) {
+                Ok(_) => {
+                    return Ok(UsagePermit {
+                        stripe: Some(Arc::clone(stripe)),
+                    });
+                }
+                Err(free) if free & CLOSED != 0 => return Err(DenyReason::ShuttingDown),
+                Err(_) => {}
             }
         }
         Err(DenyReason::AccountingBackpressure)
@@ -211,7 +234,7 @@ impl UsageRecorder {
         self.queue
             .stripes
             .iter()
-            .map(|stripe| stripe.available.load(Ordering::Acquire))
+            .map(|stripe| stripe.available.load(Ordering::Acquire) & PLACES)
             .sum()
     }
 
@@ -254,7 +277,7 @@ impl fmt::Debug for UsageRecorder {
             .field("stripes", &self.queue.stripes.len())
             .field("available", &self.available())
             .field("queued", &self.queued())
-            .field("closed", &self.queue.hub.closed.load(Ordering::Acquire))
+            .field("closed", &self.queue.is_closed())
             .finish()
     }
 }
@@ -313,6 +336,19 @@ impl UsagePermit {
 }
 
 impl UsagePermit {
+    /// Whether the writer has given up, so that an event recorded now would
+    /// never be delivered. A commit checks it first and is refused rather
+    /// than let a handler run unbilled (I21).
+    ///
+    /// A writer that gives up just after the check still counts this
+    /// permit's place as lost, so the charge is never lost silently.
+    #[inline]
+    pub(crate) fn writer_gone(&self) -> bool {
+        self.stripe
+            .as_ref()
+            .is_some_and(|stripe| stripe.available.load(Ordering::Relaxed) & ABANDONED != 0)
+    }
+
     /// Moves the place out, leaving this permit empty (dropping it then
     /// frees nothing).
     #[inline]
@@ -377,7 +413,7 @@ impl UsageQueue {
             // time the place is seen free.
             drop(hold);
             let stripe = &self.stripes[index];
-            let before = stripe.available.fetch_add(1, Ordering::AcqRel);
+            let before = stripe.available.fetch_add(1, Ordering::AcqRel) & PLACES;
             debug_assert!(
                 before < stripe.capacity,
                 "I20: more places freed than the stripe has"
@@ -402,9 +438,29 @@ impl UsageQueue {
         self.stripes.iter().map(|stripe| stripe.events.len()).sum()
     }
 
+    /// Whether the queue refuses new permits.
+    pub(crate) fn is_closed(&self) -> bool {
+        self.stripes
+            .iter()
+            .all(|stripe| stripe.available.load(Ordering::Acquire) & CLOSED != 0)
+    }
+
+    /// Records that nothing will deliver events from now on: commits of
+    /// permits still outstanding are refused (see [`ABANDONED`]). The queue
+    /// is closed too.
+    pub(crate) fn abandon(&self) {
+        for stripe in &self.stripes[..] {
+            stripe
+                .available
+                .fetch_or(CLOSED | ABANDONED, Ordering::AcqRel);
+        }
+    }
+
     /// Refuses new permits from now on. Permits already taken still record.
     pub(crate) fn close(&self) {
-        self.hub.closed.store(true, Ordering::Release);
+        for stripe in &self.stripes[..] {
+            stripe.available.fetch_or(CLOSED, Ordering::AcqRel);
+        }
         self.hub.waker.wake();
     }
 
@@ -418,7 +474,7 @@ impl UsageQueue {
     pub(crate) fn in_use(&self) -> usize {
         self.stripes
             .iter()
-            .map(|stripe| stripe.capacity - stripe.available.load(Ordering::Acquire))
+            .map(|stripe| stripe.capacity - (stripe.available.load(Ordering::Acquire) & PLACES))
             .sum()
     }
 

@@ -24,6 +24,7 @@ use jiff::{SignedDuration, Timestamp};
 use loom::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use loom::thread;
 
+use crate::admission::UsageRecorder;
 use crate::model::{
     AccountId, AccountOverage, CancelOutcome, CommitError, CommitFunding, CostUnits, DenyReason,
     FencingToken, LeaseGrant, LeaseId, LocalLease, LocalSharding, Locality, PolicyRevision,
@@ -595,5 +596,32 @@ fn racing_overage_reservations_never_exceed_the_cap() {
         drop(outcomes);
         // I4: the pending reservation ends for zero.
         assert_eq!(overage.spent(), CostUnits::ZERO);
+    });
+}
+
+/// I20, I21: a usage place taken while the writer closes the queue. Both
+/// change the same word of free places, so either the writer, reading it
+/// after the close, sees the place held and waits for its event, or the
+/// take is refused: never a permit taken behind the writer's back, whose
+/// event nobody would deliver.
+#[test]
+fn a_place_taken_as_the_queue_closes_is_seen_by_the_writer_or_refused() {
+    loom::model(|| {
+        let recorder = UsageRecorder::striped(2, 1, LocalSharding::Single);
+        let queue = Arc::clone(recorder.queue());
+        let taker = thread::spawn(move || recorder.try_permit());
+        queue.close();
+        let held_when_seen = queue.in_use();
+        match join(taker) {
+            Ok(permit) => {
+                assert_eq!(held_when_seen, 1, "I21: the writer saw the place taken");
+                drop(permit);
+            }
+            Err(reason) => {
+                assert_eq!(reason, DenyReason::ShuttingDown);
+                assert_eq!(held_when_seen, 0, "a refused take holds nothing");
+            }
+        }
+        assert_eq!(queue.in_use(), 0);
     });
 }

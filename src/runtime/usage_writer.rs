@@ -309,14 +309,15 @@ impl UsageWriter {
     /// it back.
     pub fn stop_at(&self, deadline: Instant) {
         let deadline = deadline.min(after(Instant::now(), self.shutdown_drain_deadline));
-        // The deadline is published before the close wakes the task, so the
-        // task sees it on that wake.
+        // I20: a closed queue denies new permits with `ShuttingDown`; permits
+        // already taken still record, and the writer waits for them. The
+        // close comes first: a task that saw the stop before it could find
+        // every place free, finish, and leave a permit taken just after
+        // with nobody to deliver its event (I21).
+        self.queue.close();
         self.shared.stop.send_modify(|current| {
             *current = Some(current.map_or(deadline, |earlier| earlier.min(deadline)));
         });
-        // I20: a closed queue denies new permits with `ShuttingDown`; permits
-        // already taken still record, and the writer waits for them.
-        self.queue.close();
     }
 
     /// Stops the writer (with `shutdown_drain_deadline` unless
@@ -353,6 +354,7 @@ impl UsageWriter {
             Err(error) => {
                 // Nobody will deliver what the dead task held, what is
                 // queued, or what outstanding permits record.
+                self.queue.abandon();
                 let lost = self.queue.in_use() as u64;
                 tracing::error!(
                     %error,
@@ -375,8 +377,9 @@ impl Drop for UsageWriter {
             return;
         };
         // Nothing will write what admission records from now on, so admission
-        // must stop (I20: a closed queue denies with `ShuttingDown`).
-        self.queue.close();
+        // must stop (I20: a closed queue denies with `ShuttingDown`), and so
+        // must commits of permits already taken (I21).
+        self.queue.abandon();
         if !task.is_finished() {
             task.abort();
             tracing::warn!(
@@ -651,6 +654,9 @@ impl Task {
     /// counted lost and logged, never dropped silently. Returns the places
     /// still held by outstanding permits.
     fn give_up(&mut self) -> u64 {
+        // First, so that a permit counted below as held either commits
+        // before this (and is counted lost) or is refused at commit.
+        self.queue.abandon();
         self.queue.take_into(&mut self.batch, usize::MAX);
         let abandoned = self.batch.len() as u64;
         // I20: given-up events leave the process, so their places are freed.
