@@ -340,6 +340,32 @@ fn bad_input_is_named_before_connecting() {
     nowhere(&["account", "list"]).fails(1, "error");
 }
 
+/// A configuration file that does not parse is named with the place of the
+/// error, never with the line itself, which may hold the database password
+/// and would end up in deploy logs.
+#[test]
+fn a_malformed_configuration_file_never_echoes_its_password() {
+    let dir = std::env::temp_dir().join(unique_schema("cli_malformed_dir"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("tollgate.toml");
+    std::fs::write(&file, "database_url = postgres://tollgate:s3cret@db/app\n").unwrap();
+    let run = finish(
+        &Cli::bare()
+            .arg("--config")
+            .arg(&file)
+            .arg("audit")
+            .output()
+            .expect("the tollgate binary runs"),
+    )
+    .fails(1, "TOML parse error at line 1, column 16");
+    assert!(
+        !run.stderr.contains("s3cret") && !run.stdout.contains("s3cret"),
+        "{}",
+        run.stderr
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn refills_are_set_and_cleared() {
     let Some(cli) = Cli::new("cli_refill") else {
