@@ -4,10 +4,11 @@
 //! key each, printed at start with ready-to-paste `curl` lines. The routes
 //! are priced: a cheap read, an expensive write that needs the write
 //! permission, and a slow route behind a concurrency limit, where a request
-//! admitted and waiting its turn pays nothing if its client leaves. `/admin/accounts`
-//! shows the money move; `/livez`, `/readyz` and `/metrics` are the ops
-//! endpoints. Ctrl-C shuts down in order (stop admitting, drain usage,
-//! return leases) and prints what happened.
+//! admitted and waiting its turn pays nothing if its client leaves. A second
+//! listener, for operators only, serves `/admin/accounts`, which shows the
+//! money move, and the ops endpoints `/livez`, `/readyz` and `/metrics`.
+//! Ctrl-C shuts down in order (stop admitting, drain usage, return leases)
+//! and prints what happened.
 //!
 //! With `--store postgres://…` (build with `--features postgres`) the
 //! gateway uses a shared PostgreSQL store instead, so several gateway
@@ -30,6 +31,7 @@ use axum::routing::{get, post};
 use clap::Parser;
 use jiff::SignedDuration;
 use metrics_exporter_prometheus::PrometheusBuilder;
+use tokio_util::sync::CancellationToken;
 use tollgate::admission::SnapshotMapConfig;
 use tollgate::layer::{Admitted, CommitMarkerLayer, Price, TollgateLayer, ops_router};
 use tollgate::runtime::{
@@ -50,9 +52,14 @@ const WRITE: PermissionBits = PermissionBits::bit(1);
 #[derive(Debug, Parser)]
 #[command(about = "A metered API on tollgate's embedded store, or on a shared PostgreSQL store")]
 struct Args {
-    /// The address to listen on.
+    /// The address the metered API listens on.
     #[arg(long, default_value = "127.0.0.1:3000")]
     listen: SocketAddr,
+    /// The address of the operators' listener: /livez, /readyz, /metrics
+    /// and /admin/accounts. Every account's balance is visible there, so it
+    /// never shares the API's listener; keep it off the public network.
+    #[arg(long, default_value = "127.0.0.1:9000")]
+    ops_listen: SocketAddr,
     /// The starting balance of both demo accounts, in cost units (embedded
     /// store only).
     #[arg(long, default_value_t = 1_000)]
@@ -407,13 +414,14 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 .route_layer(GlobalConcurrencyLimitLayer::new(1)),
         )
         .layer(tollgate);
-    let app = Router::new()
-        .merge(metered)
+    let ops = Router::new()
         .route("/admin/accounts", get(accounts).with_state(demo))
         .merge(ops_router(handle.clone(), move || prometheus.render()));
 
     let listener = tokio::net::TcpListener::bind(args.listen).await?;
     let bound = listener.local_addr()?;
+    let ops_listener = tokio::net::TcpListener::bind(args.ops_listen).await?;
+    let ops_bound = ops_listener.local_addr()?;
     println!("tollgate demo gateway on http://{bound}\n");
     for DemoKey {
         label,
@@ -432,12 +440,21 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         println!("Shared store: issue keys with `tollgate key issue <account> --permissions all`,");
         println!("then: curl -i -H 'Authorization: Bearer <key>' http://{bound}/v1/read\n");
     }
-    println!("Watch the money: curl http://{bound}/admin/accounts");
-    println!("Ops: http://{bound}/livez  http://{bound}/readyz  http://{bound}/metrics\n");
+    println!("Watch the money: curl http://{ops_bound}/admin/accounts");
+    println!(
+        "Ops: http://{ops_bound}/livez  http://{ops_bound}/readyz  http://{ops_bound}/metrics\n"
+    );
 
-    axum::serve(listener, app)
-        .with_graceful_shutdown(stop_requested())
-        .await?;
+    // One signal stops both listeners; the runtime shuts down after them.
+    let stop = CancellationToken::new();
+    let api = axum::serve(listener, metered).with_graceful_shutdown(stop.clone().cancelled_owned());
+    let ops = axum::serve(ops_listener, ops).with_graceful_shutdown(stop.clone().cancelled_owned());
+    let signal = async {
+        stop_requested().await;
+        stop.cancel();
+        Ok(())
+    };
+    tokio::try_join!(api.into_future(), ops.into_future(), signal)?;
 
     let report = runtime.shutdown().await;
     println!(
