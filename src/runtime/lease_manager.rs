@@ -1561,7 +1561,16 @@ fn fold_refusal(error: &AllocateError) -> FoldRefusal {
 /// Whether no request can debit or credit `lease` any more, so its
 /// `remaining()` is final (I6). The caller's own `Arc` must be the only one.
 fn is_quiescent(lease: &Arc<LocalLease>) -> bool {
-    Arc::strong_count(lease) == 1 && lease.is_only_local_view()
+    if Arc::strong_count(lease) != 1 {
+        return false;
+    }
+    // A request debits while it holds the lease and lets go of the lease
+    // (a release decrement) after. This fence orders the shard views read
+    // next after that count: without it a weakly ordered CPU may read a
+    // shard's count from before the debit and the lease's from after the
+    // let-go, and call a lease with a debit in flight quiescent.
+    std::sync::atomic::fence(std::sync::atomic::Ordering::Acquire);
+    lease.is_only_local_view()
 }
 
 /// Whether the slot holds a lease inside its usability window.
