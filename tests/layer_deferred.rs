@@ -14,8 +14,7 @@ use axum::extract::{FromRequest, Request};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use http::StatusCode;
-use support::http::{TestServer, priced_by_path, wait_started};
-use support::runtime::ms;
+use support::http::{TestServer, eventually, priced_by_path, wait_started};
 use tokio::sync::mpsc;
 use tollgate::layer::{Charged, CommitMarkerLayer};
 use tower::limit::GlobalConcurrencyLimitLayer;
@@ -125,12 +124,10 @@ async fn a_request_queued_inside_the_layer_holds_its_reservation_and_pays_nothin
 
     // B: admitted by tollgate, then queued in the limit inside it.
     let queued = server.send("/slow");
-    tokio::time::sleep(ms(150)).await;
-    assert_eq!(
-        server.handle.counters().admitted,
-        2,
-        "the queued request was admitted before it queued"
-    );
+    eventually("the queued request was admitted before it queued", || {
+        server.handle.counters().admitted == 2
+    })
+    .await;
     assert_eq!(
         server.remaining(),
         before_queued - SLOW_PRICE,
@@ -139,12 +136,11 @@ async fn a_request_queued_inside_the_layer_holds_its_reservation_and_pays_nothin
 
     // B's client leaves while B waits: B never reached the commit point.
     drop(queued);
-    tokio::time::sleep(ms(150)).await;
-    assert_eq!(
-        server.remaining(),
-        before_queued,
-        "I4: the queued request's reservation was released for zero"
-    );
+    eventually(
+        "I4: the queued request's reservation was released for zero",
+        || server.remaining() == before_queued,
+    )
+    .await;
 
     let response = TestServer::read(first).await;
     assert!(response.starts_with("HTTP/1.1 200"), "{response}");
@@ -169,8 +165,10 @@ async fn a_request_queued_inside_the_layer_that_then_runs_is_charged_in_full_onc
     let first = server.send("/slow");
     started(&mut slow_started).await;
     let second = server.send("/slow");
-    tokio::time::sleep(ms(150)).await;
-    assert_eq!(server.handle.counters().admitted, 2);
+    eventually("the second request was admitted", || {
+        server.handle.counters().admitted == 2
+    })
+    .await;
 
     let (first, second) = tokio::join!(TestServer::read(first), TestServer::read(second));
     assert!(first.starts_with("HTTP/1.1 200"), "{first}");

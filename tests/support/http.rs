@@ -165,3 +165,17 @@ pub(crate) async fn wait_started(
         .expect(expectation)
         .unwrap();
 }
+
+/// Waits (at most five seconds, looking every few milliseconds) until
+/// `holds` says yes; panics naming `what` if it never does. For what a
+/// server does in its own time, which a fixed sleep would only guess.
+pub(crate) async fn eventually(what: &str, mut holds: impl FnMut() -> bool) {
+    let give_up = tokio::time::Instant::now() + ms(5_000);
+    while !holds() {
+        assert!(
+            tokio::time::Instant::now() < give_up,
+            "never happened: {what}"
+        );
+        tokio::time::sleep(ms(5)).await;
+    }
+}
