@@ -192,24 +192,29 @@ fn lease(id: u64) -> LocalLease {
 /// I23, I24: each thread reads policy through its cached generation of the
 /// snapshot map, and a publish that happened before an admission (here: the
 /// publisher's flag, read with acquire) is always seen by it, on every
-/// thread, however warm its cache.
+/// thread, however warm its cache. The publisher moves on only once every
+/// thread has checked an admission against the generation just published,
+/// so every generation is checked on every thread.
 #[test]
 fn a_publish_is_seen_by_every_thread_that_admits_after_it() {
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    const ROUNDS: u64 = 40;
     let (engine, map, _registry) = warm(THREADS as u64);
     // A sequence: `2r - 1` while round `r` is being published, `2r` once it
     // has been. Odd rounds revoke the keys, even rounds reinstate them.
-    let sequence = std::sync::atomic::AtomicU64::new(0);
+    let sequence = AtomicU64::new(0);
+    // Per thread, the sequence its last checked admission ran in.
+    let checked: Vec<AtomicU64> = (0..THREADS).map(|_| AtomicU64::new(u64::MAX)).collect();
+    let done = AtomicBool::new(false);
     let start = Barrier::new(THREADS + 1);
     std::thread::scope(|scope| {
-        for principal in 1..=THREADS as u64 {
+        for (index, principal) in (1..=THREADS as u64).enumerate() {
             let (engine, sequence, start) = (&engine, &sequence, &start);
+            let (checked, done) = (&checked[index], &done);
             scope.spawn(move || {
                 start.wait();
-                loop {
-                    let before = sequence.load(std::sync::atomic::Ordering::Acquire);
-                    if before == 80 {
-                        break;
-                    }
+                while !done.load(Ordering::Acquire) {
+                    let before = sequence.load(Ordering::Acquire);
                     let outcome = engine.begin(
                         Principal(principal),
                         PermissionBits::NONE,
@@ -218,7 +223,7 @@ fn a_publish_is_seen_by_every_thread_that_admits_after_it() {
                     );
                     // Only an admission that ran wholly between two
                     // publishes is checked: it must see the earlier one.
-                    let after = sequence.load(std::sync::atomic::Ordering::Acquire);
+                    let after = sequence.load(Ordering::Acquire);
                     if before != after || before % 2 == 1 {
                         continue;
                     }
@@ -232,21 +237,34 @@ fn a_publish_is_seen_by_every_thread_that_admits_after_it() {
                             outcome.map(|context| context.request_id())
                         ),
                     }
+                    checked.store(before, Ordering::Release);
                 }
             });
         }
         start.wait();
-        for round in 1..=40_u64 {
-            std::thread::yield_now();
+        for round in 1..=ROUNDS {
             let status = if round % 2 == 1 {
                 KeyStatus::Revoked
             } else {
                 KeyStatus::Active
             };
-            sequence.store(2 * round - 1, std::sync::atomic::Ordering::Release);
+            sequence.store(2 * round - 1, Ordering::Release);
             map.publish((1..=THREADS as u64).map(|principal| snapshot(principal, status)));
-            sequence.store(2 * round, std::sync::atomic::Ordering::Release);
+            sequence.store(2 * round, Ordering::Release);
+            // Bounded, so a thread that panicked fails the test, not hangs it.
+            let give_up = std::time::Instant::now() + std::time::Duration::from_secs(10);
+            while checked
+                .iter()
+                .any(|thread| thread.load(Ordering::Acquire) != 2 * round)
+            {
+                if std::time::Instant::now() > give_up {
+                    done.store(true, Ordering::Release);
+                    panic!("not every thread checked generation {}", 2 * round);
+                }
+                std::thread::yield_now();
+            }
         }
+        done.store(true, Ordering::Release);
     });
 }
 
