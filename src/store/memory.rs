@@ -1308,9 +1308,30 @@ mod tests {
             .unwrap();
         let secret = &issued.key.expose()[ApiKey::PREFIX.len()..];
         // I16: everything the store holds, printed, contains only the prefix.
-        let held = format!("{:?}", *store.lock().unwrap());
+        let ledger = store.lock().unwrap();
+        let held = format!("{:?}", *ledger);
         assert!(!held.contains(secret), "the store holds the secret");
         assert!(held.contains(&secret[..8]), "the visible prefix is kept");
+        // Printing shows only what `Debug` shows, so the record is also
+        // taken apart field by field: a field added to it must be judged
+        // here before this compiles again.
+        let KeyRecord {
+            hash,
+            prefix,
+            account_id,
+            permissions: _,
+            status: _,
+            created_at: _,
+            revoked_at: _,
+            revision: _,
+        } = &ledger.keys[&issued.key_id];
+        assert_eq!(*hash, KeyHash::of(issued.key.expose().as_bytes()));
+        assert_eq!(*prefix, issued.key.prefix());
+        assert_eq!(*account_id, account);
+        assert_eq!(
+            ledger.keys_by_hash[hash], issued.key_id,
+            "found by hash only"
+        );
     }
 
     #[test]
