@@ -580,6 +580,8 @@ async fn reclaim_waits_for_the_grace_and_credits_the_remainder_net_of_usage<S: T
     store.ingest(&[leased(1, acct, &a, 25)]).await.unwrap();
     // I19: expires at 30, grace 10: due at 40, not a millisecond before
     // (the memory store's own test below goes down to the nanosecond).
+    // I13: these instants are seconds after 1970; a store that read a clock
+    // of its own would find the lease long expired, or not yet granted.
     let just_before = at(40) - SignedDuration::from_millis(1);
     let early = store.reclaim_expired_batch(just_before, 10).await.unwrap();
     assert!(early.reclaimed.is_empty());

@@ -7,7 +7,18 @@ use std::fmt;
 ///
 /// There are no arithmetic operators on purpose. Every sum and difference goes
 /// through a `checked_*` or `saturating_*` method, so an overflow is a value
-/// the caller must handle rather than a silent wrap (I1).
+/// the caller must handle rather than a silent wrap (I1):
+///
+/// ```compile_fail
+/// use tollgate::CostUnits;
+/// let _ = CostUnits(1) + CostUnits(2);
+/// ```
+///
+/// ```compile_fail
+/// use tollgate::CostUnits;
+/// let mut units = CostUnits(1);
+/// units -= CostUnits(2);
+/// ```
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct CostUnits(pub u64);
 
