@@ -13,12 +13,12 @@ use jiff::{SignedDuration, Timestamp};
 use tollgate::runtime::InstanceRuntimeConfigError;
 use tollgate::runtime::{InstanceRuntime, InstanceRuntimeConfig, RuntimeHandle};
 use tollgate::store::{
-    AccountSpec, AllocateError, Allocation, Clock, GrantPolicy, LeaseAllocator, ManualClock,
-    MemoryStore, ReclaimBatch, Released, StoreError, TailSharing,
+    AccountSpec, AllocateError, Allocation, Clock, GrantPolicy, IngestOutcome, LeaseAllocator,
+    ManualClock, MemoryStore, ReclaimBatch, Released, StoreError, TailSharing, UsageSink,
 };
 use tollgate::{
     AccountId, AccountStatus, CommitError, CostUnits, DenyReason, EnforcementMode, FencingToken,
-    LeaseId, PermissionBits, Principal,
+    LeaseId, PermissionBits, Principal, UsageEvent,
 };
 
 use support::logs::Logs;
@@ -382,6 +382,78 @@ async fn a_commit_after_the_usage_writer_gave_up_is_refused_and_charges_nothing(
     assert_eq!(view.balance, CostUnits(10_000), "nothing was charged");
     assert_eq!(view.leased, CostUnits::ZERO);
     assert!(w.store.usage(w.account).unwrap().is_empty());
+    assert!(w.store.audit().unwrap().is_empty());
+}
+
+/// A usage sink that writes nothing until its gate opens: the sink is out
+/// of reach until then, and events wait in the writer.
+struct GatedSink {
+    store: Arc<MemoryStore>,
+    open: tokio::sync::watch::Receiver<bool>,
+}
+
+#[async_trait]
+impl UsageSink for GatedSink {
+    async fn ingest(&self, batch: &[UsageEvent]) -> Result<Vec<IngestOutcome>, StoreError> {
+        let mut open = self.open.clone();
+        open.wait_for(|open| *open).await.unwrap();
+        self.store.ingest(batch).await
+    }
+}
+
+/// I26, I27, I28: a lease that refused a quote larger than itself cannot be
+/// folded while the event of a charge committed against it waits to be
+/// written, and under steady traffic, or with a lagging sink, one always
+/// does. The manager then rotates: a replacement large enough for the quote
+/// is acquired beside the busy lease, which is released once its event is
+/// written. The quote is served instead of refused for as long as the lag
+/// lasts, and every unit is accounted for.
+#[tokio::test(start_paused = true)]
+async fn a_quote_a_busy_lease_refused_is_funded_by_a_rotation() {
+    let w = world(10_000);
+    let (open, gate) = tokio::sync::watch::channel(false);
+    let (runtime, handle) = InstanceRuntime::spawn(
+        Arc::clone(&w.store) as _,
+        Arc::clone(&w.store) as _,
+        Arc::new(GatedSink {
+            store: Arc::clone(&w.store),
+            open: gate,
+        }),
+        Arc::clone(&w.clock) as Arc<dyn Clock>,
+        config(),
+    )
+    .unwrap();
+    tokio::time::sleep(ms(200)).await;
+    assert_eq!(w.begin(&handle, 5), Ok(CostUnits(5)));
+    // The lease holds 500 units: a quote of 600 is refused and rings for a
+    // consolidation, which the waiting event defers.
+    assert_eq!(w.begin(&handle, 600), Err(DenyReason::LeaseExhausted));
+    tokio::time::sleep(ms(300)).await;
+    assert_eq!(handle.report().writer.accepted, 0, "nothing written yet");
+    assert_eq!(w.begin(&handle, 600), Ok(CostUnits(600)));
+    let leases = handle.report().leases.unwrap();
+    assert_eq!(leases.consolidated, 0);
+    assert!(leases.consolidations_deferred >= 1);
+    assert_eq!(
+        leases.acquired_units,
+        500 + 600,
+        "the first lease and one for the quote"
+    );
+
+    open.send(true).unwrap();
+    let report = runtime.shutdown().await;
+    assert_eq!(report.lost_events(), 0);
+    let billed: Vec<u64> = w
+        .store
+        .usage(w.account)
+        .unwrap()
+        .iter()
+        .map(|event| event.units.get())
+        .collect();
+    assert_eq!(billed, vec![5, 600], "the trailing event was billed");
+    let view = w.store.account(w.account, w.clock.now()).unwrap();
+    assert_eq!(view.balance, CostUnits(10_000 - 605));
+    assert_eq!(view.leased, CostUnits::ZERO);
     assert!(w.store.audit().unwrap().is_empty());
 }
 

@@ -593,16 +593,23 @@ async fn a_refused_quote_folds_the_unspent_units_into_one_grant_large_enough_for
     );
 }
 
-/// I27, I28: while a fold waits on a reservation in flight, a lease that
-/// drains below low water is still replaced, so one long request and one
-/// unfundable quote cannot starve the account.
+/// I27, I28: while a fold waits on a reservation in flight, and the
+/// allocator's last word rules the refused quote out, the lease is not
+/// rotated for the quote; but once it drains below low water it is still
+/// replaced, so one long request and one unfundable quote cannot starve the
+/// account.
 #[tokio::test(start_paused = true)]
 async fn a_waiting_consolidation_still_replaces_a_draining_lease() {
     let h = Harness::started(Scripted::new()).await;
+    h.slot.publish_funding(Some(BalanceShortfall {
+        remaining: CostUnits::ZERO,
+        period_end: None,
+    }));
     let held = h.reserve(10);
     h.refused(95);
     settle().await;
     assert_eq!(h.stats().consolidations_deferred, 1);
+    assert_eq!(h.allocator.calls(), [acquire()], "no grant chased for it");
     assert_eq!(h.serving(), Some((1, 90)));
 
     // Below low water: the doorbell rings, the fold waits again, and a
@@ -621,10 +628,13 @@ async fn a_waiting_consolidation_still_replaces_a_draining_lease() {
     assert_eq!(h.allocator.calls()[2], release(1, 25));
 }
 
-/// I6, I27: a lease with a reservation in flight has no exact unspent count, so
-/// the fold waits; it goes back into the slot and serves meanwhile.
+/// I6, I27, I28: a lease with a reservation in flight has no exact unspent
+/// count, so it cannot be folded; rather than refuse the quote until the
+/// lease is quiet (under steady traffic it never is), the manager acquires a
+/// replacement large enough for the quote beside it, and releases the old
+/// lease, with its exact remainder, once its last request lets go.
 #[tokio::test(start_paused = true)]
-async fn a_consolidation_waits_while_a_reservation_is_in_flight() {
+async fn a_consolidation_deferred_by_a_reservation_in_flight_rotates_instead() {
     let h = Harness::started(Scripted::new()).await;
     let held = h.reserve(10);
     h.refused(95);
@@ -632,38 +642,46 @@ async fn a_consolidation_waits_while_a_reservation_is_in_flight() {
 
     assert_eq!(
         h.allocator.calls(),
-        [acquire()],
-        "no call on an inexact count"
+        [acquire(), acquire()],
+        "no fold on an inexact count: a replacement instead"
     );
     assert_eq!(h.stats().consolidations_deferred, 1);
+    assert_eq!(h.stats().consolidated, 0);
     assert_eq!(
         h.serving(),
-        Some((1, 90)),
-        "the refused lease keeps serving"
+        Some((2, TARGET)),
+        "the replacement serves, and funds the quote"
     );
-    h.spend(5);
+    drop(h.reserve(95));
 
     sleep(POLL + secs(1)).await;
-    assert_eq!(
-        h.stats().consolidations_deferred,
-        2,
-        "tried again at the poll"
-    );
-
+    assert_eq!(h.allocator.calls().len(), 2, "the old lease is still held");
     drop(held);
-    h.allocator.calls_reach(2).await;
+    h.allocator.calls_reach(3).await;
     assert_eq!(
-        h.allocator.timed_calls()[1],
-        (
-            secs(20),
-            Call::Consolidate {
-                lease: 1,
-                unspent: 95,
-                requested: TARGET,
-                needed: 95,
-            }
-        )
+        h.allocator.calls()[2],
+        release(1, 100),
+        "its 90 unspent and the 10 the unexecuted request gave back"
     );
+}
+
+/// I27, I28: a refused quote larger than the target grant is chased with a
+/// replacement of the quote's size, not the target's.
+#[tokio::test(start_paused = true)]
+async fn a_rotation_for_a_refused_quote_asks_for_the_quote() {
+    let allocator = Scripted::new();
+    allocator.plan_acquires([Reply::Grant(TARGET), Reply::Grant(150)]);
+    let h = Harness::started(allocator).await;
+    let held = h.reserve(10);
+    h.refused(150);
+    settle().await;
+    assert_eq!(
+        h.allocator.calls(),
+        [acquire(), Call::Acquire { requested: 150 }]
+    );
+    assert_eq!(h.serving(), Some((2, 150)));
+    drop(h.reserve(150));
+    drop(held);
 }
 
 /// I18, I27: a domain refusal rolled the consolidation back, so the old lease is

@@ -45,9 +45,13 @@
 //! A lease that refused a quote the account might fund is folded, in one
 //! allocator call, into a new grant of at least that quote (I18, I27). Folding
 //! needs an exact unspent count, so the lease is taken out of the slot and
-//! tested for quiescence; if a reservation is still in flight it goes straight
-//! back and the fold is tried on a later inspection. Otherwise the account's
-//! requests are denied for the length of that one call. The answer decides
+//! tested for quiescence. If a reservation is still in flight, or a committed
+//! charge's event is still on its way (under steady traffic one always is),
+//! it goes straight back and a replacement large enough for the quote is
+//! acquired beside it instead, unless the allocator's last word rules the
+//! quote out; the old lease is released once quiescent, like any replaced
+//! one. Otherwise the account's requests are denied for the length of that
+//! one call. The answer decides
 //! where the old lease goes: a grant settles it (it is dropped); a domain
 //! refusal rolled back (it returns to the slot); a lease the store no longer
 //! holds for us is dropped; an answer that never came may or may not have
@@ -113,7 +117,9 @@ use tracing::Instrument as _;
 
 use super::after;
 use crate::admission::LeaseSlot;
-use crate::model::{AccountId, CostUnits, LeaseGrant, LocalLease, RefillSignal, RefillVerdict};
+use crate::model::{
+    AccountId, BalanceShortfall, CostUnits, LeaseGrant, LocalLease, RefillSignal, RefillVerdict,
+};
 use crate::store::{AllocateError, Allocation, Clock, LeaseAllocator, Released};
 
 /// How one account's lease manager sizes, times and returns its leases.
@@ -305,8 +311,9 @@ pub struct LeaseStats {
     /// Refused leases folded into a new grant. A rising count says
     /// `target_grant` is small against the largest quotes.
     pub consolidated: u64,
-    /// Consolidations put off because a reservation was still in flight on
-    /// the refused lease.
+    /// Consolidations put off because a reservation or an undelivered event
+    /// still held the refused lease; each is answered with a replacement
+    /// large enough for the quote, unless the quote is ruled out.
     pub consolidations_deferred: u64,
 }
 
@@ -992,10 +999,16 @@ impl Task {
     }
 
     async fn acquire(&mut self) -> Result<(), Stopped> {
+        self.acquire_sized(self.config.target_grant).await
+    }
+
+    /// Acquires a lease of `requested` units (the allocator may grant less)
+    /// and installs it, parking what it replaces.
+    async fn acquire_sized(&mut self, requested: CostUnits) -> Result<(), Stopped> {
         let config = &self.config;
         let call = self.allocator.acquire(
             config.account,
-            config.target_grant,
+            requested,
             config.lease_ttl,
             self.clock.now(),
         );
@@ -1112,6 +1125,23 @@ impl Task {
         .with_refill(Arc::clone(&self.doorbell) as Arc<dyn RefillSignal>)
     }
 
+    /// Whether the account might fund `needed` units, counting `held` units
+    /// on its lease: yes unless the allocator's last word on its funds rules
+    /// it out.
+    fn might_fund(&self, needed: CostUnits, held: CostUnits) -> bool {
+        let Some(evidence) = self.slot.funding_evidence(self.clock.now()) else {
+            return true;
+        };
+        let funds = BalanceShortfall {
+            remaining: evidence
+                .remaining
+                .checked_add(held)
+                .unwrap_or(CostUnits::MAX),
+            period_end: evidence.period_end,
+        };
+        !funds.rules_out(needed)
+    }
+
     /// Folds the serving lease, which refused a quote, into one grant large
     /// enough for that quote.
     async fn consolidate(&mut self) -> Result<(), Stopped> {
@@ -1120,13 +1150,26 @@ impl Task {
         };
         if !is_quiescent(&live) {
             // I27: the unspent count is not final while a reservation is in
-            // flight. Requests were denied only for the take-and-test; the
-            // next inspection tries again. A lease that is also low is
-            // replaced meanwhile, as after a refused fold: a long request
-            // must not let one unfundable quote drain the account's lease.
+            // flight, or a committed charge's event is still on its way
+            // (I26). Under steady traffic one always is, so waiting for a
+            // quiet moment could refuse the quote for good. Instead the
+            // lease goes back to serving and a replacement large enough for
+            // the quote is acquired beside it (a rotation, I28); the old
+            // lease is released once quiescent, returning its unspent units.
+            // A quote the account's last known funds rule out is not chased:
+            // then the lease is replaced only if it is also low, as after a
+            // refused fold, so one unfundable quote neither drains the
+            // account's lease nor churns grants.
             bump(&self.shared.counters.consolidations_deferred, 1);
+            let needed = live.largest_refused_quote();
+            let fundable = self.might_fund(needed, live.remaining());
             let draining = live.remaining() <= live.low_water();
             self.reinstate(live);
+            if fundable {
+                return self
+                    .acquire_sized(self.config.target_grant.max(needed))
+                    .await;
+            }
             if draining {
                 return self.acquire().await;
             }
