@@ -974,9 +974,16 @@ async fn paging_by_revision_never_skips_a_change_made_concurrently() {
     };
     let acct = account(&store, 10).await;
     let writer = sibling(&store).await;
+    // The writer issues half its keys, then waits until the reader has paged
+    // through some, so reading and issuing overlap on any machine.
+    let (reading, read_some) = tokio::sync::oneshot::channel::<()>();
     let issuing = tokio::spawn(async move {
         let mut issued = Vec::new();
-        for _ in 0..60 {
+        let mut read_some = Some(read_some);
+        for n in 0..60 {
+            if n == 30 {
+                read_some.take().unwrap().await.unwrap();
+            }
             issued.push(
                 writer
                     .issue_key(acct, PermissionBits::ALL, at(0))
@@ -989,11 +996,18 @@ async fn paging_by_revision_never_skips_a_change_made_concurrently() {
     });
     let mut seen = Vec::new();
     let mut cursor = SnapshotCursor::START;
+    let mut reading = Some(reading);
     while !issuing.is_finished() {
         let page = store.changed_since(cursor, 7, at(1)).await.unwrap();
         seen.extend(page.snapshots.iter().map(|s| s.principal));
         cursor = page.next;
+        if !seen.is_empty()
+            && let Some(reading) = reading.take()
+        {
+            reading.send(()).unwrap();
+        }
     }
+    assert!(reading.is_none(), "pages were read while keys were issued");
     let issued = issuing.await.unwrap();
     loop {
         let page = store.changed_since(cursor, 7, at(1)).await.unwrap();
