@@ -125,7 +125,8 @@ async fn a_client_that_leaves_after_its_handler_started_pays_in_full_and_one_tha
     assert_eq!(
         server.handle.counters().admitted,
         1,
-        "I4: the queued request never reached admission"
+        "the queued request never reached admission (a limit inside the \
+         layer, where it is admitted and then released, is tests/layer_deferred.rs)"
     );
     assert!(
         slow_started.try_recv().is_err(),
