@@ -684,6 +684,46 @@ async fn a_rotation_for_a_refused_quote_asks_for_the_quote() {
     drop(held);
 }
 
+/// I27, I28: a replacement for a refused quote that comes back smaller than
+/// the quote (the allocator shares a low balance between instances) is
+/// used, but the quote is not chased again: the next deferred fold waits for
+/// the lease to quiesce and folds it, instead of splitting the account's
+/// funds into ever smaller leases.
+#[tokio::test(start_paused = true)]
+async fn a_rotation_that_falls_short_of_the_quote_is_not_repeated() {
+    let allocator = Scripted::new();
+    allocator.plan_acquires([Reply::Grant(TARGET), Reply::Grant(60)]);
+    let h = Harness::started(allocator).await;
+    let first = h.reserve(10);
+    h.refused(150);
+    settle().await;
+    assert_eq!(
+        h.allocator.calls(),
+        [acquire(), Call::Acquire { requested: 150 }]
+    );
+    assert_eq!(h.serving(), Some((2, 60)), "the short grant serves");
+
+    let second = h.reserve(5);
+    h.refused(150);
+    settle().await;
+    sleep(POLL * 2).await;
+    assert_eq!(h.allocator.calls().len(), 2, "no second chase");
+    assert!(h.stats().consolidations_deferred >= 2);
+
+    drop(second);
+    h.allocator.calls_reach(3).await;
+    assert_eq!(
+        h.allocator.calls()[2],
+        Call::Consolidate {
+            lease: 2,
+            unspent: 60,
+            requested: TARGET,
+            needed: 150,
+        }
+    );
+    drop(first);
+}
+
 /// I18, I27: a domain refusal rolled the consolidation back, so the old lease is
 /// still active and ours: it goes back into the slot, the refusal's evidence
 /// is published, and the fold is tried again at the next poll.

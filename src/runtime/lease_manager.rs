@@ -49,8 +49,8 @@
 //! charge's event is still on its way (under steady traffic one always is),
 //! it goes straight back and a replacement large enough for the quote is
 //! acquired beside it instead, unless the allocator's last word rules the
-//! quote out; the old lease is released once quiescent, like any replaced
-//! one. Otherwise the account's requests are denied for the length of that
+//! quote out, or an earlier replacement for it came back short; the old
+//! lease is released once quiescent, like any replaced one. Otherwise the account's requests are denied for the length of that
 //! one call. The answer decides
 //! where the old lease goes: a grant settles it (it is dropped); a domain
 //! refusal rolled back (it returns to the slot); a lease the store no longer
@@ -117,9 +117,7 @@ use tracing::Instrument as _;
 
 use super::after;
 use crate::admission::LeaseSlot;
-use crate::model::{
-    AccountId, BalanceShortfall, CostUnits, LeaseGrant, LocalLease, RefillSignal, RefillVerdict,
-};
+use crate::model::{AccountId, CostUnits, LeaseGrant, LocalLease, RefillSignal, RefillVerdict};
 use crate::store::{AllocateError, Allocation, Clock, LeaseAllocator, Released};
 
 /// How one account's lease manager sizes, times and returns its leases.
@@ -460,6 +458,7 @@ impl LeaseManager {
             stop: stop_rx,
             parked: VecDeque::new(),
             withheld: Vec::new(),
+            rotation_fell_short: false,
         };
         let span = tracing::info_span!("lease_manager", account = %config.account);
         Ok(Self {
@@ -854,6 +853,11 @@ struct Task {
     /// Leases whose release the store refused as an accounting fault. They
     /// are never claimed again, and are reported abandoned at shutdown.
     withheld: Vec<Arc<LocalLease>>,
+    /// A replacement acquired for a refused quote came back smaller than
+    /// the quote (the allocator shares a low balance between instances).
+    /// Until a fold succeeds, a deferred fold no longer chases the quote, so
+    /// one quote cannot split the account's funds into ever smaller leases.
+    rotation_fell_short: bool,
 }
 
 /// Shutdown was requested; the deadline it set.
@@ -999,12 +1003,13 @@ impl Task {
     }
 
     async fn acquire(&mut self) -> Result<(), Stopped> {
-        self.acquire_sized(self.config.target_grant).await
+        self.acquire_sized(self.config.target_grant).await.map(drop)
     }
 
-    /// Acquires a lease of `requested` units (the allocator may grant less)
-    /// and installs it, parking what it replaces.
-    async fn acquire_sized(&mut self, requested: CostUnits) -> Result<(), Stopped> {
+    /// Acquires a lease of `requested` units and installs it, parking what
+    /// it replaces. Returns the units granted, which may be fewer than
+    /// requested, or `None` when nothing was.
+    async fn acquire_sized(&mut self, requested: CostUnits) -> Result<Option<CostUnits>, Stopped> {
         let config = &self.config;
         let call = self.allocator.acquire(
             config.account,
@@ -1022,7 +1027,11 @@ impl Task {
             .store(false, Ordering::Release);
         let counters = Arc::clone(&self.shared.counters);
         match end {
-            CallEnd::Answered(Ok(allocation)) => self.install(allocation),
+            CallEnd::Answered(Ok(allocation)) => {
+                let granted = allocation.grant.units;
+                self.install(allocation);
+                return Ok(Some(granted));
+            }
             CallEnd::Answered(Err(error)) => {
                 self.slot
                     .publish_allocator_reachable(!matches!(error, AllocateError::Storage(_)));
@@ -1045,7 +1054,7 @@ impl Task {
                 return Err(Stopped(deadline));
             }
         }
-        Ok(())
+        Ok(None)
     }
 
     /// Logs a failed acquire at the level of its consequence: routine while
@@ -1125,21 +1134,14 @@ impl Task {
         .with_refill(Arc::clone(&self.doorbell) as Arc<dyn RefillSignal>)
     }
 
-    /// Whether the account might fund `needed` units, counting `held` units
-    /// on its lease: yes unless the allocator's last word on its funds rules
-    /// it out.
-    fn might_fund(&self, needed: CostUnits, held: CostUnits) -> bool {
-        let Some(evidence) = self.slot.funding_evidence(self.clock.now()) else {
-            return true;
-        };
-        let funds = BalanceShortfall {
-            remaining: evidence
-                .remaining
-                .checked_add(held)
-                .unwrap_or(CostUnits::MAX),
-            period_end: evidence.period_end,
-        };
-        !funds.rules_out(needed)
+    /// Whether a grant of `needed` units might be had now: yes unless the
+    /// allocator's last word on the balance rules it out. Units on the busy
+    /// lease do not count: they return to the balance only once it is
+    /// released.
+    fn might_fund(&self, needed: CostUnits) -> bool {
+        self.slot
+            .funding_evidence(self.clock.now())
+            .is_none_or(|evidence| !evidence.rules_out(needed))
     }
 
     /// Folds the serving lease, which refused a quote, into one grant large
@@ -1162,13 +1164,15 @@ impl Task {
             // account's lease nor churns grants.
             bump(&self.shared.counters.consolidations_deferred, 1);
             let needed = live.largest_refused_quote();
-            let fundable = self.might_fund(needed, live.remaining());
+            let chase = !self.rotation_fell_short && self.might_fund(needed);
             let draining = live.remaining() <= live.low_water();
             self.reinstate(live);
-            if fundable {
-                return self
+            if chase {
+                let granted = self
                     .acquire_sized(self.config.target_grant.max(needed))
-                    .await;
+                    .await?;
+                self.rotation_fell_short = granted.is_some_and(|units| units < needed);
+                return Ok(());
             }
             if draining {
                 return self.acquire().await;
@@ -1204,6 +1208,7 @@ impl Task {
                 drop(live);
                 counters.settled(unspent);
                 bump(&counters.consolidated, 1);
+                self.rotation_fell_short = false;
                 tracing::debug!(
                     folded = %grant.lease_id,
                     unspent = unspent.get(),
