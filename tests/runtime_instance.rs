@@ -376,7 +376,8 @@ async fn a_commit_after_the_usage_writer_gave_up_is_refused_and_charges_nothing(
     );
     drop(late);
     let report = shutdown.await.expect("shutdown ran");
-    assert_eq!(report.lost_events(), 1, "the writer counted the place lost");
+    assert_eq!(report.lost_events(), 0, "refused, so nothing was lost");
+    assert_eq!(report.cut_off_requests(), 1);
     assert_eq!((report.released(), report.abandoned()), (1, 0));
     let view = w.store.account(w.account, w.clock.now()).unwrap();
     assert_eq!(view.balance, CostUnits(10_000), "nothing was charged");

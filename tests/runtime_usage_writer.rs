@@ -68,6 +68,8 @@ enum Answer {
     AcceptAll,
     Fail,
     Hang,
+    /// The sink panics, killing the writer's task.
+    Panic,
     Outcomes(Vec<IngestOutcome>),
     DuplicateAll,
     RejectFirst,
@@ -153,6 +155,7 @@ impl UsageSink for ScriptedSink {
             Answer::WrongCount => vec![IngestOutcome::Accepted; batch.len() + 1],
             Answer::Fail => return Err(StoreError::new("scripted outage")),
             Answer::Hang => std::future::pending().await,
+            Answer::Panic => panic!("scripted sink panic"),
         };
         if outcomes.len() == batch.len() {
             self.note_answered(batch, &outcomes);
@@ -530,19 +533,56 @@ async fn shutdown_with_a_healthy_sink_delivers_everything_including_late_permits
     assert_eq!(h.recorder.available(), h.recorder.capacity());
 }
 
-/// I21: a permit still outstanding at the deadline is reported lost with
-/// the undelivered events, though it never recorded.
+/// I21: a permit still outstanding when the writer gives up is reported as
+/// cut off, not lost: the queue is abandoned, so new permits are refused
+/// and a commit on it would be refused too (nothing it records would be
+/// written).
 #[tokio::test(start_paused = true)]
-async fn a_permit_outstanding_at_the_deadline_is_reported_lost() {
+async fn a_permit_outstanding_at_the_deadline_is_reported_cut_off() {
     let mut h = Harness::new(ScriptedSink::new([]));
     h.record(0..2);
-    let _never_recorded = h.recorder.try_permit().expect("the queue has room");
-    let report = h.writer.shutdown().await;
-    assert_eq!(h.sink.received(), vec![ids(0..2)]);
+    let outstanding = h.recorder.try_permit().expect("the queue has room");
+    let Harness {
+        sink,
+        recorder,
+        writer,
+        ..
+    } = h;
+    let report = writer.shutdown().await;
+    assert_eq!(sink.received(), vec![ids(0..2)]);
     assert_eq!(
         (report.stats.accepted, report.stats.lost, report.lost),
-        (2, 0, 1)
+        (2, 0, 0)
     );
+    assert_eq!(report.outstanding_permits, 1);
+    assert!(!report.task_died);
+    assert_eq!(recorder.try_permit().unwrap_err(), DenyReason::ShuttingDown);
+    drop(outstanding);
+    assert_eq!(
+        recorder.available(),
+        recorder.capacity(),
+        "every place is back"
+    );
+}
+
+/// I21: a writer whose task dies (here: the sink panics) abandons the queue
+/// as it goes, so admission stops at once instead of filling the queue with
+/// events nobody will write, and the report counts the lost batch.
+#[tokio::test(start_paused = true)]
+async fn a_writer_whose_sink_panics_stops_admission_and_reports_its_loss() {
+    let mut h = Harness::new(ScriptedSink::new([Answer::Panic]));
+    h.record(0..MAX_BATCH as u128);
+    sleep(DRAIN).await;
+    assert_eq!(h.writer.health(), WriterHealth::Stopped);
+    assert_eq!(
+        h.recorder.try_permit().unwrap_err(),
+        DenyReason::ShuttingDown,
+        "no place is handed out for events nobody will write"
+    );
+    let report = h.writer.shutdown().await;
+    assert!(report.task_died);
+    assert_eq!(report.lost, MAX_BATCH as u64, "the batch it was delivering");
+    assert_eq!(report.outstanding_permits, 0);
 }
 
 /// I21: whatever the interleaving of recordings, failures, hangs,

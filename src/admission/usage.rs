@@ -438,6 +438,13 @@ impl UsageQueue {
         self.stripes.iter().map(|stripe| stripe.events.len()).sum()
     }
 
+    /// Events recorded and not yet released: queued, or taken by the writer
+    /// and not yet answered for. The rest of the places in use are held by
+    /// permits.
+    pub(crate) fn undelivered(&self) -> usize {
+        self.len() + self.lock_taken().len()
+    }
+
     /// Whether the queue refuses new permits.
     pub(crate) fn is_closed(&self) -> bool {
         self.stripes

@@ -327,6 +327,16 @@ impl RuntimeShutdownReport {
     pub fn lost_events(&self) -> u64 {
         self.usage.as_ref().map_or(0, |usage| usage.lost)
     }
+
+    /// Admitted requests whose handlers had not started when the usage
+    /// writer gave up: their commits are refused, so they are charged
+    /// nothing and their handlers do not run.
+    #[must_use]
+    pub fn cut_off_requests(&self) -> u64 {
+        self.usage
+            .as_ref()
+            .map_or(0, |usage| usage.outstanding_permits)
+    }
 }
 
 impl InstanceRuntime {

@@ -112,7 +112,7 @@ pub struct UsageWriter {
     queue: Arc<UsageQueue>,
     shutdown_drain_deadline: Duration,
     /// `None` only once `shutdown` or `drop` has taken it.
-    task: Option<JoinHandle<u64>>,
+    task: Option<JoinHandle<()>>,
 }
 
 /// What the writer has done so far.
@@ -169,12 +169,16 @@ pub struct WriterReport {
     /// The final statistics.
     pub stats: WriterStats,
     /// Events given up: `stats.lost` (the in-flight batch and everything
-    /// still queued at the deadline) plus the places still held by
-    /// outstanding permits, whose events nobody will write. A permit dropped
-    /// unused after the writer ended makes this an overcount by one.
+    /// still queued at the deadline), plus any event recorded after the
+    /// writer gave up by a commit that raced it, which nobody will write.
     pub lost: u64,
+    /// Places still held at the end by permits whose requests had not
+    /// committed. Once the writer has given up, a commit is refused (the
+    /// handler does not run and nothing is charged), so these are not lost:
+    /// they count the admitted requests the shutdown cut off.
+    pub outstanding_permits: u64,
     /// The task panicked or was aborted instead of finishing; `lost` then
-    /// counts every place still held in the queue.
+    /// counts every event it had not answered for.
     pub task_died: bool,
 }
 
@@ -343,27 +347,35 @@ impl UsageWriter {
         self.report(ending)
     }
 
-    fn report(&self, ending: Result<u64, JoinError>) -> WriterReport {
+    fn report(&self, ending: Result<(), JoinError>) -> WriterReport {
+        // The task's exit guard has done this already; a task that died
+        // before it ran the guard leaves it to here.
+        self.queue.abandon();
         let stats = self.stats();
+        // The queue is abandoned by now (the task's last act, or its exit
+        // guard): whatever is recorded in it will not be written, and the
+        // permits still out will be refused at commit.
+        let undelivered = self.queue.undelivered() as u64;
+        let outstanding_permits = (self.queue.in_use() as u64).saturating_sub(undelivered);
         match ending {
-            Ok(held_by_permits) => WriterReport {
+            // The task gave up and released everything it held; events
+            // found now were recorded after it did.
+            Ok(()) => WriterReport {
                 stats,
-                lost: stats.lost + held_by_permits,
+                lost: stats.lost + undelivered,
+                outstanding_permits,
                 task_died: false,
             },
             Err(error) => {
-                // Nobody will deliver what the dead task held, what is
-                // queued, or what outstanding permits record.
-                self.queue.abandon();
-                let lost = self.queue.in_use() as u64;
                 tracing::error!(
                     %error,
-                    lost,
+                    lost = undelivered,
                     "usage writer: the task died before draining; its undelivered events are lost"
                 );
                 WriterReport {
                     stats,
-                    lost,
+                    lost: undelivered,
+                    outstanding_permits,
                     task_died: true,
                 }
             }
@@ -471,8 +483,10 @@ struct DeadlinePassed;
 
 impl Task {
     /// Delivers batches until stopped, then gives up whatever is left.
-    /// Returns the places still held by outstanding permits at the end.
-    async fn run(mut self) -> u64 {
+    async fn run(mut self) {
+        // However the task ends (given up, panicked in the sink, aborted),
+        // nothing will write what is recorded from then on (I21).
+        let _abandon = AbandonOnExit(Arc::clone(&self.queue));
         while let Wait::Work = self.wait_for_work().await {
             self.queue.take_into(&mut self.batch, self.config.max_batch);
             self.shared
@@ -487,7 +501,7 @@ impl Task {
                 break;
             }
         }
-        self.give_up()
+        self.give_up();
     }
 
     /// Waits until a batch should be taken, or until the writer should end.
@@ -653,7 +667,7 @@ impl Task {
     /// I21: at the end, whatever the writer still holds or finds queued is
     /// counted lost and logged, never dropped silently. Returns the places
     /// still held by outstanding permits.
-    fn give_up(&mut self) -> u64 {
+    fn give_up(&mut self) {
         // First, so that a permit counted below as held either commits
         // before this (and is counted lost) or is refused at commit.
         self.queue.abandon();
@@ -668,12 +682,17 @@ impl Task {
         let counters = &self.shared.counters;
         bump(&counters.lost, abandoned);
         counters.in_flight.store(0, Ordering::Relaxed);
-        let held_by_permits = self.queue.in_use() as u64;
-        if abandoned > 0 || held_by_permits > 0 {
+        if abandoned > 0 {
             tracing::error!(
                 lost = abandoned,
-                held_by_permits,
                 "usage writer: shutdown deadline passed; undelivered usage events are lost"
+            );
+        }
+        let outstanding_permits = self.queue.in_use();
+        if outstanding_permits > 0 {
+            tracing::warn!(
+                outstanding_permits,
+                "usage writer: admitted requests that have not started will be refused at commit"
             );
         }
         let overflowed = self.queue.overflowed();
@@ -684,7 +703,15 @@ impl Task {
             );
         }
         *self.shared.health() = WriterHealth::Stopped;
-        held_by_permits
+    }
+}
+
+/// Abandons the queue when the task ends, however it ends.
+struct AbandonOnExit(Arc<UsageQueue>);
+
+impl Drop for AbandonOnExit {
+    fn drop(&mut self) {
+        self.0.abandon();
     }
 }
 
