@@ -1311,9 +1311,15 @@ impl Outstanding {
 async fn churn<S: TestStore>(store: &S, acct: AccountId, task: u128, ledger: &Outstanding) -> u64 {
     let mut held = 0_u64;
     for round in 0..200_u128 {
-        let Ok(allocation) = store.acquire(acct, CostUnits(40), TTL, at(0)).await else {
-            tokio::task::yield_now().await;
-            continue;
+        // A refusal (the balance is short) is an answer; a storage error,
+        // such as a serialization failure, is not.
+        let allocation = match store.acquire(acct, CostUnits(40), TTL, at(0)).await {
+            Ok(allocation) => allocation,
+            Err(AllocateError::Storage(error)) => panic!("acquire: {error}"),
+            Err(_) => {
+                tokio::task::yield_now().await;
+                continue;
+            }
         };
         let g = allocation.grant;
         ledger.granted(g.units.get());
