@@ -340,8 +340,9 @@ impl UsagePermit {
     /// never be delivered. A commit checks it first and is refused rather
     /// than let a handler run unbilled (I21).
     ///
-    /// A writer that gives up just after the check still counts this
-    /// permit's place as lost, so the charge is never lost silently.
+    /// A commit that passes the check just before the writer gives up
+    /// records into the abandoned queue; the writer's report finds the
+    /// event there and counts it lost, so the charge is never lost silently.
     #[inline]
     pub(crate) fn writer_gone(&self) -> bool {
         self.stripe

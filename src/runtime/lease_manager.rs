@@ -50,9 +50,9 @@
 //! it goes straight back and a replacement large enough for the quote is
 //! acquired beside it instead, unless the allocator's last word rules the
 //! quote out, or an earlier replacement for it came back short; the old
-//! lease is released once quiescent, like any replaced one. Otherwise the account's requests are denied for the length of that
-//! one call. The answer decides
-//! where the old lease goes: a grant settles it (it is dropped); a domain
+//! lease is released once quiescent, like any replaced one. Otherwise the
+//! account's requests are denied for the length of that one call. The answer
+//! decides where the old lease goes: a grant settles it (it is dropped); a domain
 //! refusal rolled back (it returns to the slot); a lease the store no longer
 //! holds for us is dropped; an answer that never came may or may not have
 //! committed, so the lease is parked and the release pass finds out which.
@@ -1158,10 +1158,12 @@ impl Task {
             // lease goes back to serving and a replacement large enough for
             // the quote is acquired beside it (a rotation, I28); the old
             // lease is released once quiescent, returning its unspent units.
-            // A quote the account's last known funds rule out is not chased:
-            // then the lease is replaced only if it is also low, as after a
-            // refused fold, so one unfundable quote neither drains the
-            // account's lease nor churns grants.
+            // A quote the account's last known funds rule out is not chased,
+            // nor one an earlier replacement came back short of (tail
+            // sharing): then the lease is replaced only if it is also low,
+            // as after a refused fold, so one unfundable quote neither
+            // drains the account's lease, nor churns grants, nor splits the
+            // balance into ever smaller leases.
             bump(&self.shared.counters.consolidations_deferred, 1);
             let needed = live.largest_refused_quote();
             let chase = !self.rotation_fell_short && self.might_fund(needed);
