@@ -3,8 +3,9 @@
 //! tollgate admits each request by reserving its price against a locally
 //! *leased* slice of the caller's account balance, commits the charge when the
 //! handler starts, and releases it for zero when the request ends before
-//! execution. The request path uses atomics only: no I/O, no lock and no heap
-//! allocation.
+//! execution. Admission and the commit use atomics only: no I/O, no lock and
+//! no heap allocation (the layer's deferred commit point adds one allocation
+//! and an uncontended lock per request).
 //!
 //! The crate is layered; each module depends only on the ones listed before
 //! it:

@@ -27,9 +27,10 @@
 //!
 //! # The default commit point
 //!
-//! The charge is committed at that hand-over, just before the inner service
-//! is called. That is exact when nothing queues between the layer and the
-//! handler other than in the inner service's readiness: a limit that waits
+//! The charge is committed at that hand-over, when the inner service's
+//! future is first polled (after `call` has built it, before it runs). That
+//! is exact when nothing queues between the layer and the handler other than
+//! in the inner service's readiness: a limit that waits
 //! in `poll_ready`, like tower's concurrency limit, may sit inside the
 //! layer, but buffers, timeouts and anything else that waits inside the
 //! inner future need the deferred commit point below, or must sit *outside*

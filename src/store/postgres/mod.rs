@@ -25,7 +25,7 @@
 //! Each allocator call is one short transaction that row-locks what it
 //! changes. Every call takes its locks in one order — lease rows (by id)
 //! before account rows (by id) — so calls never deadlock each other. Reclaim
-//! skips leases another reclaimer holds (`FOR UPDATE SKIP LOCKED`), so any
+//! skips leases another reclaimer holds (`FOR NO KEY UPDATE SKIP LOCKED`), so any
 //! number of processes can reclaim at once (I19). A usage batch is recorded
 //! by one statement. Every balance movement is journalled in the transaction
 //! that makes it, and [`PostgresStore::audit`] checks the ledger equation
