@@ -275,19 +275,52 @@ async fn an_admitted_request_reaches_the_handler_and_is_charged_its_price_exactl
     assert!(w.store.audit().unwrap().is_empty());
 }
 
+/// I4: a response future dropped before its first poll never started its
+/// handler, so it pays nothing, whichever commit point the layer uses: the
+/// default one, or a commit marker (here behind a concurrency limit with
+/// room, which calls the marker from inside the layer's own `call`).
 #[tokio::test(start_paused = true)]
 async fn a_future_dropped_before_its_first_poll_charges_nothing() {
-    let mut w = world(INITIAL).await;
-    let before = w.remaining();
-    let handler_ran = Arc::new(AtomicBool::new(false));
-    let ran = Arc::clone(&handler_ran);
-    let mut service = w.layer().layer(service_fn(move |request: Request<String>| {
-        let ran = Arc::clone(&ran);
-        async move {
-            ran.store(true, Ordering::SeqCst);
-            echo_admission(request).await
+    for deferred in [false, true] {
+        let w = world(INITIAL).await;
+        let handler_ran = Arc::new(AtomicBool::new(false));
+        let ran = Arc::clone(&handler_ran);
+        let handler = service_fn(move |request: Request<String>| {
+            let ran = Arc::clone(&ran);
+            async move {
+                ran.store(true, Ordering::SeqCst);
+                echo_admission(request).await
+            }
+        });
+        if deferred {
+            let layer = TollgateLayer::builder(w.handle.clone())
+                .price(|_: &http::request::Parts| Price {
+                    units: CostUnits(PRICE),
+                    required: READ,
+                })
+                .policy_revision(REVISION)
+                .commit_in_handler()
+                .build()
+                .unwrap();
+            let service = tower::ServiceBuilder::new()
+                .layer(layer)
+                .layer(tower::limit::ConcurrencyLimitLayer::new(1))
+                .layer(tollgate::layer::CommitMarkerLayer::new())
+                .service(handler);
+            dropped_before_its_first_poll(w, service, &handler_ran).await;
+        } else {
+            let service = w.layer().layer(handler);
+            dropped_before_its_first_poll(w, service, &handler_ran).await;
         }
-    }));
+    }
+}
+
+async fn dropped_before_its_first_poll<S>(mut w: World, mut service: S, handler_ran: &AtomicBool)
+where
+    S: Service<Request<String>>,
+    S::Error: std::fmt::Debug,
+{
+    let before = w.remaining();
     let future = service.ready().await.unwrap().call(w.bearer("/read"));
     assert_eq!(
         w.remaining(),

@@ -115,9 +115,16 @@ impl<S> Layer<S> for CommitMarkerLayer {
     }
 }
 
-/// The service [`CommitMarkerLayer`] builds: in `call` it commits the
-/// request's pending charge, and on a refused commit answers with the
-/// layer's denial without calling the inner service (I2, I9).
+/// The service [`CommitMarkerLayer`] builds: it commits the request's
+/// pending charge when its future is first polled, after the inner service
+/// has built its future and before that future runs, and on a refused
+/// commit answers with the layer's denial without ever polling the inner
+/// future (I2, I9).
+///
+/// Not in `call`: a future dropped between `call` and its first poll (a
+/// caller that gave up, or a buffer whose worker calls the marker for a
+/// request whose client then left) never started its handler, so it must
+/// pay nothing (I4).
 #[derive(Clone, Debug)]
 pub struct CommitMarker<S> {
     inner: S,
@@ -143,19 +150,12 @@ where
     }
 
     fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
-        // I3: the handler starts now, so the full price is charged now.
-        let refused = request
+        let charge = request
             .extensions()
             .get::<PendingCharge>()
-            .and_then(|PendingCharge(cell)| cell.commit());
-        if let Some(denial) = refused {
-            return CommitMarkerFuture {
-                state: MarkerState::Denied {
-                    response: Some(denial),
-                },
-            };
-        }
+            .map(|PendingCharge(cell)| Arc::clone(cell));
         CommitMarkerFuture {
+            charge,
             state: MarkerState::Inner {
                 future: self.inner.call(request),
             },
@@ -167,6 +167,8 @@ pin_project! {
     /// The future a [`CommitMarker`] returns: the inner service's, or a
     /// refused commit's denial.
     pub struct CommitMarkerFuture<F> {
+        // The request's pending charge, until the first poll commits it.
+        charge: Option<Arc<ChargeCell>>,
         #[pin]
         state: MarkerState<F>,
     }
@@ -187,7 +189,15 @@ where
     type Output = Result<Response<TollgateBody<B>>, E>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        match self.project().state.project() {
+        let mut this = self.project();
+        // I3: the handler starts now, so the full price is charged now.
+        if let Some(denial) = this.charge.take().and_then(|cell| cell.commit()) {
+            // I2, I9: refused, so the handler's future is dropped unpolled.
+            this.state.set(MarkerState::Denied {
+                response: Some(denial),
+            });
+        }
+        match this.state.project() {
             MarkerProj::Inner { future } => future
                 .poll(cx)
                 .map(|result| result.map(|response| response.map(TollgateBody::inner))),
