@@ -406,6 +406,13 @@ impl Reservation {
         // units the counter does not hold (I3, I10).
         let tentative = match overage.debit_before_claim(self.units, cap) {
             Ok(tentative) => tentative,
+            // The request was admitted on a funded lease that lapsed while
+            // it waited; a retry is admitted on the replacement lease, so
+            // the truthful answer is the transient one, not "the cap is
+            // spent, never retry" (I12).
+            Err(DenyReason::OverageCapExhausted { .. }) => {
+                return self.release_denied(DenyReason::FundingExpiredAtStart);
+            }
             Err(refusal) => return self.release_denied(refusal),
         };
         match tentative.publish_commit(|| self.transition(PENDING_LEASE, COMMITTED_OVERAGE)) {
@@ -940,7 +947,7 @@ mod tests {
     }
 
     #[test]
-    fn a_fallback_with_no_committed_headroom_releases_and_reports_exhaustion() {
+    fn a_fallback_with_no_committed_headroom_releases_and_says_to_retry() {
         let l = lease();
         let o = overage();
         let full = Reservation::reserve_overage(&o, CAP, CAP).unwrap();
@@ -948,12 +955,11 @@ mod tests {
             .unwrap();
         let r = Reservation::reserve(&l, CostUnits(30), at(999)).unwrap();
         let refused = r.commit_at_execution_start(at(1_000), fallback(&o));
+        // Admitted on a funded lease that lapsed while it waited: a retry is
+        // admitted on the replacement, so the answer is transient (I12).
         assert_eq!(
             refused,
-            Err(CommitError::Denied(DenyReason::OverageCapExhausted {
-                spent: CAP,
-                overage_cap: CAP
-            }))
+            Err(CommitError::Denied(DenyReason::FundingExpiredAtStart))
         );
         assert_eq!(l.remaining(), CostUnits(100));
         assert_eq!(o.spent(), CAP, "the refused debit took nothing");
