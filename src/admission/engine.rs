@@ -1087,6 +1087,42 @@ mod tests {
         assert_eq!(f.recorder.available(), 3);
     }
 
+    /// A source that rotates a principal's key (or withdraws it) takes the
+    /// old key with it: the old hash must not keep reaching the principal
+    /// and its new key's policy.
+    #[test]
+    fn a_rotated_key_no_longer_admits() {
+        let f = fixture(4);
+        let (old, new) = (KeyHash::of(b"tg_old_key"), KeyHash::of(b"tg_new_key"));
+        let mut keyed = snapshot(EnforcementMode::Strict, READ);
+        keyed.key_hash = Some(old);
+        f.map.publish([keyed]);
+        f.map.mark_verified(at(0));
+        let _lease = f.lease(10);
+        drop(
+            f.engine
+                .begin_by_key(&old, READ, CostUnits(1), at(0))
+                .unwrap(),
+        );
+        keyed.key_hash = Some(new);
+        f.map.publish([keyed]);
+        denied(
+            f.engine.begin_by_key(&old, READ, CostUnits(1), at(0)),
+            DenyReason::UnknownPrincipal,
+        );
+        drop(
+            f.engine
+                .begin_by_key(&new, READ, CostUnits(1), at(0))
+                .unwrap(),
+        );
+        keyed.key_hash = None;
+        f.map.publish([keyed]);
+        denied(
+            f.engine.begin_by_key(&new, READ, CostUnits(1), at(0)),
+            DenyReason::UnknownPrincipal,
+        );
+    }
+
     #[test]
     fn a_request_is_admitted_by_the_hash_of_its_key() {
         let f = fixture(4);

@@ -442,7 +442,20 @@ impl ArcSwapSnapshotMap {
             for entry in &fresh {
                 let principal = entry.snapshot.principal;
                 next.unknown.remove(&principal);
-                if let Some(hash) = entry.snapshot.key_hash {
+                let hash = entry.snapshot.key_hash;
+                // A principal whose key changed (rotated, or withdrawn) must
+                // not stay reachable through the old one, which would read
+                // the new key's policy.
+                if let Some(old) = next
+                    .entries
+                    .get(&principal)
+                    .and_then(|e| e.snapshot.key_hash)
+                    && Some(old) != hash
+                    && next.by_key.get(&old) == Some(&principal)
+                {
+                    next.by_key.remove(&old);
+                }
+                if let Some(hash) = hash {
                     next.by_key.insert(hash, principal);
                 }
                 next.entries.insert(principal, entry.clone());
