@@ -343,6 +343,85 @@ where
     assert_eq!(view.balance, CostUnits(INITIAL));
 }
 
+/// I4, I9: in deferred mode, a request that reaches its commit marker only
+/// after it ended (its response future dropped, so its charge was released;
+/// here the request is carried on by hand, as a buffer's worker or spawned
+/// work might) is refused there: its handler does not run unpaid.
+#[tokio::test(start_paused = true)]
+async fn a_commit_marker_reached_after_release_refuses_and_the_handler_does_not_run() {
+    let mut w = world(INITIAL).await;
+    let before = w.remaining();
+    let stash: Arc<Mutex<Option<Request<String>>>> = Arc::default();
+    let stashed = Arc::clone(&stash);
+    let mut outer = TollgateLayer::builder(w.handle.clone())
+        .price(|_: &http::request::Parts| Price {
+            units: CostUnits(PRICE),
+            required: READ,
+        })
+        .commit_in_handler()
+        .build()
+        .unwrap()
+        .layer(service_fn(move |request: Request<String>| {
+            *stashed.lock().unwrap() = Some(request);
+            std::future::pending::<Result<Response<String>, Infallible>>()
+        }));
+    let future = outer.ready().await.unwrap().call(w.bearer("/read"));
+    let mut future = Box::pin(future);
+    assert!(
+        futures_poll_once(future.as_mut()).await.is_none(),
+        "it waits"
+    );
+    drop(future);
+    assert_eq!(w.remaining(), before, "I4: released when the request ended");
+
+    let handler_ran = Arc::new(AtomicBool::new(false));
+    let ran = Arc::clone(&handler_ran);
+    let request = stash
+        .lock()
+        .unwrap()
+        .take()
+        .expect("the request was carried on");
+    let late = tollgate::layer::CommitMarkerLayer::new()
+        .layer(service_fn(move |request: Request<String>| {
+            let ran = Arc::clone(&ran);
+            async move {
+                ran.store(true, Ordering::SeqCst);
+                echo_admission(request).await
+            }
+        }))
+        .oneshot(request)
+        .await
+        .unwrap();
+    let late = answer(late).await;
+    check_denial(
+        &late,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "funding_expired_at_start",
+    );
+    assert!(!handler_ran.load(Ordering::SeqCst), "I9: no unpaid handler");
+    assert_eq!(w.remaining(), before);
+    assert_eq!(
+        w.shutdown_and_usage().await,
+        Vec::<u64>::new(),
+        "I8: no event"
+    );
+}
+
+/// Polls `future` once; `Some` if it completed.
+async fn futures_poll_once<F: std::future::Future + ?Sized>(
+    future: std::pin::Pin<&mut F>,
+) -> Option<F::Output> {
+    let mut future = Some(future);
+    std::future::poll_fn(move |cx| {
+        let polled = future.take().expect("polled once").poll(cx);
+        std::task::Poll::Ready(match polled {
+            std::task::Poll::Ready(output) => Some(output),
+            std::task::Poll::Pending => None,
+        })
+    })
+    .await
+}
+
 /// I4, I23: with `tower::ServiceBuilder` and a concurrency limit inside the
 /// layer, admission still happens at the outer edge. A request without a
 /// usable key is refused at once, not after the limit frees up; a funded

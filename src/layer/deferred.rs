@@ -15,53 +15,78 @@ use tower_service::Service;
 use super::body::{DenyBody, TollgateBody};
 use super::config::Shared;
 use super::future::{commit, render};
-use crate::RequestId;
 use crate::admission::RequestContext;
+use crate::{DenyReason, RequestId};
 
 /// The admitted request's uncommitted charge, shared between the outer
 /// [`Tollgate`](super::Tollgate) future and whichever commit point the
 /// request reaches first.
 pub(super) struct ChargeCell {
-    context: Mutex<Option<RequestContext>>,
+    charge: Mutex<Charge>,
     shared: Arc<Shared>,
     request_id: RequestId,
+}
+
+/// Where a deferred charge stands.
+enum Charge {
+    Pending(RequestContext),
+    /// Committed at a commit point, or being committed there right now.
+    Committed,
+    /// Released for zero: the request ended before a commit point, or one
+    /// refused the commit.
+    Released,
 }
 
 impl ChargeCell {
     pub(super) fn new(context: RequestContext, shared: Arc<Shared>) -> Self {
         let request_id = context.request_id();
         Self {
-            context: Mutex::new(Some(context)),
+            charge: Mutex::new(Charge::Pending(context)),
             shared,
             request_id,
         }
     }
 
-    fn take(&self) -> Option<RequestContext> {
-        self.context
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take()
+    fn lock(&self) -> std::sync::MutexGuard<'_, Charge> {
+        self.charge.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Commits the charge at the runtime's current time, if it is still
-    /// pending. Returns the rendered denial if the commit was refused;
-    /// `None` when it committed now, or was resolved before.
+    /// pending. Returns the rendered denial if the commit was refused, or if
+    /// the charge was already released: a handler must never run unpaid
+    /// (I9). `None` when it committed now, or had committed before.
     pub(super) fn commit(&self) -> Option<Response<DenyBody>> {
-        let context = self.take()?;
-        commit(context, &self.shared, self.request_id)
-            .map(|reason| render(&self.shared, reason, Some(self.request_id)))
+        let pending = std::mem::replace(&mut *self.lock(), Charge::Committed);
+        let reason = match pending {
+            Charge::Pending(context) => commit(context, &self.shared, self.request_id)?,
+            Charge::Committed => return None,
+            Charge::Released => {
+                // The request ended (its response future completed or was
+                // dropped) before this commit point was reached: a buffer
+                // that called it late, or work that carried the request on.
+                *self.lock() = Charge::Released;
+                let reason = DenyReason::FundingExpiredAtStart;
+                self.shared.handle.engine().counters().denied(reason);
+                reason
+            }
+        };
+        *self.lock() = Charge::Released;
+        Some(render(&self.shared, reason, Some(self.request_id)))
     }
 
     /// Drops the charge if no commit point took it: released for zero (I4).
     pub(super) fn release(&self) {
-        if let Some(context) = self.take() {
-            tracing::debug!(
-                request_id = %self.request_id,
-                "tollgate: the request ended before its commit point; released for zero",
-            );
-            drop(context);
+        let mut charge = self.lock();
+        if !matches!(*charge, Charge::Pending(_)) {
+            return;
         }
+        let pending = std::mem::replace(&mut *charge, Charge::Released);
+        drop(charge);
+        tracing::debug!(
+            request_id = %self.request_id,
+            "tollgate: the request ended before its commit point; released for zero",
+        );
+        drop(pending);
     }
 }
 
