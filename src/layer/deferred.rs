@@ -174,11 +174,13 @@ where
         self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
+    fn call(&mut self, mut request: Request<ReqBody>) -> Self::Future {
+        // Moved, not cloned: this marker is where the charge commits, and a
+        // commit point further in finds it committed either way.
         let charge = request
-            .extensions()
-            .get::<PendingCharge>()
-            .map(|PendingCharge(cell)| Arc::clone(cell));
+            .extensions_mut()
+            .remove::<PendingCharge>()
+            .map(|PendingCharge(cell)| cell);
         CommitMarkerFuture {
             charge,
             state: MarkerState::Inner {
