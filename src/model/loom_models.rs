@@ -625,3 +625,37 @@ fn a_place_taken_as_the_queue_closes_is_seen_by_the_writer_or_refused() {
         assert_eq!(queue.in_use(), 0);
     });
 }
+
+/// I21 across stripes: a thread whose own stripe is full borrows a place
+/// from the next one while the queue closes stripe by stripe. The close may
+/// reach the borrowed stripe before or after the take, and the take may find
+/// its home stripe full or already closed; in every order the writer, reading
+/// the places after closing them all, counts the borrowed place, or the take
+/// is refused as shutting down.
+#[test]
+fn a_place_borrowed_from_another_stripe_as_the_queue_closes_is_seen_or_refused() {
+    loom::model(|| {
+        // One place per stripe; the home stripe's is held before the race.
+        let recorder = UsageRecorder::striped(2, 1, LocalSharding::shards(2).expect("two"));
+        let home = Locality::new(0);
+        let held = recorder
+            .try_permit_at(home)
+            .expect("the home stripe's place");
+        let queue = Arc::clone(recorder.queue());
+        let taker = thread::spawn(move || recorder.try_permit_at(home));
+        queue.close();
+        let held_when_seen = queue.in_use();
+        match join(taker) {
+            Ok(borrowed) => {
+                assert_eq!(held_when_seen, 2, "I21: the writer saw the borrowed place");
+                drop(borrowed);
+            }
+            Err(reason) => {
+                assert_eq!(reason, DenyReason::ShuttingDown, "I21: refused, not full");
+                assert_eq!(held_when_seen, 1, "a refused take holds nothing");
+            }
+        }
+        drop(held);
+        assert_eq!(queue.in_use(), 0, "I20: every place came back");
+    });
+}
