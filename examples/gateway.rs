@@ -383,6 +383,14 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         Backend::Postgres(_) => Vec::new(),
     };
 
+    // Both ports are taken before the runtime starts: a port in use then
+    // fails the start with nothing acquired, rather than leave the leases
+    // the runtime took at startup to be reclaimed by TTL.
+    let listener = bind("--listen", args.listen).await?;
+    let bound = listener.local_addr()?;
+    let ops_listener = bind("--ops-listen", args.ops_listen).await?;
+    let ops_bound = ops_listener.local_addr()?;
+
     let prometheus = PrometheusBuilder::new().install_recorder()?;
     let (runtime, handle) = backend.spawn(&clock)?;
     // Admission at the outer edge, the commit where each handler starts: a
@@ -418,10 +426,6 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .route("/admin/accounts", get(accounts).with_state(demo))
         .merge(ops_router(handle.clone(), move || prometheus.render()));
 
-    let listener = tokio::net::TcpListener::bind(args.listen).await?;
-    let bound = listener.local_addr()?;
-    let ops_listener = tokio::net::TcpListener::bind(args.ops_listen).await?;
-    let ops_bound = ops_listener.local_addr()?;
     println!("tollgate demo gateway on http://{bound}\n");
     for DemoKey {
         label,
@@ -454,7 +458,14 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         stop.cancel();
         Ok(())
     };
-    tokio::try_join!(api.into_future(), ops.into_future(), signal)?;
+    // A listener that fails still ends in an orderly shutdown: the usage
+    // recorded so far is written and the leases go back before the error is
+    // reported.
+    let served = tokio::try_join!(api.into_future(), ops.into_future(), signal);
+    if let Err(error) = &served {
+        eprintln!("serving stopped: {error}");
+        stop.cancel();
+    }
 
     let report = runtime.shutdown().await;
     println!(
@@ -465,7 +476,15 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         report.abandoned()
     );
     print!("{}", backend.report(clock.now()).await);
+    served?;
     Ok(())
+}
+
+/// Binds the listener of `flag`, naming it in the error.
+async fn bind(flag: &str, addr: SocketAddr) -> Result<tokio::net::TcpListener, String> {
+    tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|error| format!("{flag} {addr}: {error}"))
 }
 
 /// Resolves on Ctrl-C, or on SIGTERM where there is one: what a terminal,
