@@ -118,6 +118,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         clock.now(),
     )?;
     let key = store.issue_key(account, PermissionBits::ALL, clock.now())?;
+    // The port is taken before the runtime starts, so a port in use stops
+    // the program before anything is acquired.
+    let listener = tokio::net::TcpListener::bind(args.listen).await?;
+    let bound = listener.local_addr()?;
     let (runtime, handle) = InstanceRuntime::spawn(
         Arc::clone(&store) as _,
         Arc::clone(&store) as _,
@@ -133,8 +137,6 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .build()?;
     let service = layer.layer(service_fn(hello));
 
-    let listener = tokio::net::TcpListener::bind(args.listen).await?;
-    let bound = listener.local_addr()?;
     println!("metered hyper service on http://{bound}");
     println!(
         "  curl -i -H 'Authorization: Bearer {}' http://{bound}/",
