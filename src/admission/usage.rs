@@ -11,7 +11,7 @@
 
 use std::collections::VecDeque;
 use std::fmt;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::task::Waker;
 
@@ -62,6 +62,11 @@ pub(crate) struct UsageQueue {
     /// order taken: the stripe it came from and the charge it holds. Only
     /// the writer touches it, never the request path.
     taken: Mutex<VecDeque<(usize, Option<LeaseHold>)>>,
+    /// The stripe the next [`take_into`](Self::take_into) starts at: each
+    /// take starts one stripe further, so a stripe that refills as fast as
+    /// it is emptied cannot keep the others waiting. Only the writer
+    /// touches it.
+    take_from: AtomicUsize,
 }
 
 /// One recorded event, and the hold of the committed charge that produced
@@ -108,6 +113,9 @@ const PLACES: usize = ABANDONED - 1;
 struct Hub {
     capacity: usize,
     waker: AtomicWaker,
+    /// Whether a [`UsageWriter`](crate::runtime::UsageWriter) drains the
+    /// queue, so that nothing else may take from it.
+    writer_owned: AtomicBool,
     /// Events whose push failed; impossible while I20 holds, counted so a
     /// broken invariant is loud rather than silent.
     overflowed: AtomicU64,
@@ -153,6 +161,7 @@ impl UsageRecorder {
         let hub = Arc::new(Hub {
             capacity,
             waker: AtomicWaker::new(),
+            writer_owned: AtomicBool::new(false),
             overflowed: AtomicU64::new(0),
         });
         // Each stripe wakes the writer at a whole batch (or when full, if it
@@ -177,6 +186,7 @@ impl UsageRecorder {
                 stripes,
                 hub,
                 taken: Mutex::new(VecDeque::new()),
+                take_from: AtomicUsize::new(0),
             }),
         }
     }
@@ -225,7 +235,7 @@ impl UsageRecorder {
                 Err(_) => {}
             }
         }
-        Err(DenyReason::AccountingBackpressure)
+        queue.full()
     }
 
     /// Places not reserved and not holding an undelivered event.
@@ -258,8 +268,22 @@ impl UsageRecorder {
     /// [`UsageWriter`](crate::runtime::UsageWriter) does this itself; use it
     /// only on a recorder made with [`with_capacity`](Self::with_capacity)
     /// that no writer drains, such as in tests or an embedding that delivers
-    /// usage its own way.
+    /// usage its own way. The charges' holds are dropped as their events
+    /// are taken, so a lease they name may be released before such an
+    /// embedding has delivered them (I26): deliver before the lease
+    /// manager's next release pass, or expect the sink to reject them.
+    ///
+    /// # Panics
+    ///
+    /// On the recorder [`UsageWriter::spawn`](crate::runtime::UsageWriter::spawn)
+    /// returns: taking from under the writer would free the places of its
+    /// batch in flight and leave it freeing the places of these events.
     pub fn take_recorded(&self, out: &mut Vec<UsageEvent>, max: usize) -> usize {
+        assert!(
+            !self.queue.hub.writer_owned.load(Ordering::Relaxed),
+            "take_recorded on a recorder a UsageWriter drains: the writer's own \
+             bookkeeping would free the wrong places"
+        );
         let taken = self.queue.take_into(out, max);
         self.queue.release(taken);
         taken
@@ -329,7 +353,11 @@ impl UsagePermit {
             stripe.hub.overflowed.fetch_add(1, Ordering::Relaxed);
             debug_assert!(false, "I20: a permit's place was taken");
         }
-        if stripe.events.len() >= stripe.wake_at {
+        // Once the queue is closed the writer is draining for a deadline,
+        // and waits for every event, not for a batch's worth.
+        if stripe.events.len() >= stripe.wake_at
+            || stripe.available.load(Ordering::Acquire) & CLOSED != 0
+        {
             stripe.hub.waker.wake();
         }
     }
@@ -363,7 +391,11 @@ impl UsagePermit {
 impl Drop for UsagePermit {
     fn drop(&mut self) {
         if let Some(stripe) = &self.stripe {
-            stripe.available.fetch_add(1, Ordering::AcqRel);
+            let before = stripe.available.fetch_add(1, Ordering::AcqRel);
+            // A draining writer may be waiting for this place only.
+            if before & CLOSED != 0 {
+                stripe.hub.waker.wake();
+            }
         }
     }
 }
@@ -381,7 +413,11 @@ impl UsageQueue {
     pub(crate) fn take_into(&self, batch: &mut Vec<UsageEvent>, max: usize) -> usize {
         let mut taken = self.lock_taken();
         let mut total = 0;
-        for (index, stripe) in self.stripes.iter().enumerate() {
+        let count = self.stripes.len();
+        let start = self.take_from.load(Ordering::Relaxed) % count;
+        self.take_from.store((start + 1) % count, Ordering::Relaxed);
+        for index in (start..count).chain(0..start) {
+            let stripe = &self.stripes[index];
             while total < max {
                 let Some(Recorded { event, hold }) = stripe.events.pop() else {
                     break;
@@ -427,11 +463,29 @@ impl UsageQueue {
         self.hub.waker.register(waker);
     }
 
-    /// Whether some stripe holds a batch's worth, or is full.
+    /// Whether some stripe holds a batch's worth, or is full; once the queue
+    /// is closed, whether any event waits.
     pub(crate) fn batch_ready(&self) -> bool {
-        self.stripes
-            .iter()
-            .any(|stripe| stripe.events.len() >= stripe.wake_at)
+        self.stripes.iter().any(|stripe| {
+            let waiting = stripe.events.len();
+            waiting >= stripe.wake_at
+                || (waiting > 0 && stripe.available.load(Ordering::Acquire) & CLOSED != 0)
+        })
+    }
+
+    /// Denies a permit because every place is taken, and wakes the writer:
+    /// a stripe full of events and permits may hold less than a batch's
+    /// worth of events, which alone would not wake it.
+    #[cold]
+    fn full(&self) -> Result<UsagePermit, DenyReason> {
+        self.hub.waker.wake();
+        Err(DenyReason::AccountingBackpressure)
+    }
+
+    /// Marks the queue as drained by a writer: from now on
+    /// [`UsageRecorder::take_recorded`] refuses to take from it.
+    pub(crate) fn own_by_writer(&self) {
+        self.hub.writer_owned.store(true, Ordering::Relaxed);
     }
 
     /// Events waiting to be taken.
@@ -565,25 +619,94 @@ mod tests {
         assert_eq!(recorder.available(), 64);
     }
 
+    fn two_stripes(capacity: usize) -> UsageRecorder {
+        UsageRecorder::striped(capacity, capacity, LocalSharding::shards(2).unwrap())
+    }
+
+    /// Free places per stripe.
+    fn free_by_stripe(recorder: &UsageRecorder) -> Vec<usize> {
+        recorder
+            .queue()
+            .stripes
+            .iter()
+            .map(|stripe| stripe.available.load(Ordering::Acquire) & PLACES)
+            .collect()
+    }
+
     #[test]
     fn a_thread_whose_stripe_is_full_borrows_a_place_from_another() {
-        let recorder = UsageRecorder::with_capacity(4, 4);
-        let stripes = recorder.queue().stripes.len();
-        // One thread can take every place in the queue, whatever the stripes.
-        let held: Vec<_> = (0..4).map(|_| recorder.try_permit().unwrap()).collect();
-        assert_eq!(recorder.available(), 0);
+        let recorder = two_stripes(4);
+        let home = Locality::new(0);
+        let held: Vec<_> = (0..2)
+            .map(|_| recorder.try_permit_at(home).unwrap())
+            .collect();
+        assert_eq!(free_by_stripe(&recorder), vec![0, 2], "home first");
+        // I20: the queue's capacity is shared: a full home stripe borrows.
+        let borrowed = recorder.try_permit_at(home).unwrap();
+        assert_eq!(free_by_stripe(&recorder), vec![0, 1]);
+        borrowed.record(event(1));
+        assert_eq!(
+            recorder.queue().stripes[1].events.len(),
+            1,
+            "recorded in the stripe its place is in"
+        );
+        let last = recorder.try_permit_at(home).unwrap();
+        assert_eq!(
+            recorder.try_permit_at(home).unwrap_err(),
+            DenyReason::AccountingBackpressure
+        );
+        drop((held, last));
+        assert_eq!(free_by_stripe(&recorder), vec![2, 1]);
+    }
+
+    /// A stripe refilled as fast as the writer empties it must not keep the
+    /// others' events (and the lease holds riding with them) waiting: each
+    /// take starts one stripe further.
+    #[test]
+    fn takes_start_at_each_stripe_in_turn() {
+        let recorder = two_stripes(8);
+        for (id, locality) in [(0, 0), (1, 0), (10, 1), (11, 1)] {
+            let permit = recorder.try_permit_at(Locality::new(locality)).unwrap();
+            permit.record(event(id));
+        }
+        let queue = recorder.queue();
+        let mut taken = Vec::new();
+        for _ in 0..4 {
+            let mut batch = Vec::new();
+            assert_eq!(queue.take_into(&mut batch, 1), 1);
+            queue.release(1);
+            taken.push(batch[0].request_id.get());
+            // The first stripe refills at once, as under steady load.
+            if batch[0].request_id.get() < 10 {
+                let permit = recorder.try_permit_at(Locality::new(0)).unwrap();
+                permit.record(event(2 + taken.len() as u128));
+            }
+        }
+        assert_eq!(taken, vec![0, 10, 1, 11], "the stripes alternate");
+    }
+
+    /// A queue full of events and permits may hold less than a batch's worth
+    /// of events; the denial wakes the writer so the places come back before
+    /// its next flush tick.
+    #[test]
+    fn a_denial_for_backpressure_wakes_the_writer() {
+        struct Count(std::sync::atomic::AtomicUsize);
+        impl std::task::Wake for Count {
+            fn wake(self: Arc<Self>) {
+                self.0.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+        let recorder = UsageRecorder::striped(2, 2, LocalSharding::Single);
+        let count = Arc::new(Count(std::sync::atomic::AtomicUsize::new(0)));
+        recorder.queue().register(&Waker::from(Arc::clone(&count)));
+        recorder.try_permit().unwrap().record(event(1));
+        let _held = recorder.try_permit().unwrap();
+        assert_eq!(count.0.load(Ordering::SeqCst), 0, "one event is no batch");
         assert_eq!(
             recorder.try_permit().unwrap_err(),
             DenyReason::AccountingBackpressure
         );
-        for permit in held {
-            drop(permit);
-        }
-        assert_eq!(
-            recorder.available(),
-            4,
-            "{stripes} stripes, all places back"
-        );
+        assert_eq!(count.0.load(Ordering::SeqCst), 1);
     }
 
     #[test]

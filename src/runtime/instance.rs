@@ -330,7 +330,9 @@ impl RuntimeShutdownReport {
 
     /// Admitted requests whose handlers had not started when the usage
     /// writer gave up: their commits are refused, so they are charged
-    /// nothing and their handlers do not run.
+    /// nothing and their handlers do not run. A commit already under way
+    /// as the writer gave up is the exception; see
+    /// [`WriterReport::outstanding_permits`](crate::runtime::WriterReport::outstanding_permits).
     #[must_use]
     pub fn cut_off_requests(&self) -> u64 {
         self.usage

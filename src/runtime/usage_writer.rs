@@ -166,7 +166,9 @@ pub enum WriterHealth {
 /// What a shutdown found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct WriterReport {
-    /// The final statistics.
+    /// The final statistics. Nothing is queued or in flight once the
+    /// writer has ended (`queued` and `in_flight` are zero): what was is
+    /// counted in `lost`.
     pub stats: WriterStats,
     /// Events given up: `stats.lost` (the in-flight batch and everything
     /// still queued at the deadline), plus any event recorded after the
@@ -174,8 +176,16 @@ pub struct WriterReport {
     pub lost: u64,
     /// Places still held at the end by permits whose requests had not
     /// committed. Once the writer has given up, a commit is refused (the
-    /// handler does not run and nothing is charged), so these are not lost:
-    /// they count the admitted requests the shutdown cut off.
+    /// handler does not run and nothing is charged), so these count the
+    /// admitted requests the shutdown cut off.
+    ///
+    /// The exception is a commit already past that check as the writer gave
+    /// up: its event goes into the abandoned queue and its handler runs. If
+    /// it records before this report is made, its event is counted in
+    /// `lost`; if after, its permit is counted here. Either way the event is
+    /// never written, and the charge it holds keeps its lease from being
+    /// released, so the lease comes back by reclaim and the account is not
+    /// charged for that request.
     pub outstanding_permits: u64,
     /// The task panicked or was aborted instead of finishing; `lost` then
     /// counts every event it had not answered for.
@@ -256,6 +266,7 @@ impl UsageWriter {
             config.queue_stripes,
         );
         let queue = Arc::clone(recorder.queue());
+        queue.own_by_writer();
         let (stop, stop_rx) = watch::channel(None);
         let shared = Arc::new(Shared {
             counters: Counters::default(),
@@ -357,6 +368,12 @@ impl UsageWriter {
         // permits still out will be refused at commit.
         let undelivered = self.queue.undelivered() as u64;
         let outstanding_permits = (self.queue.in_use() as u64).saturating_sub(undelivered);
+        // What is still queued or in flight is lost, and counted there.
+        let stats = WriterStats {
+            queued: 0,
+            in_flight: 0,
+            ..stats
+        };
         match ending {
             // The task gave up and released everything it held; events
             // found now were recorded after it did.
@@ -395,7 +412,7 @@ impl Drop for UsageWriter {
         if !task.is_finished() {
             task.abort();
             tracing::warn!(
-                undelivered = self.queue.in_use(),
+                undelivered = self.queue.undelivered(),
                 "usage writer: handle dropped without shutdown; the task is aborted and \
                  its undelivered events will not be written"
             );
@@ -481,6 +498,13 @@ enum Wait {
 /// The stop deadline passed before the awaited work finished.
 struct DeadlinePassed;
 
+/// After a stop, the longest the task sleeps while permits are out.
+///
+/// Recording an event into a closed queue, or returning a place to it, wakes
+/// the task; this bounds how late a wake-up lost in the race with the close
+/// is made up for. It costs a timer tick per poll, and only while stopping.
+const STOPPED_POLL: Duration = Duration::from_millis(10);
+
 impl Task {
     /// Delivers batches until stopped, then gives up whatever is left.
     async fn run(mut self) {
@@ -514,9 +538,22 @@ impl Task {
             {
                 return next;
             }
-            let wake_at = deadline.map_or(flush_at, |deadline| deadline.min(flush_at));
+            // Once stopped, a permit's recording or return wakes the task
+            // (see `next_after_stop`); the poll covers a wake-up missed in
+            // the race with the close.
+            let wake_at = deadline.map_or(flush_at, |deadline| {
+                deadline
+                    .min(flush_at)
+                    .min(after(Instant::now(), STOPPED_POLL))
+            });
             tokio::select! {
-                () = batch_ready(&self.queue) => return Wait::Work,
+                () = queue_changed(&self.queue, deadline.is_some()) => {
+                    // Stopped, any change is looked at: `next_after_stop`
+                    // decides.
+                    if deadline.is_none() {
+                        return Wait::Work;
+                    }
+                }
                 () = sleep_until(wake_at) => {
                     if self.queue.len() > 0 {
                         return Wait::Work;
@@ -540,8 +577,10 @@ impl Task {
         } else if self.queue.len() > 0 {
             Some(Wait::Work)
         } else {
-            // A permit's recording wakes the task only once a batch's worth
-            // is queued, so the task polls at the flush interval.
+            // Permits are out. Once the queue is closed, recording an event
+            // or returning a place wakes the task, so it drains as soon as
+            // there is something to drain, or finishes as soon as there is
+            // nothing left to wait for.
             None
         }
     }
@@ -716,14 +755,21 @@ impl Drop for AbandonOnExit {
 }
 
 /// Resolves once a batch's worth is queued.
-async fn batch_ready(queue: &UsageQueue) {
+/// Resolves when a batch is ready; once `stopped`, also when the queue wakes
+/// the task for any other reason (an event recorded, a permit returned).
+async fn queue_changed(queue: &UsageQueue, stopped: bool) {
+    let mut polled = false;
     poll_fn(|cx| {
+        if stopped && polled {
+            return Poll::Ready(());
+        }
         queue.register(cx.waker());
         // Checked after registering: a recording that lands between the
         // check and the registration would otherwise wake nobody.
         if queue.batch_ready() {
             Poll::Ready(())
         } else {
+            polled = true;
             Poll::Pending
         }
     })
