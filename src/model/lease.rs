@@ -50,7 +50,8 @@ pub enum RefillVerdict {
     Draining,
     /// The lease refused a debit. Fold its unspent units and the largest
     /// refused quote into one new grant, so a quote the account can fund is
-    /// not refused for want of a bigger lease.
+    /// not refused for want of a bigger lease. Unless the lease is also
+    /// draining, its doorbells have been re-armed as for `Idle`.
     Refused,
 }
 
@@ -281,20 +282,17 @@ impl LocalLease {
     /// The units left across all shards.
     ///
     /// Exact only when the lease is quiescent (see the type's docs); while
-    /// requests run it is a momentary reading.
-    ///
-    /// # Panics
-    ///
-    /// Never: units only move between shards and debits, so the shards
-    /// together never hold more than the grant, which fits in a `u64`.
+    /// requests run it is a momentary reading, which may even count units
+    /// twice that a gather moves between shards during the read (hence the
+    /// saturation: a quiescent lease's shards never hold more than the
+    /// grant between them).
     #[must_use]
     pub fn remaining(&self) -> CostUnits {
         let total = self
             .shards
             .iter()
             .map(|shard| shard.remaining.load(Ordering::Acquire))
-            .try_fold(0_u64, u64::checked_add)
-            .expect("the shards never hold more than the grant between them");
+            .fold(0_u64, u64::saturating_add);
         CostUnits(total)
     }
 
@@ -359,12 +357,17 @@ impl LocalLease {
     /// neither applies, any shard that rang early (its own share ran low while
     /// the lease as a whole did not) is re-armed so it can ring again (I7).
     pub fn refill_due_or_rearm(&self) -> RefillVerdict {
-        if self.refused.load(Ordering::Acquire) > 0 {
-            return RefillVerdict::Refused;
-        }
+        let refused = self.refused.load(Ordering::Acquire) > 0;
         if self.remaining() <= self.low_water {
-            return RefillVerdict::Draining;
+            return if refused {
+                RefillVerdict::Refused
+            } else {
+                RefillVerdict::Draining
+            };
         }
+        // A refused lease is re-armed too: its refusal may be one the refill
+        // task does not act on (a quote the account cannot fund), and the
+        // lease must still ring when it runs low afterwards (I7).
         for shard in &self.shards[..] {
             shard.rung.store(false, Ordering::Release);
         }
@@ -379,6 +382,9 @@ impl LocalLease {
             .iter()
             .map(|shard| shard.remaining.fetch_add(0, Ordering::AcqRel))
             .fold(0, u64::saturating_add);
+        if refused {
+            return RefillVerdict::Refused;
+        }
         if settled <= self.low_water.get() {
             return RefillVerdict::Draining;
         }
@@ -487,7 +493,12 @@ impl Shard {
             ) {
                 Ok(_) => return Some(left),
                 Err(actual) => {
-                    self.contended.fetch_add(1, Ordering::Relaxed);
+                    // A weak exchange may fail with nothing changed (on
+                    // load-linked/store-conditional CPUs); only a changed
+                    // count is another thread's doing.
+                    if actual != current {
+                        self.contended.fetch_add(1, Ordering::Relaxed);
+                    }
                     current = actual;
                 }
             }
@@ -745,6 +756,33 @@ mod tests {
         assert_eq!(lease.refill_due_or_rearm(), RefillVerdict::Refused);
     }
 
+    /// I7: a refusal the refill task does not act on (say, a quote the
+    /// account cannot fund) must not leave the lease silent: an inspection
+    /// re-arms its shards, so it still rings when it later runs low.
+    #[test]
+    fn a_refused_lease_is_re_armed_and_rings_when_it_runs_low() {
+        let (lease, bell) = lease_with_doorbell(LocalLease::with_sharding(
+            grant(100),
+            CostUnits(20),
+            SignedDuration::ZERO,
+            LocalSharding::shards(2).unwrap(),
+        ));
+        let home = Locality::new(0);
+        // Shard 0 (50) falls to its share of the mark (10) and rings early.
+        let _early = lease.try_reserve_at(CostUnits(45), at(0), home).unwrap();
+        assert_eq!(bell.rings(), 1);
+        // A quote larger than the whole lease is refused; it gathers shard
+        // 1's units into shard 0 on the way, and rings for the refusal.
+        assert!(lease.try_reserve_at(CostUnits(500), at(0), home).is_err());
+        let rings = bell.rings();
+        assert_eq!(rings, 2);
+        assert_eq!(lease.refill_due_or_rearm(), RefillVerdict::Refused);
+        // The lease drains well past its mark from here on.
+        let _rest = lease.try_reserve_at(CostUnits(50), at(0), home).unwrap();
+        assert!(lease.remaining() <= lease.low_water());
+        assert_eq!(bell.rings(), rings + 1, "I7: the drained lease rang");
+    }
+
     #[test]
     fn a_refusal_outranks_draining() {
         let lease = LocalLease::new(grant(10), CostUnits(5));
@@ -809,8 +847,12 @@ mod tests {
         assert_eq!(second.shard(), 1, "shard 0 is empty, shard 1 funds it");
         assert_eq!(lease.remaining(), CostUnits::ZERO);
         lease.credit(&second);
-        assert_eq!(lease.occupancy().remaining_max, CostUnits(10));
         assert_eq!(lease.remaining(), CostUnits(10));
+        // The credit went back to shard 1: a debit homed there finds it.
+        let again = lease
+            .try_reserve_at(CostUnits(10), at(0), Locality::new(1))
+            .unwrap();
+        assert_eq!(again.shard(), 1, "returned to the shard it came from");
     }
 
     #[test]

@@ -552,9 +552,11 @@ pub struct CancelHandle(Arc<SharedCharge>);
 impl CancelHandle {
     /// Asks to cancel and reports whether the charge stands.
     ///
-    /// The request is recorded before the phase is tried, so a worker that
-    /// wins the commit and then reads
-    /// [`cancel_requested`](SharedCharge::cancel_requested) sees it.
+    /// The request is recorded before the phase is tried, so a worker whose
+    /// commit loses to this cancel sees
+    /// [`cancel_requested`](SharedCharge::cancel_requested) set. A worker
+    /// whose commit wins may or may not see it: it won before the cancel
+    /// took effect, and the request charges in full either way.
     pub fn cancel(&self) -> CancelOutcome {
         self.0.cancel_requested.store(true, Ordering::Release);
         self.0.reservation.cancel()
