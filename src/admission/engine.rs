@@ -254,7 +254,18 @@ fn fund(
         Err(refused) => refused,
     };
     if let Some(cap) = snapshot.mode.overage_cap() {
-        return Reservation::reserve_overage(slot.overage(), quote, cap);
+        return match Reservation::reserve_overage(slot.overage(), quote, cap) {
+            // With the cap spent, the lease decides what a retry meets: a
+            // lease refusal the allocator's evidence does not back is
+            // transient (the refill task folds or replaces the lease), and
+            // "the cap is spent, never retry" would be untrue (I12, I23).
+            Err(DenyReason::OverageCapExhausted { .. })
+                if shortfall_denial(slot, quote, held, now).is_none() =>
+            {
+                Err(unreachable_denial(slot, refusal))
+            }
+            funded_or_refused => funded_or_refused,
+        };
     }
     Err(shortfall_denial(slot, quote, held, now)
         .unwrap_or_else(|| unreachable_denial(slot, refusal)))
@@ -903,6 +914,13 @@ mod tests {
             Err(CommitError::AlreadyCommitted),
             "I3: an overage charge commits once"
         );
+        // No lease yet, and nothing says the account has no funds: one may
+        // be granted, so the spent cap is not the final word.
+        denied(f.begin(6, 0), DenyReason::LeaseUnavailable);
+        f.slot().publish_funding(Some(BalanceShortfall {
+            remaining: CostUnits::ZERO,
+            period_end: None,
+        }));
         denied(
             f.begin(6, 0),
             DenyReason::OverageCapExhausted {
@@ -916,7 +934,7 @@ mod tests {
         assert_eq!(lease.remaining(), CostUnits(4));
         let stats = f.engine.counters().read();
         assert_eq!((stats.admitted, stats.admitted_overage), (2, 1));
-        assert_eq!(stats.denied_total(), 2);
+        assert_eq!(stats.denied_total(), 3);
         let events = f.queued();
         assert_eq!(events.len(), 1, "I8: one commit, one event");
         assert_eq!(events[0].source, UsageSource::Overage);
@@ -948,6 +966,16 @@ mod tests {
                 (UsageSource::Overage, CostUnits(2))
             ]
         );
+        // The cap has 3 left and the lease 3: neither funds 4 now. Nothing
+        // says the account is out of funds, so the lease's refusal stands:
+        // the refill task folds it, and a retry is admitted (I12, I23).
+        denied(f.begin(4, 0), DenyReason::LeaseExhausted);
+        // Once the allocator says the account cannot fund it either, the
+        // spent cap is the truth, and final.
+        f.slot().publish_funding(Some(BalanceShortfall {
+            remaining: CostUnits::ZERO,
+            period_end: None,
+        }));
         denied(
             f.begin(4, 0),
             DenyReason::OverageCapExhausted {
@@ -982,6 +1010,11 @@ mod tests {
             Ok(())
         });
         published.unwrap();
+        // The account has nothing left to lease, so the spent cap is final.
+        slot.publish_funding(Some(BalanceShortfall {
+            remaining: CostUnits::ZERO,
+            period_end: None,
+        }));
         denied(
             f.begin(6, 0),
             DenyReason::OverageCapExhausted {
