@@ -382,6 +382,41 @@ fn a_debit_gathering_from_the_other_shard_conserves_units_and_rings_each_shard_o
     });
 }
 
+/// I6: a debit gathering a quote from both shards races a debit homed on
+/// the same shard. The lease holds exactly both quotes, so both are funded
+/// in every order: units the gatherer has collected are never left where the
+/// other debit can take them first and leave the gatherer short.
+#[test]
+fn a_gathering_debit_and_a_debit_on_its_home_shard_are_both_funded() {
+    const GRANTED: u64 = 4;
+    const GATHERED: CostUnits = CostUnits(3);
+    loom::model(|| {
+        let sharding = LocalSharding::shards(2).expect("two shards are allowed");
+        let lease = Arc::new(LocalLease::with_sharding(
+            grant(GRANTED),
+            CostUnits::ZERO,
+            SignedDuration::ZERO,
+            sharding,
+        ));
+        let ask = |quote: CostUnits, locality: usize| {
+            let lease = Arc::clone(&lease);
+            thread::spawn(move || {
+                // Committed: the debit goes without a credit.
+                lease
+                    .try_reserve_at(quote, inside_window(), Locality::new(locality))
+                    .map(drop)
+            })
+        };
+        // Localities 0 and 2 both map to shard 0.
+        let gatherer = ask(GATHERED, 0);
+        let neighbour = ask(ONE, 2);
+        assert_eq!(join(gatherer), Ok(()), "I6: the lease funds the gather");
+        assert_eq!(join(neighbour), Ok(()), "I6: and the neighbour");
+        assert_eq!(lease.remaining(), CostUnits::ZERO);
+        assert_eq!(lease.largest_refused_quote(), CostUnits::ZERO);
+    });
+}
+
 /// I7: two quotes the lease cannot fund are refused concurrently. The lease
 /// keeps the larger quote for the refill task to consolidate, and its
 /// doorbell rings once for the pair, not once per refusal.
