@@ -10,8 +10,8 @@ use crate::admission::snapshot_map::Entry;
 use crate::admission::{ArcSwapSnapshotMap, LeaseSlot, RequestIds, UsagePermit, UsageRecorder};
 use crate::model::{
     AccountId, AccountOverage, AccountStatus, BalanceShortfall, CachePadded, CommitError,
-    CommitFunding, CostUnits, DenyReason, KeyHash, KeyId, KeyStatus, LocalSharding, Locality,
-    PermissionBits, PolicyRevision, Principal, PrincipalSnapshot, RequestId, Reservation,
+    CommitFunding, CostUnits, DenyReason, KeyHash, KeyId, KeyStatus, LocalLease, LocalSharding,
+    Locality, PermissionBits, PolicyRevision, Principal, PrincipalSnapshot, RequestId, Reservation,
 };
 
 /// Admits requests: policy, permissions, funding and a usage place, with no
@@ -245,8 +245,10 @@ fn fund(
     locality: Locality,
 ) -> Result<Reservation, DenyReason> {
     let leased = slot.with_lease(|lease| match lease {
-        Some(lease) => Reservation::reserve_at_locality(lease, quote, now, locality)
-            .map_err(|refusal| (refusal, lease.remaining())),
+        Some(lease) => lease
+            .try_reserve_unrecorded(quote, now, locality)
+            .map(Reservation::leased)
+            .map_err(|refusal| refused(slot, lease, refusal, quote, now)),
         None => Err((DenyReason::LeaseUnavailable, CostUnits::ZERO)),
     });
     let (refusal, held) = match leased {
@@ -269,6 +271,29 @@ fn fund(
     }
     Err(shortfall_denial(slot, quote, held, now)
         .unwrap_or_else(|| unreachable_denial(slot, refusal)))
+}
+
+/// A lease's refusal of `quote`, with the units the lease held when it
+/// refused.
+///
+/// A refusal for want of units that the allocator's evidence does not rule
+/// out is recorded on the lease, so the refill task folds it into one that
+/// funds the quote (I7, I27). One the evidence rules out is not: chasing it
+/// would be refused, and its record would hide a smaller, fundable quote
+/// refused after it.
+#[cold]
+fn refused(
+    slot: &LeaseSlot,
+    lease: &LocalLease,
+    refusal: DenyReason,
+    quote: CostUnits,
+    now: Timestamp,
+) -> (DenyReason, CostUnits) {
+    let held = lease.remaining();
+    if refusal == DenyReason::LeaseExhausted && shortfall_denial(slot, quote, held, now).is_none() {
+        lease.note_refused(quote);
+    }
+    (refusal, held)
 }
 
 /// A lease that cannot fund the quote while the allocator cannot be
@@ -860,12 +885,22 @@ mod tests {
             period_end: Some(at(500)),
         }));
         denied(f.begin(8, 0), DenyReason::LeaseExhausted);
+        assert_eq!(
+            lease.largest_refused_quote(),
+            CostUnits(8),
+            "a quote the account can fund is chased"
+        );
         denied(
             f.begin(9, 0),
             DenyReason::BalanceInsufficient {
                 remaining: CostUnits(8),
                 period_end: Some(at(500)),
             },
+        );
+        assert_eq!(
+            lease.largest_refused_quote(),
+            CostUnits(8),
+            "I27: one the evidence rules out is not, so it cannot hide the fundable one"
         );
         // With the lease gone and nothing left, it is exhaustion until the period ends.
         f.slot().take();

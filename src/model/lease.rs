@@ -237,9 +237,9 @@ impl LocalLease {
     /// Debits `units`, preferring the shard of `locality`.
     ///
     /// The home shard is tried first; if it is short, the other shards are
-    /// tried in turn, and then units are gathered from them into the home
-    /// shard, so a quote the whole lease can fund is not refused because its
-    /// units sit in other shards. A refusal is recorded for
+    /// tried in turn, and then the quote is gathered from all of them, so a
+    /// quote the whole lease can fund is not refused because its units sit
+    /// in other shards. A refusal is recorded for
     /// [`largest_refused_quote`](Self::largest_refused_quote).
     ///
     /// # Errors
@@ -256,6 +256,27 @@ impl LocalLease {
         now: Timestamp,
         locality: Locality,
     ) -> Result<LeaseDebit, DenyReason> {
+        self.try_reserve_unrecorded(units, now, locality)
+            .inspect_err(|refusal| {
+                if *refusal == DenyReason::LeaseExhausted {
+                    self.note_refused(units);
+                }
+            })
+    }
+
+    /// [`try_reserve_at`](Self::try_reserve_at) without recording a
+    /// refusal: admission records one itself once it knows the account
+    /// could fund the quote ([`note_refused`](Self::note_refused)), so a
+    /// quote the allocator has ruled out does not set the refill task
+    /// chasing it.
+    #[allow(clippy::inline_always, reason = "the request path's debit")]
+    #[inline(always)]
+    pub(crate) fn try_reserve_unrecorded(
+        &self,
+        units: CostUnits,
+        now: Timestamp,
+        locality: Locality,
+    ) -> Result<LeaseDebit, DenyReason> {
         // I2: no debit at or past the end of the usability window.
         if now >= self.terms.usable_until {
             return Err(DenyReason::LeaseExpired);
@@ -264,6 +285,16 @@ impl LocalLease {
         match self.shards[home].take(units.get()) {
             Some(left) => Ok(self.debited(home, left, units)),
             None => self.debit_elsewhere(home, units),
+        }
+    }
+
+    /// Records a quote this lease refused for want of units, so the refill
+    /// task folds the lease into one that funds it, and rings for the
+    /// first one (I7).
+    #[cold]
+    pub(crate) fn note_refused(&self, units: CostUnits) {
+        if self.refused.fetch_max(units.get(), Ordering::AcqRel) == 0 {
+            self.ring();
         }
     }
 
@@ -437,11 +468,6 @@ impl LocalLease {
                     return Ok(self.debited(home, left, units));
                 }
             }
-        }
-        // I7: remember the refusal so the refill task consolidates, and ring
-        // for the first one.
-        if self.refused.fetch_max(units.get(), Ordering::AcqRel) == 0 {
-            self.ring();
         }
         Err(DenyReason::LeaseExhausted)
     }

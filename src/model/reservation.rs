@@ -164,12 +164,17 @@ impl Reservation {
         now: Timestamp,
         locality: Locality,
     ) -> Result<Self, DenyReason> {
-        let debit = lease.try_reserve_at(units, now, locality)?;
-        Ok(Self {
+        lease.try_reserve_at(units, now, locality).map(Self::leased)
+    }
+
+    /// A pending reservation of a debit already taken.
+    #[inline]
+    pub(crate) fn leased(debit: LeaseDebit) -> Self {
+        Self {
+            units: debit.units(),
             funding: Funding::Lease(debit),
-            units,
             phase: AtomicU8::new(PENDING_LEASE),
-        })
+        }
     }
 
     /// Extends `units` of overage against `cap`, for an Elastic account whose
