@@ -612,11 +612,12 @@ async fn a_waiting_consolidation_still_replaces_a_draining_lease() {
     assert_eq!(h.allocator.calls(), [acquire()], "no grant chased for it");
     assert_eq!(h.serving(), Some((1, 90)));
 
-    // Below low water: the doorbell rings, the fold waits again, and a
-    // replacement is acquired at once instead of at the held request's end.
+    // The quote the evidence rules out was forgotten (I27). Below low
+    // water the doorbell rings, and a replacement is acquired at once
+    // instead of at the held request's end.
     h.spend(75);
     settle().await;
-    assert_eq!(h.stats().consolidations_deferred, 2);
+    assert_eq!(h.stats().consolidations_deferred, 1);
     assert_eq!(h.allocator.calls(), [acquire(), acquire()]);
     assert_eq!(h.serving(), Some((2, TARGET)), "a fresh lease serves");
     h.spend(50);
@@ -759,6 +760,40 @@ async fn a_domain_refusal_of_a_consolidation_puts_the_old_lease_back_and_publish
         assert_eq!(h.manager().health(), LeaseHealth::Serving, "{error}");
         assert_eq!(h.stats().refused_for(&error), 1, "{error}");
 
+        let fold = Call::Consolidate {
+            lease: 1,
+            unspent: 30,
+            requested: TARGET,
+            needed: 50,
+        };
+        if error
+            .evidence()
+            .is_some_and(|evidence| evidence.rules_out(CostUnits(50)))
+        {
+            // I27: the refusal says the account cannot fund the quote, so
+            // the lease forgets it instead of refolding for it every poll,
+            // and a smaller quote refused later is folded for at once
+            // rather than hidden behind it.
+            sleep(POLL * 3).await;
+            assert_eq!(
+                h.allocator.calls(),
+                [acquire(), fold.clone()],
+                "{error}: not retried"
+            );
+            h.refused(35);
+            h.allocator.calls_reach(3).await;
+            assert_eq!(
+                h.allocator.calls()[2],
+                Call::Consolidate {
+                    lease: 1,
+                    unspent: 30,
+                    requested: TARGET,
+                    needed: 35,
+                },
+                "{error}: the smaller quote is not hidden behind the other"
+            );
+            continue;
+        }
         h.allocator.calls_reach(3).await;
         settle().await;
         assert_eq!(

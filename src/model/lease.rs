@@ -288,6 +288,13 @@ impl LocalLease {
         }
     }
 
+    /// Forgets the refusals recorded so far: the refill task's answer to a
+    /// quote the allocator has ruled out, so that the record does not hide
+    /// a smaller, fundable quote refused after it (I27).
+    pub(crate) fn forget_refusals(&self) {
+        self.refused.store(0, Ordering::Release);
+    }
+
     /// Records a quote this lease refused for want of units, so the refill
     /// task folds the lease into one that funds it, and rings for the
     /// first one (I7).

@@ -1166,8 +1166,14 @@ impl Task {
             // balance into ever smaller leases.
             bump(&self.shared.counters.consolidations_deferred, 1);
             let needed = live.largest_refused_quote();
-            let chase = !self.rotation_fell_short && self.might_fund(needed);
+            let fundable = self.might_fund(needed);
+            let chase = !self.rotation_fell_short && fundable;
             let draining = live.remaining() <= live.low_water();
+            if !fundable {
+                // Admission no longer records this quote; the record made
+                // before the evidence came would hide a fundable one.
+                live.forget_refusals();
+            }
             self.reinstate(live);
             if chase {
                 let granted = self
@@ -1266,10 +1272,16 @@ impl Task {
                     %error,
                     "lease manager: consolidation refused; the lease keeps serving"
                 );
-                // Its refusal mark stays, so the fold is tried again on the
-                // next poll. If it is also low, replace it meanwhile, or one
+                // A quote the refusal's evidence rules out is forgotten:
+                // admission no longer records it, and its record would hide
+                // a smaller, fundable quote refused after it. Otherwise the
+                // refusal mark stays, so the fold is tried again on the next
+                // poll. If the lease is also low, replace it meanwhile, or one
                 // quote the account cannot fund would starve every smaller
                 // one until the lease runs dry.
+                if !self.might_fund(live.largest_refused_quote()) {
+                    live.forget_refusals();
+                }
                 let draining = live.remaining() <= live.low_water();
                 self.reinstate(live);
                 if draining {
