@@ -305,13 +305,14 @@ impl LocalLease {
         }
     }
 
-    /// Returns a debit's units to the shard they came from.
-    ///
-    /// Call it at most once per debit: [`Reservation`](crate::Reservation)
-    /// guarantees that with its phase word, and anything else that credits
-    /// by hand must too.
+    /// Returns a debit's units to the shard they came from, consuming the
+    /// debit so it cannot be credited twice.
+    #[allow(
+        clippy::needless_pass_by_value,
+        reason = "taken by value so that a debit cannot be credited twice"
+    )]
     #[inline]
-    pub fn credit(&self, debit: &LeaseDebit) {
+    pub fn credit(&self, debit: LeaseDebit) {
         debug_assert!(
             self.shards
                 .get(debit.shard.index)
@@ -743,7 +744,7 @@ mod tests {
         // Releases lift the lease back above the mark: the verdict is Idle and
         // the shard is re-armed, so the next crossing rings again.
         for debit in kept.drain(..4) {
-            lease.credit(&debit);
+            lease.credit(debit);
         }
         assert_eq!(lease.remaining(), CostUnits(44));
         assert_eq!(lease.refill_due_or_rearm(), RefillVerdict::Idle);
@@ -827,7 +828,7 @@ mod tests {
         assert_eq!(lease.refill_due_or_rearm(), RefillVerdict::Refused);
         // The first request is released, and the next takes shard 0 down
         // to its share again.
-        lease.credit(&first);
+        lease.credit(first);
         let _second = lease.try_reserve_at(CostUnits(45), at(0), home).unwrap();
         assert_eq!(bell.rings(), 3, "I7: the re-armed shard rang again");
     }
@@ -868,8 +869,7 @@ mod tests {
         assert_eq!(occupancy.remaining_min, CostUnits(18));
         assert_eq!(occupancy.remaining_max, CostUnits(25));
         assert_eq!(occupancy.views_outstanding, 1);
-        lease.credit(&debit);
-        drop(debit);
+        lease.credit(debit);
         let occupancy = lease.occupancy();
         assert_eq!(
             occupancy.remaining_min,
@@ -895,7 +895,7 @@ mod tests {
         let second = lease.try_reserve_at(CostUnits(10), at(0), zero).unwrap();
         assert_eq!(second.shard(), 1, "shard 0 is empty, shard 1 funds it");
         assert_eq!(lease.remaining(), CostUnits::ZERO);
-        lease.credit(&second);
+        lease.credit(second);
         assert_eq!(lease.remaining(), CostUnits(10));
         // The credit went back to shard 1: a debit homed there finds it.
         let again = lease
@@ -919,7 +919,7 @@ mod tests {
         assert_eq!(debit.shard(), 1);
         assert_eq!(lease.remaining(), CostUnits(5));
         assert_eq!(lease.largest_refused_quote(), CostUnits::ZERO);
-        lease.credit(&debit);
+        lease.credit(debit);
         assert_eq!(
             lease.remaining(),
             CostUnits(30),
@@ -966,7 +966,7 @@ mod tests {
         let lease = LocalLease::new(grant(100), CostUnits::ZERO);
         for _ in 0..50 {
             let debit = lease.try_debit(CostUnits(1), at(0)).unwrap();
-            lease.credit(&debit);
+            lease.credit(debit);
         }
         assert_eq!(lease.contended_debits(), 0);
     }
@@ -982,7 +982,7 @@ mod tests {
                         for round in 0..20_000_u64 {
                             let debit = lease.try_debit(CostUnits(1), at(0)).unwrap();
                             if round % 3 == 0 {
-                                lease.credit(&debit);
+                                lease.credit(debit);
                             } else {
                                 kept += 1;
                             }

@@ -254,7 +254,7 @@ fn racing_debits_and_a_refill_check_conserve_units_and_leave_no_drained_lease_si
                 let debit = lease
                     .try_reserve_at(ONE, inside_window(), Locality::new(0))
                     .expect("I6: the lease funds both quotes");
-                lease.credit(&debit);
+                lease.credit(debit);
             })
         };
         let keeper = {
@@ -363,7 +363,7 @@ fn a_debit_gathering_from_the_other_shard_conserves_units_and_rings_each_shard_o
                 let debit = lease
                     .try_reserve_at(ONE, inside_window(), Locality::new(1))
                     .expect("I6: the lease funds both quotes");
-                lease.credit(&debit);
+                lease.credit(debit);
             })
         };
         join(gatherer);

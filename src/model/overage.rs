@@ -104,7 +104,7 @@ impl AccountOverage {
     }
 
     /// Returns pending units: a reservation released before execution.
-    pub fn credit(&self, units: CostUnits) {
+    pub(crate) fn credit(&self, units: CostUnits) {
         let before = self.spent.fetch_sub(units.get(), Ordering::AcqRel);
         debug_assert!(
             before >= units.get(),
@@ -141,7 +141,7 @@ impl AccountOverage {
     /// # Errors
     ///
     /// Whatever `claim` returns when it loses.
-    pub fn publish_claim<T, E>(
+    pub(crate) fn publish_claim<T, E>(
         &self,
         units: CostUnits,
         claim: impl FnOnce() -> Result<T, E>,
