@@ -707,6 +707,66 @@ async fn an_integrity_fault_takes_the_instance_out_of_service_for_good() {
     runtime.shutdown().await;
 }
 
+/// I15: an integrity fault found while an account retires (the release of
+/// its lease refused as an accounting fault) takes the instance out of
+/// service as surely as one found while the account served.
+#[tokio::test(start_paused = true)]
+async fn an_integrity_fault_found_as_an_account_retires_takes_the_instance_out_of_service() {
+    let w = world(10_000);
+    let allocator = Arc::new(Misbehaving {
+        store: Arc::clone(&w.store),
+        calm_acquires: std::sync::atomic::AtomicU32::new(u32::MAX),
+        panics_left: std::sync::atomic::AtomicU32::new(0),
+        refuse_releases: true,
+    });
+    let (runtime, handle) = w.spawn_with(allocator, config());
+    tokio::time::sleep(ms(200)).await;
+    assert!(handle.readiness());
+    let keys = w.store.list_keys(w.account).unwrap();
+    w.store.revoke_key(keys[0].key_id, w.clock.now()).unwrap();
+    tokio::time::sleep(ms(1_100)).await;
+    w.clock.advance(SignedDuration::from_secs(11));
+    tokio::time::sleep(ms(1_500)).await;
+    let report = handle.report();
+    assert_eq!(report.accounts, 0, "retired after the linger");
+    assert!(
+        report.faulted,
+        "I15: the refused release is an integrity fault"
+    );
+    assert!(!report.ready);
+    runtime.shutdown().await;
+}
+
+/// I29: an account kept only for its linger (here: suspended) serves
+/// nobody, so the lease the store now refuses it does not take the instance
+/// out of service while the linger lasts.
+#[tokio::test(start_paused = true)]
+async fn a_lingering_account_refused_a_lease_does_not_make_the_instance_unready() {
+    let w = world(10_000);
+    let mut config = config();
+    config.account_linger = ms(600_000);
+    let (runtime, handle) = w.spawn_with(Arc::clone(&w.store) as _, config.clone());
+    tokio::time::sleep(ms(200)).await;
+    assert!(handle.readiness());
+    w.store
+        .set_status(w.account, AccountStatus::Suspended)
+        .unwrap();
+    // The suspension arrives with the next refresh; the linger starts then.
+    tokio::time::sleep(ms(1_100)).await;
+    assert_eq!(w.begin(&handle, 1), Err(DenyReason::AccountInactive));
+    // Its lease lapses, and the store refuses a suspended account another.
+    w.clock.advance(LEASE_TTL);
+    tokio::time::sleep(config.leases.poll_interval * 2).await;
+    let reports = handle.account_reports();
+    assert_eq!(reports.len(), 1, "still lingering");
+    assert_eq!(reports[0].remaining, None, "no lease serves it");
+    assert!(
+        handle.readiness(),
+        "an account nobody can use does not hold readiness back"
+    );
+    runtime.shutdown().await;
+}
+
 #[tokio::test(start_paused = true)]
 async fn an_account_with_no_usable_key_is_retired_after_the_linger() {
     let w = world(10_000);

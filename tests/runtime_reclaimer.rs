@@ -564,6 +564,24 @@ async fn shutdown_is_prompt_while_a_reclaim_call_hangs() {
     assert_eq!(Arc::strong_count(&allocator), 1);
 }
 
+/// Any positive interval is valid, `Duration::MAX` included: the task runs
+/// its first pass and then waits, rather than dying on timer arithmetic
+/// (tokio's interval caps the period; this holds it to that).
+#[tokio::test(start_paused = true)]
+async fn the_longest_interval_runs_a_pass_and_then_waits() {
+    let allocator = ScriptedAllocator::new([]);
+    let clock = Arc::new(ManualClock::new(start()));
+    let longest = ReclaimerConfig {
+        interval: Duration::MAX,
+        ..config(1, 3, 1)
+    };
+    let reclaimer = spawn(allocator.clone(), &clock, longest);
+    settle().await;
+    run_for(&clock, 3).await;
+    assert_eq!(allocator.calls(), vec![(0, 3)], "one pass, then a wait");
+    assert_eq!(reclaimer.shutdown().await, stats(1, 0, 0));
+}
+
 /// Dropping the handle aborts the task.
 #[tokio::test(start_paused = true)]
 async fn dropping_the_reclaimer_aborts_its_task() {

@@ -203,8 +203,10 @@ struct Shared {
     config: InstanceRuntimeConfig,
     /// Cleared once shutdown begins: admission denies from then on.
     admitting: AtomicBool,
-    /// Set when a plane reported an integrity fault: the instance stops
-    /// serving for good.
+    /// Set when a plane reported an integrity fault: readiness is withdrawn
+    /// for good, so the instance is taken out of service. (The faulted
+    /// account's own lease is withdrawn by its manager; other accounts
+    /// still answer whatever traffic reaches them.)
     faulted: AtomicBool,
     shutdown: watch::Sender<bool>,
     snapshots_ready: watch::Receiver<bool>,
@@ -711,8 +713,10 @@ impl RuntimeHandle {
                 .is_some_and(|evidence| evidence.remaining.is_zero());
             funded || known_empty
         };
-        let accounts_ready = planes.accounts.keys().all(answers_for)
-            && bound.usable_accounts().all(|account| answers_for(&account));
+        // Only accounts a usable principal is bound to: one kept for its
+        // linger (its keys revoked, its account suspended) serves nobody,
+        // and its lease may be refused for good.
+        let accounts_ready = bound.usable_accounts().all(|account| answers_for(&account));
         let ready = admitting
             && !faulted
             && snapshots_ready
@@ -859,7 +863,13 @@ impl Shared {
         report: &LeaseManagerReport,
         died: bool,
     ) {
-        if died {
+        if report.faulted {
+            // I15: a fault found while the account was retiring counts as
+            // much as one found while it served.
+            self.faulted.store(true, Ordering::Release);
+        }
+        // A manager retired with its account may have died meanwhile.
+        if died || report.task_died {
             // I29: the grants a dead task held settle at TTL reclaim.
             self.unrecovered
                 .fetch_add(report.abandoned, Ordering::Relaxed);
@@ -890,7 +900,7 @@ impl Shared {
         if let Some(manager) = &managed.manager {
             if manager.health() == LeaseHealth::Faulted {
                 // I15: books that disagree with the store are no basis for
-                // spending; the instance stops serving for good.
+                // spending; the instance is taken out of service for good.
                 self.faulted.store(true, Ordering::Release);
                 return None;
             }

@@ -255,6 +255,9 @@ pub struct LeaseManagerReport {
     /// above are then what the handle could still see: the slot's lease and
     /// the leases the task last said it held.
     pub task_died: bool,
+    /// The manager found the books disagreeing with the store (an integrity
+    /// fault, I15) at some point in its life, shutdown included.
+    pub faulted: bool,
     /// The task's counters at the end.
     pub stats: LeaseStats,
 }
@@ -580,6 +583,7 @@ impl LeaseManager {
             abandoned,
             abandoned_units,
             task_died: true,
+            faulted: self.shared.is_faulted(),
             stats,
         }
     }
@@ -1555,6 +1559,7 @@ impl Task {
             abandoned,
             abandoned_units,
             task_died: false,
+            faulted: self.shared.is_faulted(),
             stats,
         }
     }
