@@ -515,6 +515,32 @@ async fn an_expired_lease_is_retired_at_the_next_poll_and_released_before_the_re
     assert!(h.ready());
 }
 
+/// I28: expiry rings no doorbell, so a lease whose window would close
+/// before the next poll (plus one store call) is replaced at this poll,
+/// while it still serves: requests never meet a lapsed lease in between.
+#[tokio::test(start_paused = true)]
+async fn a_lease_near_the_end_of_its_window_is_replaced_before_it_closes() {
+    let h = Harness::started(Scripted::new()).await;
+    h.spend(30);
+    // At the next poll the window has one poll interval left (the store's
+    // clock is not tokio's): by the poll after, it would have closed.
+    h.clock
+        .advance(TTL - MARGIN - SignedDuration::try_from(POLL).unwrap());
+    h.allocator.calls_reach(3).await;
+    settle().await;
+    assert_eq!(
+        h.allocator.timed_calls(),
+        [
+            (Duration::ZERO, acquire()),
+            (POLL, acquire()),
+            (POLL * 2, release(1, 70)),
+        ],
+        "replaced, then released with its exact remainder at the next pass"
+    );
+    assert_eq!(h.serving(), Some((2, 100)));
+    assert!(h.ready());
+}
+
 /// A replaced lease keeps serving the reservations taken on it; it is
 /// released only once the last one resolves, with exactly what is left
 /// (I6, I15, I26).
@@ -1617,6 +1643,17 @@ fn validate_names_the_first_broken_rule() {
     check(
         |c| c.store_call_timeout = Duration::ZERO,
         Err(Broken::StoreCallTimeoutZero),
+    );
+    // TTL 60 s less a 5 s margin: the poll and one 500 ms call must fit
+    // in the 55 s window.
+    check(
+        |c| c.poll_interval = ms(54_500),
+        Err(Broken::ReplacementLeadNotBelowUsableWindow),
+    );
+    check(|c| c.poll_interval = ms(54_499), Ok(()));
+    check(
+        |c| c.expiry_safety_margin = SignedDuration::MIN,
+        Err(Broken::ExpirySafetyMarginNegative),
     );
     check(
         |c| c.shutdown_release_deadline = Duration::ZERO,

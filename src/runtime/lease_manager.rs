@@ -149,9 +149,11 @@ pub struct LeaseManagerConfig {
     /// negative.
     pub expiry_safety_margin: SignedDuration,
     /// How long after one inspection ends the next one starts when no lease
-    /// rings. Bounds how long an expired lease or a parked lease that went
-    /// quiet waits, and is the pause before a failed call is retried. Must be
-    /// positive.
+    /// rings. Bounds how long a parked lease that went quiet waits, and is
+    /// the pause before a failed call is retried. Expiry rings no doorbell,
+    /// so a lease is replaced `poll_interval + store_call_timeout` before
+    /// its usable window closes ([`replacement_lead`](Self::replacement_lead)),
+    /// which must be shorter than that window. Must be positive.
     pub poll_interval: Duration,
     /// The longest any allocator call may take (I22), and the budget of one
     /// release pass over every parked lease. A call cut off by it is treated
@@ -180,6 +182,11 @@ pub enum LeaseManagerConfigError {
     PollIntervalZero,
     /// `store_call_timeout` is zero.
     StoreCallTimeoutZero,
+    /// `poll_interval + store_call_timeout` is not shorter than a lease's
+    /// usable window (`lease_ttl − expiry_safety_margin`): a lease is
+    /// replaced that long before its window closes, so every lease would be
+    /// replaced as soon as it was installed.
+    ReplacementLeadNotBelowUsableWindow,
     /// `shutdown_release_deadline` is zero.
     ShutdownReleaseDeadlineZero,
 }
@@ -319,6 +326,15 @@ pub struct LeaseStats {
 }
 
 impl LeaseManagerConfig {
+    /// How long before its window closes a lease is replaced: one poll
+    /// interval, so no inspection comes too late, plus one store call, so
+    /// the replacement is in place before the window closes (I28).
+    #[must_use]
+    pub fn replacement_lead(&self) -> SignedDuration {
+        let lead = self.poll_interval.saturating_add(self.store_call_timeout);
+        SignedDuration::try_from(lead).unwrap_or(SignedDuration::MAX)
+    }
+
     /// Checks every rule, in field order.
     ///
     /// # Errors
@@ -348,6 +364,12 @@ impl LeaseManagerConfig {
                 Broken::StoreCallTimeoutZero,
             ),
             (
+                self.lease_ttl
+                    .checked_sub(self.expiry_safety_margin)
+                    .is_some_and(|window| self.replacement_lead() < window),
+                Broken::ReplacementLeadNotBelowUsableWindow,
+            ),
+            (
                 !self.shutdown_release_deadline.is_zero(),
                 Broken::ShutdownReleaseDeadlineZero,
             ),
@@ -375,6 +397,11 @@ impl fmt::Display for LeaseManagerConfigError {
             }
             Self::PollIntervalZero => "lease manager: poll_interval must be positive",
             Self::StoreCallTimeoutZero => "lease manager: store_call_timeout must be positive",
+            Self::ReplacementLeadNotBelowUsableWindow => {
+                "lease manager: poll_interval + store_call_timeout must be shorter than \
+                 lease_ttl - expiry_safety_margin (a lease is replaced that long before \
+                 its window closes)"
+            }
             Self::ShutdownReleaseDeadlineZero => {
                 "lease manager: shutdown_release_deadline must be positive"
             }
@@ -963,8 +990,14 @@ impl Task {
             let Some(lease) = self.slot.load_observed() else {
                 return Step::Acquire;
             };
-            if self.clock.now() >= lease.usable_until() {
+            let now = self.clock.now();
+            if now >= lease.usable_until() {
                 None
+            } else if lease.usable_until().duration_since(now) <= self.config.replacement_lead() {
+                // Expiry rings no doorbell. A lease whose window closes
+                // before the next inspection could have a replacement in
+                // place is replaced now, while it still serves (I28).
+                Some(RefillVerdict::Draining)
             } else {
                 Some(lease.refill_due_or_rearm())
             }
