@@ -627,8 +627,11 @@ async fn a_refused_quote_folds_the_unspent_units_into_one_grant_large_enough_for
 #[tokio::test(start_paused = true)]
 async fn a_waiting_consolidation_still_replaces_a_draining_lease() {
     let h = Harness::started(Scripted::new()).await;
+    // Ten units beyond the lease: the lease and the balance together could
+    // fund the quote, the balance alone cannot, so it is kept but not
+    // chased.
     h.slot.publish_funding(Some(BalanceShortfall {
-        remaining: CostUnits::ZERO,
+        remaining: CostUnits(10),
         period_end: None,
     }));
     let held = h.reserve(10);
@@ -638,12 +641,11 @@ async fn a_waiting_consolidation_still_replaces_a_draining_lease() {
     assert_eq!(h.allocator.calls(), [acquire()], "no grant chased for it");
     assert_eq!(h.serving(), Some((1, 90)));
 
-    // The quote the evidence rules out was forgotten (I27). Below low
-    // water the doorbell rings, and a replacement is acquired at once
-    // instead of at the held request's end.
+    // Below low water: the doorbell rings, the fold waits again, and a
+    // replacement is acquired at once instead of at the held request's end.
     h.spend(75);
     settle().await;
-    assert_eq!(h.stats().consolidations_deferred, 1);
+    assert_eq!(h.stats().consolidations_deferred, 2);
     assert_eq!(h.allocator.calls(), [acquire(), acquire()]);
     assert_eq!(h.serving(), Some((2, TARGET)), "a fresh lease serves");
     h.spend(50);
@@ -751,6 +753,84 @@ async fn a_rotation_that_falls_short_of_the_quote_is_not_repeated() {
     drop(first);
 }
 
+/// I27: a busy lease refused a quote the balance alone cannot fund, but
+/// the balance and the lease's own units together can. It is not chased
+/// (a replacement comes from the balance alone), nor forgotten (admission
+/// would record it again at every request): it waits for a fold at the
+/// lease's first quiet moment.
+#[tokio::test(start_paused = true)]
+async fn a_quote_the_lease_and_the_balance_fund_together_waits_for_a_fold() {
+    let h = Harness::started(Scripted::new()).await;
+    h.slot.publish_funding(Some(BalanceShortfall {
+        remaining: CostUnits(30),
+        period_end: None,
+    }));
+    h.spend(40);
+    let busy = h.reserve(10);
+    h.refused(70);
+    settle().await;
+    assert_eq!(h.stats().consolidations_deferred, 1);
+    assert_eq!(h.allocator.calls(), [acquire()], "not chased");
+    let lease = h.slot.load_observed().expect("serving");
+    assert_eq!(
+        lease.largest_refused_quote(),
+        CostUnits(70),
+        "not forgotten"
+    );
+    drop(lease);
+    drop(busy);
+    h.allocator.calls_reach(2).await;
+    assert_eq!(
+        h.allocator.calls()[1],
+        Call::Consolidate {
+            lease: 1,
+            unspent: 60,
+            requested: TARGET,
+            needed: 70,
+        }
+    );
+}
+
+/// I27: a replacement that fell short of a quote stops the chase only
+/// until the account shows funds again: a grant that covers all it was
+/// asked for (after a top-up, say) lets the next refusal be chased.
+#[tokio::test(start_paused = true)]
+async fn a_grant_that_shows_funds_again_lets_a_short_rotation_be_retried() {
+    let allocator = Scripted::new();
+    let tail = BalanceShortfall {
+        remaining: CostUnits::ZERO,
+        period_end: None,
+    };
+    allocator.plan_acquires([
+        Reply::Grant(TARGET),
+        Reply::GrantShort(60, tail),
+        Reply::Grant(TARGET),
+    ]);
+    let h = Harness::started(allocator).await;
+    let busy = h.reserve(10);
+    h.refused(150);
+    settle().await;
+    assert_eq!(h.serving(), Some((2, 60)), "the short grant serves");
+
+    // The account is topped up; a plain replacement shows it.
+    h.spend(45);
+    settle().await;
+    assert_eq!(h.serving(), Some((3, TARGET)));
+    assert_eq!(h.slot.funding_evidence(h.now()), None);
+
+    let busy_again = h.reserve(10);
+    h.refused(150);
+    settle().await;
+    let chases = h
+        .allocator
+        .calls()
+        .into_iter()
+        .filter(|call| *call == Call::Acquire { requested: 150 })
+        .count();
+    assert_eq!(chases, 2, "chased again: {:?}", h.allocator.calls());
+    drop((busy, busy_again));
+}
+
 /// I18, I27: a domain refusal rolled the consolidation back, so the old lease is
 /// still active and ours: it goes back into the slot, the refusal's evidence
 /// is published, and the fold is tried again at the next poll.
@@ -758,8 +838,10 @@ async fn a_rotation_that_falls_short_of_the_quote_is_not_repeated() {
 async fn a_domain_refusal_of_a_consolidation_puts_the_old_lease_back_and_publishes_evidence() {
     let period_end = start() + SignedDuration::from_hours(1);
     for error in [
+        // What the fold could have granted: 7 on the balance and the 30 the
+        // lease would have returned.
         AllocateError::BalanceInsufficient(BalanceShortfall {
-            remaining: CostUnits(7),
+            remaining: CostUnits(37),
             period_end: Some(period_end),
         }),
         AllocateError::BalanceExhausted(BalanceExhaustion { period_end: None }),
@@ -777,9 +859,15 @@ async fn a_domain_refusal_of_a_consolidation_puts_the_old_lease_back_and_publish
         settle().await;
 
         assert_eq!(h.serving(), Some((1, 30)), "{error}: the lease is back");
+        // The lease goes back to serving with its 30 units, so the balance
+        // beyond it is what the store counted less those (admission adds
+        // what the lease holds itself).
         assert_eq!(
             h.slot.funding_evidence(h.now()),
-            error.evidence(),
+            error.evidence().map(|evidence| BalanceShortfall {
+                remaining: evidence.remaining.saturating_sub(CostUnits(30)),
+                ..evidence
+            }),
             "{error}"
         );
         assert!(h.ready(), "{error}: a refusal is not a fault");

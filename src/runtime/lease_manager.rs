@@ -117,7 +117,9 @@ use tracing::Instrument as _;
 
 use super::after;
 use crate::admission::LeaseSlot;
-use crate::model::{AccountId, CostUnits, LeaseGrant, LocalLease, RefillSignal, RefillVerdict};
+use crate::model::{
+    AccountId, BalanceShortfall, CostUnits, LeaseGrant, LocalLease, RefillSignal, RefillVerdict,
+};
 use crate::store::{AllocateError, Allocation, Clock, LeaseAllocator, Released};
 
 /// How one account's lease manager sizes, times and returns its leases.
@@ -1142,6 +1144,11 @@ impl Task {
             return;
         }
         self.slot.publish_funding(allocation.funding);
+        if allocation.funding.is_none() {
+            // The account showed more than was asked for: a replacement
+            // that once fell short of a quote says nothing any more.
+            self.rotation_fell_short = false;
+        }
         self.slot.publish_allocator_reachable(true);
         if let Some(previous) = self.slot.replace(lease) {
             // I28: rotation. The old lease keeps serving the requests that
@@ -1181,6 +1188,25 @@ impl Task {
             .is_none_or(|evidence| !evidence.rules_out(needed))
     }
 
+    /// Whether the allocator's last word rules `needed` out even counting
+    /// the `held` units of the account's lease: admission's rule for which
+    /// refusals it records (I27), so a quote forgotten here is not
+    /// recorded again.
+    fn beyond_reach(&self, needed: CostUnits, held: CostUnits) -> bool {
+        self.slot
+            .funding_evidence(self.clock.now())
+            .is_some_and(|evidence| {
+                BalanceShortfall {
+                    remaining: evidence
+                        .remaining
+                        .checked_add(held)
+                        .unwrap_or(CostUnits::MAX),
+                    ..evidence
+                }
+                .rules_out(needed)
+            })
+    }
+
     /// Folds the serving lease, which refused a quote, into one grant large
     /// enough for that quote.
     async fn consolidate(&mut self) -> Result<(), Stopped> {
@@ -1203,12 +1229,13 @@ impl Task {
             // balance into ever smaller leases.
             bump(&self.shared.counters.consolidations_deferred, 1);
             let needed = live.largest_refused_quote();
-            let fundable = self.might_fund(needed);
-            let chase = !self.rotation_fell_short && fundable;
+            let chase = !self.rotation_fell_short && self.might_fund(needed);
             let draining = live.remaining() <= live.low_water();
-            if !fundable {
+            if self.beyond_reach(needed, live.remaining()) {
                 // Admission no longer records this quote; the record made
-                // before the evidence came would hide a fundable one.
+                // before the evidence came would hide a fundable one. A
+                // quote the lease and the balance together could fund is
+                // kept, and folded at the first quiet moment.
                 live.forget_refusals();
             }
             self.reinstate(live);
@@ -1286,7 +1313,7 @@ impl Task {
             }
         };
         counters.grant_refused(&error);
-        self.after_refused_fold(live, &error).await
+        self.after_refused_fold(live, unspent, &error).await
     }
 
     /// Acts on a refused consolidation of `live`, by what the refusal says
@@ -1294,6 +1321,7 @@ impl Task {
     async fn after_refused_fold(
         &mut self,
         live: Arc<LocalLease>,
+        unspent: CostUnits,
         error: &AllocateError,
     ) -> Result<(), Stopped> {
         let lease_id = live.grant().lease_id;
@@ -1302,7 +1330,14 @@ impl Task {
         match fold_refusal(error) {
             FoldRefusal::RolledBack => {
                 if let Some(evidence) = error.evidence() {
-                    self.slot.publish_funding(Some(evidence));
+                    // The store counted the folded lease's unspent units in
+                    // what it could grant; the lease goes back to serving
+                    // with them, so the balance beyond it is that much less
+                    // (admission adds what the lease holds itself).
+                    self.slot.publish_funding(Some(BalanceShortfall {
+                        remaining: evidence.remaining.saturating_sub(unspent),
+                        ..evidence
+                    }));
                 }
                 tracing::debug!(
                     lease = %lease_id,
@@ -1316,7 +1351,7 @@ impl Task {
                 // poll. If the lease is also low, replace it meanwhile, or one
                 // quote the account cannot fund would starve every smaller
                 // one until the lease runs dry.
-                if !self.might_fund(live.largest_refused_quote()) {
+                if self.beyond_reach(live.largest_refused_quote(), live.remaining()) {
                     live.forget_refusals();
                 }
                 let draining = live.remaining() <= live.low_water();
