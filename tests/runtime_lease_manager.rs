@@ -1621,6 +1621,24 @@ async fn a_task_that_panics_is_reported_dead() {
     assert_eq!(report.stats.uncertain_acquires, 1);
 }
 
+/// A task that dies while it folds a lease (here: the allocator panics in
+/// the call) reports that lease abandoned: it was in neither the slot nor
+/// the parked list, but it settles at reclaim all the same.
+#[tokio::test(start_paused = true)]
+async fn a_task_that_dies_folding_a_lease_reports_it_abandoned() {
+    let allocator = Scripted::new();
+    allocator.plan_consolidations([Reply::Panic]);
+    let mut h = Harness::started(allocator).await;
+    h.spend(70);
+    h.refused(50);
+    h.allocator.calls_reach(2).await;
+    settle().await;
+    assert!(h.manager().is_finished());
+    let report = h.shutdown().await;
+    assert!(report.task_died);
+    assert_eq!((report.abandoned, report.abandoned_units), (1, 30));
+}
+
 // ------------------------------------------------------ stats and config
 
 /// I1: totals across accounts never wrap.

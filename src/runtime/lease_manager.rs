@@ -980,6 +980,13 @@ impl Task {
         if self.shared.is_faulted() {
             return Ok(());
         }
+        // No grant call starts once shutdown is asked for: one cut off
+        // after it was sent may have granted a lease nobody holds, stranded
+        // until reclaim. (A stop that arrives while a call runs still cuts
+        // it off, and the call is then counted uncertain.)
+        if let Some(deadline) = *self.stop.borrow() {
+            return Err(Stopped(deadline));
+        }
         match self.next_step() {
             Step::Idle => Ok(()),
             Step::Acquire => self.acquire().await,
@@ -1268,6 +1275,11 @@ impl Task {
         self.shared
             .grant_call_in_flight
             .store(true, Ordering::Release);
+        // The lease is in neither the slot nor the parked list while the
+        // fold runs: counted as held meanwhile, a task that dies in the call
+        // still reports it (the next inspection's count replaces this).
+        bump(&self.shared.held_leases, 1);
+        bump(&self.shared.held_units, unspent.get());
         let end = bounded(Some(&mut self.stop), give_up_at, call).await;
         self.shared
             .grant_call_in_flight
