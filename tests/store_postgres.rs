@@ -254,6 +254,36 @@ async fn three_pools_migrating_at_once_apply_the_schema_once() {
     audited(&third).await;
 }
 
+/// I33: an instance that starts while another runs a migration longer than
+/// the pool's lock timeout (five seconds) waits for it, rather than fail
+/// to start. The other instance's migration is played by a session that
+/// holds the migration lock for six seconds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_migration_waits_out_another_instances_long_one() {
+    use sha2::{Digest, Sha256};
+    let Some(store) = fresh("migrate_wait", 1).await else {
+        return;
+    };
+    let digest = Sha256::digest(format!("tollgate:migrate:{}", store.schema()).as_bytes());
+    let key = i64::from_be_bytes(digest[..8].try_into().unwrap());
+    let mut other = store.pool().begin().await.unwrap();
+    sqlx::query("SELECT pg_advisory_xact_lock($1)")
+        .bind(key)
+        .execute(&mut *other)
+        .await
+        .unwrap();
+    let waiting = sibling(&store).await;
+    let migrating = tokio::spawn(async move { waiting.migrate().await });
+    tokio::time::sleep(std::time::Duration::from_secs(6)).await;
+    assert!(!migrating.is_finished(), "it waits for the lock");
+    other.commit().await.unwrap();
+    let report = migrating
+        .await
+        .unwrap()
+        .expect("migrated once the lock was free");
+    assert_eq!(report.applied, vec![1, 2]);
+}
+
 // ---- the journal, bigint ids and microseconds ------------------------------------
 
 /// I30: every balance movement leaves a journal row with its delta, and the
@@ -1036,14 +1066,19 @@ async fn sixteen_concurrent_acquirers_on_one_account_never_over_grant() {
         .map(|task| {
             let store = Arc::clone(&pools[usize::from(task % 2 == 0)]);
             tokio::spawn(async move {
-                let mut held = 0_u64;
+                let mut kept = 0_u64;
                 for round in 0..40_u128 {
-                    let Ok(allocation) = store.acquire(acct, CostUnits(40), TTL, at(0)).await
-                    else {
-                        continue;
+                    let allocation = match store.acquire(acct, CostUnits(40), TTL, at(0)).await {
+                        Ok(allocation) => allocation,
+                        // The balance ran out: a refusal, as it should be.
+                        Err(
+                            AllocateError::BalanceExhausted(_)
+                            | AllocateError::BalanceInsufficient(_)
+                            | AllocateError::InsufficientBalance,
+                        ) => continue,
+                        Err(error) => panic!("a race is no storage error: {error}"),
                     };
                     let g = allocation.grant;
-                    held += g.units.get();
                     let spend = g.units.get() / 2;
                     let event = leased(task * 1_000 + round, acct, &allocation, spend);
                     assert_eq!(
@@ -1051,7 +1086,9 @@ async fn sixteen_concurrent_acquirers_on_one_account_never_over_grant() {
                         vec![IngestOutcome::Accepted]
                     );
                     // Every third lease is kept: its units stay granted.
-                    if round % 3 != 0 {
+                    if round % 3 == 0 {
+                        kept += g.units.get();
+                    } else {
                         store
                             .release(
                                 g.lease_id,
@@ -1063,14 +1100,16 @@ async fn sixteen_concurrent_acquirers_on_one_account_never_over_grant() {
                             .unwrap();
                     }
                 }
-                held
+                kept
             })
         })
         .collect();
+    let mut kept = 0;
     for task in tasks {
-        task.await.unwrap();
+        kept += task.await.unwrap();
     }
     let view = store.account(acct, at(2)).await.unwrap();
+    assert_eq!(view.leased.get(), kept, "exactly the kept leases are out");
     let billed: u64 = store
         .usage(acct, None, None)
         .await
@@ -1156,6 +1195,10 @@ async fn a_closed_pool_is_a_storage_error_never_a_refusal() {
         return;
     };
     let acct = account(&store, 100).await;
+    let granted = store
+        .acquire(acct, CostUnits(10), TTL, at(0))
+        .await
+        .unwrap();
     store.pool().close().await;
     assert!(matches!(
         store.acquire(acct, CostUnits(1), TTL, at(0)).await,
@@ -1167,7 +1210,14 @@ async fn a_closed_pool_is_a_storage_error_never_a_refusal() {
             .await,
         Err(AllocateError::Storage(_))
     ));
-    assert!(store.ingest(&[]).await.unwrap().is_empty());
+    assert!(
+        store.ingest(&[]).await.unwrap().is_empty(),
+        "nothing to send"
+    );
+    assert!(
+        store.ingest(&[leased(1, acct, &granted, 1)]).await.is_err(),
+        "an event is never answered as rejected for want of a connection"
+    );
     assert!(store.reclaim_expired_batch(at(100), 1).await.is_err());
     assert!(
         store

@@ -85,6 +85,10 @@ impl Migration {
     }
 }
 
+/// The longest [`PostgresStore::migrate`] waits for another instance's
+/// migration to finish.
+const MIGRATION_LOCK_WAIT: &str = "10min";
+
 /// How often [`PostgresStore::migrate`] starts over after finding the
 /// catalog changed under it.
 const MIGRATION_ATTEMPTS_MAX: u32 = 3;
@@ -174,6 +178,15 @@ impl PostgresStore {
     /// Takes the migration lock, then creates the schema and the migration
     /// table if they are missing.
     async fn prepare(&self, conn: &mut PgConnection) -> Result<(), sqlx::Error> {
+        // The pool's lock timeout (a few seconds, for the request-serving
+        // calls) would also end the wait for the migration lock, so an
+        // instance started beside one running a long migration would fail
+        // to start. The wait is for another instance's migration, which its
+        // own statements' lock timeout bounds; it ends with this
+        // transaction.
+        sqlx::query(&format!("SET LOCAL lock_timeout = '{MIGRATION_LOCK_WAIT}'"))
+            .execute(&mut *conn)
+            .await?;
         sqlx::query("SELECT pg_advisory_xact_lock($1)")
             .bind(advisory_key("migrate", &self.schema))
             .execute(&mut *conn)
