@@ -1235,6 +1235,31 @@ async fn a_release_that_fails_with_a_storage_error_is_retried_on_the_next_pass()
     assert!(h.ready(), "an outage is not a fault");
 }
 
+/// A release the balance has no room for (a top-up filled it while the
+/// lease was out) is no accounting fault: the lease stays parked and is
+/// released once the balance has room, and the instance stays in service.
+#[tokio::test(start_paused = true)]
+async fn a_release_the_balance_has_no_room_for_is_retried_not_a_fault() {
+    let allocator = Scripted::new();
+    allocator.plan_releases(1, [Reply::Refuse(AllocateError::BalanceOverflow)]);
+    let h = Harness::started(allocator).await;
+    rotate_once(&h, 80).await;
+    h.allocator.calls_reach(4).await;
+    assert_eq!(
+        h.allocator.timed_calls(),
+        [
+            (Duration::ZERO, acquire()),
+            (Duration::ZERO, acquire()),
+            (POLL, release(1, 20)),
+            (POLL * 2, release(1, 20)),
+        ]
+    );
+    settle().await;
+    assert_eq!((h.stats().released, h.stats().released_units), (1, 20));
+    assert_eq!(h.manager().health(), LeaseHealth::Serving);
+    assert!(h.ready(), "not a fault");
+}
+
 /// A release refused as an accounting fault withdraws readiness for good
 /// and stops spending: the slot is emptied, its lease returned, nothing is
 /// acquired again, and the refused lease is never claimed again; shutdown
@@ -1243,7 +1268,7 @@ async fn a_release_that_fails_with_a_storage_error_is_retried_on_the_next_pass()
 async fn an_integrity_refusal_withdraws_readiness_for_good_and_stops_spending() {
     for error in [
         AllocateError::InvalidRelease,
-        AllocateError::BalanceOverflow,
+        AllocateError::AccountInactive,
     ] {
         let allocator = Scripted::new();
         allocator.plan_releases(1, [Reply::Refuse(error.clone())]);

@@ -918,6 +918,9 @@ enum ReleaseRefusal {
     Fenced,
     /// The outcome is unknown; try again.
     Retry,
+    /// The balance has no room for the units yet (a top-up or refill filled
+    /// it while they were out); try again once it has.
+    NoRoom,
     /// The store and this instance disagree about the books.
     Integrity,
 }
@@ -1540,6 +1543,16 @@ impl Task {
                 );
                 return Judged::Keep(lease);
             }
+            ReleaseRefusal::NoRoom => {
+                tracing::warn!(
+                    lease = %lease_id,
+                    unspent = unspent.get(),
+                    %error,
+                    "lease manager: the balance has no room for the lease's unspent units; \
+                     trying again next pass"
+                );
+                return Judged::Keep(lease);
+            }
             ReleaseRefusal::Integrity => {
                 tracing::error!(
                     lease = %lease_id,
@@ -1677,6 +1690,7 @@ fn release_refusal(error: &AllocateError) -> ReleaseRefusal {
         AllocateError::UnknownLease | AllocateError::LeaseNotActive => ReleaseRefusal::Settled,
         AllocateError::Fenced => ReleaseRefusal::Fenced,
         AllocateError::Storage(_) => ReleaseRefusal::Retry,
+        AllocateError::BalanceOverflow => ReleaseRefusal::NoRoom,
         // A release draws no grant, so a balance or account refusal is as
         // much a contract breach as an over-claim (I15).
         _ => ReleaseRefusal::Integrity,
@@ -1693,14 +1707,16 @@ fn fold_refusal(error: &AllocateError) -> FoldRefusal {
         | AllocateError::AccountInactive
         | AllocateError::UnknownAccount
         | AllocateError::InvalidTtl
-        | AllocateError::InvalidRequest => FoldRefusal::RolledBack,
+        | AllocateError::InvalidRequest
+        // No room yet for the unspent units: refused before anything moved.
+        | AllocateError::BalanceOverflow => FoldRefusal::RolledBack,
         AllocateError::UnknownLease | AllocateError::LeaseNotActive => {
             FoldRefusal::Gone { fenced: false }
         }
         AllocateError::Fenced => FoldRefusal::Gone { fenced: true },
         AllocateError::Storage(_) => FoldRefusal::Ambiguous,
-        // An over-claimed unspent count, a balance that would overflow, or a
-        // variant this code does not know: the books disagree.
+        // An over-claimed unspent count, or a variant this code does not
+        // know: the books disagree.
         _ => FoldRefusal::Integrity,
     }
 }
@@ -1809,6 +1825,7 @@ mod tests {
             ReleaseRefusal::Settled => "settled",
             ReleaseRefusal::Fenced => "fenced",
             ReleaseRefusal::Retry => "retry",
+            ReleaseRefusal::NoRoom => "no room",
             ReleaseRefusal::Integrity => "integrity",
         };
         assert_eq!(judged(AllocateError::UnknownLease), "settled");
@@ -1819,7 +1836,7 @@ mod tests {
             "retry"
         );
         assert_eq!(judged(AllocateError::InvalidRelease), "integrity");
-        assert_eq!(judged(AllocateError::BalanceOverflow), "integrity");
+        assert_eq!(judged(AllocateError::BalanceOverflow), "no room");
         assert_eq!(judged(AllocateError::AccountInactive), "integrity");
     }
 
@@ -1847,6 +1864,6 @@ mod tests {
             "ambiguous"
         );
         assert_eq!(judged(AllocateError::InvalidRelease), "integrity");
-        assert_eq!(judged(AllocateError::BalanceOverflow), "integrity");
+        assert_eq!(judged(AllocateError::BalanceOverflow), "rolled back");
     }
 }

@@ -321,8 +321,9 @@ pub enum AllocateError {
     /// The account cannot fund what was needed; the evidence says how much
     /// it can.
     BalanceInsufficient(BalanceShortfall),
-    /// Crediting the units would overflow the balance. Units only come back
-    /// to where they were granted from, so this is an accounting fault.
+    /// Crediting the units would overflow the balance: a top-up or refill
+    /// filled it while they were out on a lease. Nothing was applied; the
+    /// units can come back once the balance has room.
     BalanceOverflow,
     /// No such lease.
     UnknownLease,

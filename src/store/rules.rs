@@ -92,9 +92,9 @@ fn grant(size: u64, left: u64, wanted: CostUnits, period_end: Option<Timestamp>)
     }
 }
 
-/// `balance` with `units` credited back, within [`UNITS_MAX`]. Units only
-/// come back to where they were granted from, so an overflow is an
-/// accounting fault.
+/// `balance` with `units` credited back, within [`UNITS_MAX`]. An overflow
+/// means a top-up or refill filled the balance while the units were out on
+/// a lease; they can come back once it has room.
 pub(crate) fn credited_balance(balance: u64, units: u64) -> Result<u64, AllocateError> {
     balance
         .checked_add(units)
