@@ -647,7 +647,11 @@ impl RuntimeHandle {
     #[must_use]
     pub fn account_reports(&self) -> Vec<AccountReport> {
         let now = self.shared.clock.now();
-        let planes = self.shared.lock_planes();
+        self.account_reports_of(&self.shared.lock_planes(), now)
+    }
+
+    /// The account reports of `planes`, read under the caller's lock.
+    fn account_reports_of(&self, planes: &Planes, now: Timestamp) -> Vec<AccountReport> {
         planes
             .accounts
             .iter()
@@ -676,7 +680,6 @@ impl RuntimeHandle {
     pub fn report(&self) -> RuntimeReport {
         let shared = &self.shared;
         let now = shared.clock.now();
-        let accounts = self.account_reports();
         // Readiness first, then the bindings: the snapshot manager
         // publishes them the other way round, so bindings read after a
         // ready policy name every account it found. Both before the planes'
@@ -684,6 +687,9 @@ impl RuntimeHandle {
         let snapshots_ready = *shared.snapshots_ready.borrow();
         let bound = Arc::clone(&shared.bindings.borrow());
         let planes = shared.lock_planes();
+        // Under the same lock as the retired totals below, so a manager
+        // retired in between is counted once.
+        let accounts = self.account_reports_of(&planes, now);
         let admitting = shared.admitting.load(Ordering::Acquire);
         let faulted = shared.faulted.load(Ordering::Acquire)
             || accounts

@@ -262,7 +262,11 @@ pub enum RejectReason {
     AccountMismatch,
     /// An event with this request id but a different payload was recorded.
     ConflictingDuplicate,
-    /// The event is malformed (for example, zero units).
+    /// The event is malformed: a value the ledger cannot hold (units above
+    /// `i64::MAX`, or overage debt that would pass it; the `PostgreSQL`
+    /// store, whose columns are `bigint`, also a policy revision or key id
+    /// above it). A zero-unit event (a request priced at nothing) is well
+    /// formed and accepted.
     Malformed,
 }
 
