@@ -12,6 +12,7 @@ use crate::model::{
     AccountId, AccountOverage, AccountStatus, BalanceShortfall, CachePadded, CommitError,
     CommitFunding, CostUnits, DenyReason, KeyHash, KeyId, KeyStatus, LocalLease, LocalSharding,
     Locality, PermissionBits, PolicyRevision, Principal, PrincipalSnapshot, RequestId, Reservation,
+    Retry,
 };
 
 /// Admits requests: policy, permissions, funding and a usage place, with no
@@ -257,14 +258,18 @@ fn fund(
     };
     if let Some(cap) = snapshot.mode.overage_cap() {
         return match Reservation::reserve_overage(slot.overage(), quote, cap) {
-            // With the cap spent, the lease decides what a retry meets: a
-            // lease refusal the allocator's evidence does not back is
-            // transient (the refill task folds or replaces the lease), and
-            // "the cap is spent, never retry" would be untrue (I12, I23).
-            Err(DenyReason::OverageCapExhausted { .. })
-                if shortfall_denial(slot, quote, held, now).is_none() =>
-            {
-                Err(unreachable_denial(slot, refusal))
+            // With the cap spent, the balance decides what a retry meets
+            // (I12, I23). A lease refusal the allocator's evidence does not
+            // back is transient: the refill task folds or replaces the
+            // lease. A quote the evidence rules out waits for the period's
+            // refill, if one is due, and says when; without one, the spent
+            // cap is final.
+            Err(spent @ DenyReason::OverageCapExhausted { .. }) => {
+                Err(match shortfall_denial(slot, quote, held, now) {
+                    Some(refill) if matches!(refill.retry(), Retry::At(_)) => refill,
+                    Some(_) => spent,
+                    None => unreachable_denial(slot, refusal),
+                })
             }
             funded_or_refused => funded_or_refused,
         };
@@ -1005,8 +1010,8 @@ mod tests {
         // says the account is out of funds, so the lease's refusal stands:
         // the refill task folds it, and a retry is admitted (I12, I23).
         denied(f.begin(4, 0), DenyReason::LeaseExhausted);
-        // Once the allocator says the account cannot fund it either, the
-        // spent cap is the truth, and final.
+        // Once the allocator says the account cannot fund it either, and no
+        // refill is due, the spent cap is the truth, and final.
         f.slot().publish_funding(Some(BalanceShortfall {
             remaining: CostUnits::ZERO,
             period_end: None,
@@ -1016,6 +1021,19 @@ mod tests {
             DenyReason::OverageCapExhausted {
                 spent: CostUnits(7),
                 overage_cap: CostUnits(10),
+            },
+        );
+        // With a refill due, the request can be funded then: it is told
+        // when, as a Strict account would be.
+        f.slot().publish_funding(Some(BalanceShortfall {
+            remaining: CostUnits::ZERO,
+            period_end: Some(at(500)),
+        }));
+        denied(
+            f.begin(4, 0),
+            DenyReason::BalanceInsufficient {
+                remaining: CostUnits(3),
+                period_end: Some(at(500)),
             },
         );
         let stats = f.engine.counters().read();
