@@ -31,11 +31,14 @@
 //! future is first polled (after `call` has built it, before it runs). That
 //! is exact when nothing queues between the layer and the handler other than
 //! in the inner service's readiness: a limit that waits
-//! in `poll_ready`, like tower's concurrency limit, may sit inside the
-//! layer, but buffers, timeouts and anything else that waits inside the
-//! inner future need the deferred commit point below, or must sit *outside*
-//! `TollgateLayer`, where a request waiting in them has not been admitted
-//! yet. A future dropped before the hand-over (the client left while the
+//! in `poll_ready`, like tower's concurrency limit composed directly inside
+//! the layer, may sit inside it, but buffers, timeouts and anything else
+//! that waits inside the inner future need the deferred commit point below,
+//! or must sit *outside* `TollgateLayer`, where a request waiting in them
+//! has not been admitted yet. Under axum every limit is of the second kind:
+//! a route is always ready, and the layers a router applies run inside the
+//! route's future. The default point also assumes the inner service's
+//! `call` does no work of its own before its future is polled. A future dropped before the hand-over (the client left while the
 //! request waited, or before it was polled) drops its reservation, which
 //! releases it for zero (I4). If the commit itself fails (the lease's window
 //! closed before the start, the instance is shutting down) the denial is
