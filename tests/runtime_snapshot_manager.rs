@@ -83,6 +83,9 @@ fn active(principal: u64, account: AccountId) -> PrincipalSnapshot {
 enum Fetch {
     /// The directory's snapshots of the principals asked for.
     Answer,
+    /// Those, and the snapshot of this principal too, unasked: a source
+    /// that breaks its contract.
+    Volunteer(u64),
     Fail,
     Hang,
 }
@@ -191,6 +194,11 @@ impl SnapshotSource for ScriptedSource {
         let answer = lock(&self.fetches).pop_front().unwrap_or(Fetch::Answer);
         match answer {
             Fetch::Answer => Ok(self.snapshots(principals, now)),
+            Fetch::Volunteer(extra) => {
+                let mut asked = principals.to_vec();
+                asked.push(Principal(extra));
+                Ok(self.snapshots(&asked, now))
+            }
             Fetch::Fail => Err(StoreError::new("scripted outage")),
             Fetch::Hang => std::future::pending().await,
         }
@@ -269,6 +277,14 @@ impl Harness {
         principals: PrincipalSelection,
         clock: Arc<ManualClock>,
     ) -> Self {
+        Self::with_config(source, config(principals), clock)
+    }
+
+    fn with_config(
+        source: Arc<dyn SnapshotSource>,
+        config: SnapshotManagerConfig,
+        clock: Arc<ManualClock>,
+    ) -> Self {
         let registry = Arc::new(SlotRegistry::new(LocalSharding::Single));
         let map = Arc::new(
             ArcSwapSnapshotMap::new(
@@ -287,13 +303,9 @@ impl Harness {
             UsageRecorder::with_capacity(8, 8),
             RequestIds::with_prefix(1),
         );
-        let manager = SnapshotManager::spawn(
-            source,
-            Arc::clone(&map),
-            Arc::clone(&clock) as _,
-            config(principals),
-        )
-        .expect("the test configuration is valid");
+        let manager =
+            SnapshotManager::spawn(source, Arc::clone(&map), Arc::clone(&clock) as _, config)
+                .expect("the test configuration is valid");
         Self {
             clock,
             map,
@@ -671,6 +683,56 @@ async fn a_lookup_that_fails_is_retried_after_the_backoff_and_then_refreshed_wit
             ..stats(4, 6, Some(t(23)))
         }
     );
+}
+
+/// I24: a failed lookup does not put off the next refresh, even with a
+/// retry backoff longer than the staleness allows: the snapshots already
+/// published stay fresh, and the lookup is asked again with the refresh.
+#[tokio::test(start_paused = true)]
+async fn a_failed_lookup_does_not_put_off_the_next_refresh() {
+    let source = ScriptedSource::new([active(1, ALPHA), active(2, ALPHA)]);
+    source.plan_fetches([Fetch::Answer, Fetch::Answer, Fetch::Fail]);
+    let slow_retry = SnapshotManagerConfig {
+        retry_backoff: REFRESH * 6,
+        ..config(fixed([1]))
+    };
+    let h = Harness::with_config(
+        source.clone(),
+        slow_retry,
+        Arc::new(ManualClock::new(start())),
+    );
+    settle().await;
+    h.run_for(5).await;
+    assert_eq!(h.verdict(p(2)), DenyReason::SnapshotUnavailable);
+    h.run_for(25).await;
+    assert_eq!(
+        source.calls(),
+        vec![
+            fetched([1], 0),
+            fetched([1], 10),
+            fetched([2], 10),
+            fetched([1], 20),
+            fetched([2], 20),
+            fetched([1, 2], 30),
+        ],
+        "the refresh kept its interval; the lookup went with it"
+    );
+    assert_eq!(h.verdict(p(1)), DenyReason::LeaseUnavailable, "fresh");
+    assert!(h.ready());
+}
+
+/// I24: a source that answers for a principal it was not asked about is
+/// not believed: nothing would refresh that snapshot later, yet every
+/// refresh would vouch for it.
+#[tokio::test(start_paused = true)]
+async fn a_snapshot_the_source_volunteers_is_not_published() {
+    let source = ScriptedSource::new([active(1, ALPHA), active(2, ALPHA)]);
+    source.plan_fetches([Fetch::Volunteer(2)]);
+    let h = Harness::new(source.clone(), fixed([1]));
+    settle().await;
+    assert!(h.map.get(p(1)).is_some());
+    assert!(h.map.get(p(2)).is_none(), "not asked, not published");
+    assert_eq!(h.verdict(p(2)), DenyReason::SnapshotUnavailable);
 }
 
 /// Shutdown returns at once even while a fetch hangs, reports the counts,
@@ -1062,13 +1124,29 @@ async fn spawn_refuses_an_invalid_configuration_and_starts_nothing() {
     );
     let refused = SnapshotManager::spawn(
         source.clone(),
-        map,
+        Arc::clone(&map),
         Arc::new(ManualClock::new(start())),
         config(fixed([])),
     );
     assert_eq!(
         refused.map(|_| ()).unwrap_err(),
         SnapshotManagerConfigError::FixedPrincipalsEmpty
+    );
+    // I17: readiness that would outlive what admission accepts is refused,
+    // not warned about.
+    let outliving = SnapshotManagerConfig {
+        max_staleness: MAX_STALENESS + SignedDuration::from_secs(1),
+        ..config(fixed([1]))
+    };
+    let refused = SnapshotManager::spawn(
+        source.clone(),
+        map,
+        Arc::new(ManualClock::new(start())),
+        outliving,
+    );
+    assert_eq!(
+        refused.map(|_| ()).unwrap_err(),
+        SnapshotManagerConfigError::MaxStalenessAboveMap
     );
     settle().await;
     assert_eq!(source.calls(), vec![]);

@@ -144,6 +144,10 @@ pub enum SnapshotManagerConfigError {
     EnumerationTimeoutZero,
     /// `max_staleness` is not longer than `refresh_interval`.
     MaxStalenessNotAboveRefreshInterval,
+    /// `max_staleness` is longer than the snapshot map's (checked by
+    /// [`SnapshotManager::spawn`]): readiness would outlive the snapshots
+    /// admission accepts.
+    MaxStalenessAboveMap,
 }
 
 impl SnapshotManagerConfig {
@@ -201,6 +205,10 @@ impl fmt::Display for SnapshotManagerConfigError {
             }
             Self::MaxStalenessNotAboveRefreshInterval => {
                 "snapshot manager: max_staleness must exceed refresh_interval"
+            }
+            Self::MaxStalenessAboveMap => {
+                "snapshot manager: max_staleness must not be longer than the snapshot map's \
+                 (readiness would outlive the snapshots admission accepts)"
             }
         })
     }
@@ -371,7 +379,9 @@ impl SnapshotManager {
     ///
     /// # Errors
     ///
-    /// The first rule `config` breaks; nothing is started then.
+    /// The first rule `config` breaks, or
+    /// [`SnapshotManagerConfigError::MaxStalenessAboveMap`]; nothing is
+    /// started then.
     ///
     /// # Panics
     ///
@@ -384,12 +394,7 @@ impl SnapshotManager {
     ) -> Result<Self, SnapshotManagerConfigError> {
         config.validate()?;
         if config.max_staleness > map.config().max_staleness {
-            tracing::warn!(
-                manager = %config.max_staleness,
-                map = %map.config().max_staleness,
-                "snapshot manager: max_staleness is longer than the map's; readiness will \
-                 outlive the snapshots admission accepts"
-            );
+            return Err(SnapshotManagerConfigError::MaxStalenessAboveMap);
         }
         let counters = Arc::new(SnapshotCounters::default());
         let (readiness_tx, readiness) = watch::channel(false);
@@ -582,8 +587,16 @@ impl Task {
             let refreshed = self.refresh().await?;
             let looked_up = self.answer_lookups().await?;
             self.rebind();
-            let next = if refreshed && looked_up {
-                after(began, self.config.refresh_interval)
+            // The next refresh keeps its interval while refreshes succeed:
+            // a failed lookup (whose principals are asked again) must not
+            // put off the refresh that keeps every snapshot fresh.
+            let next = if refreshed {
+                let due = after(began, self.config.refresh_interval);
+                if looked_up {
+                    due
+                } else {
+                    due.min(after(Instant::now(), self.config.retry_backoff))
+                }
             } else {
                 after(Instant::now(), self.config.retry_backoff)
             };
@@ -726,8 +739,21 @@ impl Task {
     fn publish_answer(
         &mut self,
         asked: &[Principal],
-        snapshots: Vec<PrincipalSnapshot>,
+        mut snapshots: Vec<PrincipalSnapshot>,
     ) -> HashSet<Principal> {
+        // A principal the source volunteered was not asked for, so no later
+        // refresh reads it; published, it would stay vouched for by every
+        // refresh whatever became of it (I24).
+        let before = snapshots.len();
+        let asked_set: HashSet<Principal> = asked.iter().copied().collect();
+        snapshots.retain(|snapshot| asked_set.contains(&snapshot.principal));
+        if snapshots.len() < before {
+            tracing::warn!(
+                unasked = before - snapshots.len(),
+                "snapshot manager: the source answered for principals it was not asked \
+                 for; ignored"
+            );
+        }
         let returned: HashSet<Principal> = snapshots
             .iter()
             .map(|snapshot| snapshot.principal)
@@ -952,7 +978,12 @@ impl Vigil {
             return None;
         }
         let at = self.last_success?;
-        let left = self.max_staleness - self.clock.now().duration_since(at);
+        // Checked: a maximum staleness near `SignedDuration::MAX` and a
+        // clock stepped back would overflow; that is no lapse at all.
+        let left = self
+            .max_staleness
+            .checked_sub(self.clock.now().duration_since(at))
+            .unwrap_or(SignedDuration::MAX);
         let left = Duration::try_from(left).unwrap_or(Duration::ZERO);
         Some(left.max(RECHECK_FLOOR))
     }
