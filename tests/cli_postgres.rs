@@ -424,6 +424,16 @@ fn keys_are_issued_once_listed_by_prefix_and_revoked() {
         .fails(1, "unknown account");
     cli.run(&["key", "revoke", "key_999"])
         .fails(1, "unknown key");
+    // A key that cannot be written out (stdout on a full disk) is an
+    // error naming the key to revoke, not a panic.
+    let mut command = Cli::bare();
+    command
+        .args(["--database-url", &cli.url, "--schema", &cli.schema])
+        .args(["key", "issue", &id, "--permissions", "all"])
+        .stdout(std::fs::File::create("/dev/full").expect("/dev/full opens"));
+    let lost = finish(&command.output().expect("the tollgate binary runs"));
+    let lost = lost.fails(1, "could not be written");
+    assert!(lost.stderr.contains("revoke it"), "{}", lost.stderr);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

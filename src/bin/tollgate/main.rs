@@ -18,6 +18,7 @@ mod config;
 mod parse;
 mod render;
 
+use std::io::Write as _;
 use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
@@ -439,11 +440,22 @@ async fn key(store: &PostgresStore, command: KeyCommand, now: Timestamp) -> Resu
             permissions,
         } => {
             let issued = store.issue_key(account, permissions, now).await?;
-            println!("{}", issued.key.expose());
+            // The id first: should the key fail to reach stdout (a closed
+            // pipe, a full disk), the operator still knows which key to
+            // revoke, and the failure is an error, not a panic.
             eprintln!(
                 "{} for {account}, permissions {permissions}: shown once, store it now",
                 issued.key_id
             );
+            let mut out = std::io::stdout().lock();
+            writeln!(out, "{}", issued.key.expose())
+                .and_then(|()| out.flush())
+                .map_err(|error| {
+                    format!(
+                        "{} was issued but could not be written ({error}); revoke it",
+                        issued.key_id
+                    )
+                })?;
         }
         KeyCommand::Revoke { key } => {
             store.revoke_key(key, now).await?;
