@@ -650,6 +650,10 @@ impl Task {
             unreachable!("refresh_all runs only under an enumeration plan");
         };
         let limit = self.config.enumeration_timeout;
+        // Every publication copies the map, so pages are published in
+        // batches at least as large as the map: a first enumeration of N
+        // principals then copies O(N) entries in all, not O(N²/page).
+        let mut unpublished = Vec::new();
         loop {
             let answer = self
                 .vigil
@@ -667,21 +671,36 @@ impl Task {
             let page = match page {
                 Ok(page) => page,
                 Err(failure) => {
+                    // What was read is published, and the cursor kept, so
+                    // the next refresh resumes after it.
+                    self.publish_through(&mut unpublished, page_size, cursor);
                     self.note_failure("enumeration", failure);
                     return Ok(false);
                 }
             };
-            // Each page is published as it arrives, and the cursor kept, so
-            // a failure later in the enumeration resumes from here.
-            self.publish(page.snapshots);
+            unpublished.extend(page.snapshots);
             cursor = page.next;
-            self.plan = Plan::All { page_size, cursor };
             if page.complete {
+                self.publish_through(&mut unpublished, page_size, cursor);
                 return Ok(true);
+            }
+            if unpublished.len() >= self.map.len().max(page_size) {
+                self.publish_through(&mut unpublished, page_size, cursor);
             }
             // A long enumeration shares the runtime.
             tokio::task::yield_now().await;
         }
+    }
+
+    /// Publishes the snapshots read so far and keeps the cursor after them.
+    fn publish_through(
+        &mut self,
+        unpublished: &mut Vec<PrincipalSnapshot>,
+        page_size: usize,
+        cursor: SnapshotCursor,
+    ) {
+        self.publish(std::mem::take(unpublished));
+        self.plan = Plan::All { page_size, cursor };
     }
 
     /// Fetches the principals admission asked about; true unless the fetch
