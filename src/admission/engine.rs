@@ -246,10 +246,10 @@ fn fund(
     locality: Locality,
 ) -> Result<Reservation, DenyReason> {
     let leased = slot.with_lease(|lease| match lease {
-        Some(lease) => lease
-            .try_reserve_unrecorded(quote, now, locality)
-            .map(Reservation::leased)
-            .map_err(|refusal| refused(slot, lease, refusal, quote, now)),
+        Some(lease) => match Reservation::reserve_unrecorded(lease, quote, now, locality) {
+            Ok(reservation) => Ok(reservation),
+            Err(refusal) => Err(refused(slot, lease, refusal, quote, now)),
+        },
         None => Err((DenyReason::LeaseUnavailable, CostUnits::ZERO)),
     });
     let (refusal, held) = match leased {

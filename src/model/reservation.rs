@@ -164,15 +164,29 @@ impl Reservation {
         now: Timestamp,
         locality: Locality,
     ) -> Result<Self, DenyReason> {
-        lease.try_reserve_at(units, now, locality).map(Self::leased)
+        let debit = lease.try_reserve_at(units, now, locality)?;
+        Ok(Self::leased(debit, units))
     }
 
-    /// A pending reservation of a debit already taken.
+    /// [`reserve_at_locality`](Self::reserve_at_locality) without recording
+    /// a refusal on the lease: admission records the refusals it finds
+    /// fundable itself (I27).
     #[inline]
-    pub(crate) fn leased(debit: LeaseDebit) -> Self {
+    pub(crate) fn reserve_unrecorded(
+        lease: &LocalLease,
+        units: CostUnits,
+        now: Timestamp,
+        locality: Locality,
+    ) -> Result<Self, DenyReason> {
+        let debit = lease.try_reserve_unrecorded(units, now, locality)?;
+        Ok(Self::leased(debit, units))
+    }
+
+    #[inline]
+    fn leased(debit: LeaseDebit, units: CostUnits) -> Self {
         Self {
-            units: debit.units(),
             funding: Funding::Lease(debit),
+            units,
             phase: AtomicU8::new(PENDING_LEASE),
         }
     }
