@@ -548,3 +548,114 @@ impl fmt::Debug for ArcSwapSnapshotMap {
             .finish_non_exhaustive()
     }
 }
+
+#[cfg(all(test, not(tollgate_loom)))]
+mod tests {
+    use jiff::SignedDuration;
+
+    use super::*;
+    use crate::model::{
+        AccountId, AccountStatus, EnforcementMode, KeyId, KeyStatus, LocalSharding, PermissionBits,
+        PolicyRevision,
+    };
+
+    fn at(second: i64) -> Timestamp {
+        Timestamp::from_second(1_700_000_000 + second).expect("in range")
+    }
+
+    fn map(negative_capacity: usize, lookup_queue_capacity: usize) -> ArcSwapSnapshotMap {
+        ArcSwapSnapshotMap::new(
+            SnapshotMapConfig {
+                max_staleness: SignedDuration::from_secs(30),
+                negative_capacity,
+                history_depth: 2,
+                lookup_queue_capacity,
+            },
+            Arc::new(SlotRegistry::new(LocalSharding::Single)),
+        )
+        .expect("valid")
+    }
+
+    fn snapshot(principal: u64, key: &str, revision: u64) -> PrincipalSnapshot {
+        PrincipalSnapshot {
+            principal: Principal(principal),
+            account_id: AccountId(1),
+            key_id: Some(KeyId(principal)),
+            key_hash: Some(KeyHash::of(key.as_bytes())),
+            permissions: PermissionBits::ALL,
+            key_status: KeyStatus::Active,
+            account_status: AccountStatus::Active,
+            mode: EnforcementMode::Strict,
+            policy_revision: PolicyRevision(revision),
+            fetched_at: at(0),
+        }
+    }
+
+    fn entry(map: &ArcSwapSnapshotMap, principal: u64) -> Result<u64, DenyReason> {
+        let pinned = map.pin();
+        pinned
+            .entry(Principal(principal))
+            .map(|entry| entry.snapshot.policy_revision.get())
+    }
+
+    /// I24: the negative cache keeps the most recent records up to its
+    /// capacity, forgetting the oldest first, and a principal published
+    /// later stops being unknown.
+    #[test]
+    fn the_negative_cache_forgets_its_oldest_records_past_its_capacity() {
+        let map = map(2, 8);
+        map.mark_unknown([Principal(1), Principal(2), Principal(3)]);
+        assert!(!map.is_known_unknown(Principal(1)), "the oldest went");
+        assert!(map.is_known_unknown(Principal(2)) && map.is_known_unknown(Principal(3)));
+        assert_eq!(entry(&map, 3), Err(DenyReason::UnknownPrincipal));
+        map.publish([snapshot(3, "tg_three", 1)]);
+        assert!(!map.is_known_unknown(Principal(3)));
+        assert_eq!(entry(&map, 3), Ok(1));
+    }
+
+    /// A principal nobody has published is queued for the snapshot manager
+    /// to look up, at most the queue's capacity at a time; the requests
+    /// past it are refused all the same.
+    #[test]
+    fn lookups_of_missing_principals_are_queued_up_to_the_capacity() {
+        let map = map(2, 2);
+        for principal in 10..15 {
+            assert_eq!(entry(&map, principal), Err(DenyReason::SnapshotUnavailable));
+        }
+        let mut asked = Vec::new();
+        map.drain_lookups(&mut asked);
+        assert_eq!(asked, vec![Principal(10), Principal(11)]);
+    }
+
+    /// I24: history keeps the newest snapshots, up to its depth.
+    #[test]
+    fn history_keeps_the_newest_snapshots_up_to_its_depth() {
+        let map = map(2, 8);
+        for revision in 1..=3 {
+            map.publish([snapshot(1, "tg_one", revision)]);
+        }
+        let kept: Vec<u64> = map
+            .history(Principal(1))
+            .iter()
+            .map(|snapshot| snapshot.policy_revision.get())
+            .collect();
+        assert_eq!(kept, vec![3, 2], "newest first, two deep");
+    }
+
+    /// A rotated key reaches its principal only by its new hash; a key
+    /// withdrawn by `mark_unknown` reaches nobody.
+    #[test]
+    fn a_rotated_or_withdrawn_key_no_longer_resolves() {
+        let map = map(2, 8);
+        map.publish([snapshot(1, "tg_old", 1)]);
+        map.publish([snapshot(1, "tg_new", 2)]);
+        assert_eq!(map.principal_for_key(&KeyHash::of(b"tg_old")), None);
+        assert_eq!(
+            map.principal_for_key(&KeyHash::of(b"tg_new")),
+            Some(Principal(1))
+        );
+        map.mark_unknown([Principal(1)]);
+        assert_eq!(map.principal_for_key(&KeyHash::of(b"tg_new")), None);
+        assert!(map.history(Principal(1)).is_empty());
+    }
+}
