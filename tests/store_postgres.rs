@@ -1118,6 +1118,87 @@ async fn paging_by_revision_never_skips_a_change_among_racing_writers() {
 
 // ---- concurrency and failure --------------------------------------------------------------
 
+/// I8 across racing batches that lock different rows: two batches, each on
+/// its own account, claim one request id between them. Neither sees the
+/// other's row when it checks, so the one that inserts second finds the id
+/// taken and must fall back to judging its events one by one, taking back
+/// what it inserted. Every round exactly one of the two claims is accepted,
+/// every other event is accepted once, and the debt booked is exactly the
+/// units accepted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn racing_batches_claiming_one_request_id_book_it_once() {
+    const ROUNDS: u64 = 60;
+    let Some(store) = store("ingest_claim_race", 1).await else {
+        return;
+    };
+    let accounts = [account(&store, 0).await, account(&store, 0).await];
+    let pools = [Arc::new(sibling(&store).await), Arc::new(store)];
+    let overage = |request: RequestId, account: AccountId, units: u64| UsageEvent {
+        request_id: request,
+        account_id: account,
+        source: UsageSource::Overage,
+        units: CostUnits(units),
+        at: at(1),
+        policy_revision: PolicyRevision(1),
+        key_id: None,
+    };
+    let mut booked = [0_u64; 2];
+    for round in 0..ROUNDS {
+        let claimed = RequestId::from_parts(round, 0);
+        let start = Arc::new(tokio::sync::Barrier::new(2));
+        let racers: Vec<_> = (0..2_usize)
+            .map(|side| {
+                let pool = Arc::clone(&pools[side]);
+                let start = Arc::clone(&start);
+                let account = accounts[side];
+                // Units differ by side, so the loser's claim conflicts.
+                let side_units = 1 + side as u64;
+                let batch = [
+                    overage(RequestId::from_parts(round, 1 + side as u64), account, 10),
+                    overage(claimed, account, side_units),
+                    overage(RequestId::from_parts(round, 3 + side as u64), account, 100),
+                ];
+                tokio::spawn(async move {
+                    start.wait().await;
+                    pool.ingest(&batch).await.unwrap()
+                })
+            })
+            .collect();
+        let mut outcomes = Vec::new();
+        for racer in racers {
+            outcomes.push(racer.await.unwrap());
+        }
+        let accepted = |side: usize| IngestOutcome::Accepted == outcomes[side][1];
+        assert!(
+            accepted(0) != accepted(1),
+            "I8: round {round}: exactly one claim of the id is accepted: {outcomes:?}"
+        );
+        for (side, outcome) in outcomes.iter().enumerate() {
+            assert_eq!(
+                [outcome[0], outcome[2]],
+                [IngestOutcome::Accepted; 2],
+                "round {round}: the batch's own events are accepted whatever the claim met"
+            );
+            if !accepted(side) {
+                assert_eq!(
+                    outcome[1],
+                    IngestOutcome::Rejected(RejectReason::ConflictingDuplicate)
+                );
+            }
+            booked[side] += 110 + if accepted(side) { 1 + side as u64 } else { 0 };
+        }
+    }
+    for (side, account) in accounts.into_iter().enumerate() {
+        let view = pools[1].account(account, at(2)).await.unwrap();
+        assert_eq!(
+            view.overage_debt.get(),
+            booked[side],
+            "every accepted event booked once, nothing else"
+        );
+    }
+    audited(&pools[1]).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn sixteen_concurrent_acquirers_on_one_account_never_over_grant() {
     let Some(store) = store("acquire_race", 4).await else {
