@@ -227,6 +227,59 @@ async fn migrating_twice_applies_nothing_the_second_time_and_the_check_says_so()
     );
 }
 
+/// A schema named by one of `PostgreSQL`'s reserved words is a schema like
+/// any other: created, migrated, checked and used.
+#[tokio::test]
+async fn a_schema_named_by_a_reserved_word_migrates_and_serves() {
+    let Some(url) = database_url("reserved_word_schema") else {
+        return;
+    };
+    let store = PostgresStore::connect(
+        &url,
+        PostgresConfig {
+            schema: "order".to_owned(),
+            policy: policy(1),
+        },
+    )
+    .await
+    .expect("the test server is reachable");
+    // The one test that uses this name, so a rerun starts afresh.
+    sqlx::raw_sql(r#"DROP SCHEMA IF EXISTS "order" CASCADE"#)
+        .execute(store.pool())
+        .await
+        .unwrap();
+    assert_eq!(store.check_schema().await.unwrap(), SchemaStatus::Missing);
+    assert_eq!(store.migrate().await.unwrap().current, 2);
+    assert_eq!(
+        store.check_schema().await.unwrap(),
+        SchemaStatus::Current { version: 2 }
+    );
+    let acct = account(&store, 100).await;
+    let key = store
+        .issue_key(acct, PermissionBits::ALL, at(0))
+        .await
+        .unwrap();
+    let granted = store
+        .acquire(acct, CostUnits(40), TTL, at(0))
+        .await
+        .unwrap();
+    assert_eq!(granted.grant.units, CostUnits(40));
+    assert_eq!(balance(&store, acct, at(0)).await, 60);
+    let changed = store
+        .changed_since(SnapshotCursor::START, 10, at(0))
+        .await
+        .unwrap();
+    assert_eq!(
+        changed
+            .snapshots
+            .iter()
+            .map(|s| s.principal)
+            .collect::<Vec<_>>(),
+        vec![key.principal]
+    );
+    audited(&store).await;
+}
+
 /// I33: three instances migrating one database at once apply each version
 /// exactly once between them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -291,7 +291,7 @@ impl PostgresStore {
             .await
             .map_err(|error| storage("acquiring a connection", &error))?;
         let exists: bool = sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL")
-            .bind(format!("{}.schema_migrations", self.schema))
+            .bind(self.sql("{schema}.schema_migrations"))
             .fetch_one(&mut *conn)
             .await
             .map_err(|error| storage("finding the migration table", &error))?;

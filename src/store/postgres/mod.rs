@@ -87,7 +87,8 @@ pub struct PostgresConfig {
 /// # Invariants
 ///
 /// 1. The schema name is a validated identifier, so it can be spliced into
-///    SQL text.
+///    SQL text. It is spliced quoted, so a name that is also a keyword
+///    (`user`, `order`) means the schema, not the keyword.
 /// 2. The policy passed [`GrantPolicy::validate`].
 /// 3. Every instant the store writes is truncated to the microsecond first.
 pub struct PostgresStore {
@@ -347,9 +348,16 @@ impl PostgresStore {
     }
 
     /// `template` with every `{schema}` replaced by the store's schema name
-    /// (a validated identifier, invariant 1).
+    /// (a validated identifier, invariant 1), quoted.
     fn sql(&self, template: &str) -> String {
-        template.replace("{schema}", &self.schema)
+        template.replace("{schema}", &self.quoted_schema())
+    }
+
+    /// The schema name as a quoted identifier. Quoting a lowercase name
+    /// names the same schema as leaving it bare, so schemas created before
+    /// names were quoted are found as they were.
+    fn quoted_schema(&self) -> String {
+        format!("\"{}\"", self.schema)
     }
 }
 
@@ -370,7 +378,7 @@ fn validate(config: &PostgresConfig) -> Result<(), PostgresError> {
 }
 
 /// Whether `name` matches `^[a-z_][a-z0-9_]{0,62}$`: safe to splice into SQL
-/// unquoted, and never folded or truncated by `PostgreSQL`.
+/// between double quotes, and never folded or truncated by `PostgreSQL`.
 fn valid_schema_name(name: &str) -> bool {
     let mut bytes = name.bytes();
     let Some(first) = bytes.next() else {
