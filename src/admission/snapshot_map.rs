@@ -12,7 +12,7 @@ use jiff::{SignedDuration, Timestamp};
 use rustc_hash::FxBuildHasher;
 
 use crate::admission::{LeaseSlot, SlotRegistry};
-use crate::model::{DenyReason, KeyHash, Principal, PrincipalSnapshot};
+use crate::model::{DenyReason, KeyHash, PolicyRevision, Principal, PrincipalSnapshot};
 
 /// How the snapshot map bounds what it holds and trusts. No defaults (I17).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -405,8 +405,13 @@ impl ArcSwapSnapshotMap {
 
     /// Publishes fresh snapshots, binding each to its account's slot (made if
     /// missing). A principal published here stops being unknown.
+    ///
+    /// A snapshot of an older policy revision than one already published or
+    /// earlier in `snapshots` for its principal is dropped and logged (I34):
+    /// revisions only grow, so it is a stale read, and publishing it could
+    /// bring back a key that was revoked.
     pub fn publish(&self, snapshots: impl IntoIterator<Item = PrincipalSnapshot>) {
-        let fresh: Vec<Entry> = snapshots
+        let mut fresh: Vec<Entry> = snapshots
             .into_iter()
             .map(|snapshot| Entry {
                 slot: self.registry.ensure(snapshot.account_id),
@@ -423,6 +428,34 @@ impl ArcSwapSnapshotMap {
             return;
         }
         let mut writer = self.lock_writer();
+        // Only writers publish, under the writer lock: this is the map the
+        // new one is made from.
+        let published = self.published.load();
+        let mut newest: HashMap<Principal, PolicyRevision> = HashMap::new();
+        let offered = fresh.len();
+        fresh.retain(|entry| {
+            let (principal, revision) = (entry.snapshot.principal, entry.snapshot.policy_revision);
+            let seen = newest.get(&principal).copied().or_else(|| {
+                let held = published.entries.get(&principal)?;
+                Some(held.snapshot.policy_revision)
+            });
+            if seen.is_some_and(|seen| revision < seen) {
+                return false;
+            }
+            newest.insert(principal, revision);
+            true
+        });
+        drop(published);
+        if fresh.len() < offered {
+            tracing::warn!(
+                stale = offered - fresh.len(),
+                "snapshot map: dropped snapshots older than a revision already published \
+                 for their principal (I34)"
+            );
+        }
+        if fresh.is_empty() {
+            return;
+        }
         let depth = self.config.history_depth;
         for entry in &fresh {
             let kept = writer.history.entry(entry.snapshot.principal).or_default();
@@ -640,6 +673,54 @@ mod tests {
             .map(|snapshot| snapshot.policy_revision.get())
             .collect();
         assert_eq!(kept, vec![3, 2], "newest first, two deep");
+    }
+
+    /// I34: a stale read of an older revision, published after a newer
+    /// one, does not bring back the key the newer one revoked, whether it
+    /// comes in a later publication or later in the same one. The same
+    /// revision read again renews the snapshot's freshness.
+    #[test]
+    fn an_older_revision_never_replaces_a_newer_one() {
+        let map = map(2, 8);
+        let revoked = PrincipalSnapshot {
+            key_status: KeyStatus::Revoked,
+            ..snapshot(1, "tg_one", 6)
+        };
+        map.publish([revoked]);
+        map.publish([snapshot(1, "tg_one", 5)]);
+        assert_eq!(entry(&map, 1), Ok(6));
+        assert_eq!(
+            map.get(Principal(1)).map(|s| s.key_status),
+            Some(KeyStatus::Revoked)
+        );
+
+        // Within one publication: the older after the newer is dropped, the
+        // newer after the older replaces it, and history keeps what stood.
+        map.publish([
+            snapshot(2, "tg_two", 3),
+            snapshot(2, "tg_two", 4),
+            snapshot(2, "tg_two", 1),
+        ]);
+        assert_eq!(entry(&map, 2), Ok(4));
+        let kept: Vec<u64> = map
+            .history(Principal(2))
+            .iter()
+            .map(|snapshot| snapshot.policy_revision.get())
+            .collect();
+        assert_eq!(kept, vec![4, 3]);
+
+        let renewed = PrincipalSnapshot {
+            fetched_at: at(25),
+            ..revoked
+        };
+        map.publish([renewed]);
+        let pinned = map.pin();
+        let entry = pinned.entry(Principal(1)).expect("published");
+        assert_eq!(
+            map.check_fresh(entry, at(40)),
+            Ok(()),
+            "fresh for 30 s from the re-read at 25 s"
+        );
     }
 
     /// A rotated key reaches its principal only by its new hash; a key
