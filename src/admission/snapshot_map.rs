@@ -525,8 +525,11 @@ impl ArcSwapSnapshotMap {
                 by_key: current.by_key.clone(),
             };
             for principal in &added {
+                // The hash leads elsewhere if another principal was
+                // published with it since; that one keeps it.
                 if let Some(entry) = next.entries.remove(principal)
                     && let Some(hash) = entry.snapshot.key_hash
+                    && next.by_key.get(&hash) == Some(principal)
                 {
                     next.by_key.remove(&hash);
                 }
@@ -720,6 +723,21 @@ mod tests {
             map.check_fresh(entry, at(40)),
             Ok(()),
             "fresh for 30 s from the re-read at 25 s"
+        );
+    }
+
+    /// Withdrawing a principal withdraws its key's hash only while the hash
+    /// still leads to it: a principal published with that hash since keeps
+    /// it.
+    #[test]
+    fn withdrawing_a_principal_leaves_a_hash_another_now_holds() {
+        let map = map(2, 8);
+        map.publish([snapshot(1, "tg_shared", 1)]);
+        map.publish([snapshot(2, "tg_shared", 2)]);
+        map.mark_unknown([Principal(1)]);
+        assert_eq!(
+            map.principal_for_key(&KeyHash::of(b"tg_shared")),
+            Some(Principal(2))
         );
     }
 
