@@ -27,7 +27,8 @@ use tollgate::store::{
     SnapshotPage, SnapshotSource, StoreError, TailSharing,
 };
 use tollgate::{
-    AccountId, AccountStatus, CostUnits, EnforcementMode, PermissionBits, PolicyRevision,
+    AccountId, AccountStatus, CostUnits, DenyReason, EnforcementMode, PermissionBits,
+    PolicyRevision,
 };
 use tower::{Layer, Service, ServiceExt, service_fn};
 use tracing_subscriber::layer::SubscriberExt as _;
@@ -1008,27 +1009,123 @@ async fn a_custom_extractor_and_a_closure_renderer_replace_the_defaults() {
     assert_eq!(answer.status, StatusCode::OK, "{}", answer.body);
 }
 
+/// The default extractor's rules written out plainly, for the property
+/// below to hold the extractor to: duplicates of either header are
+/// malformed, `Authorization` wins and must be `Bearer` (any case) and a
+/// space, leading spaces before the token are skipped, and a key is 1 to
+/// `MAX_KEY_BYTES` visible ASCII bytes.
+fn extraction_model(headers: &[(http::HeaderName, Vec<u8>)]) -> Result<Vec<u8>, DenyReason> {
+    let values = |name: &http::HeaderName| -> Vec<&Vec<u8>> {
+        headers
+            .iter()
+            .filter(|(n, _)| n == name)
+            .map(|(_, v)| v)
+            .collect()
+    };
+    let (authorization, api_key) = (values(&AUTHORIZATION), values(&X_API_KEY));
+    if authorization.len() > 1 || api_key.len() > 1 {
+        return Err(DenyReason::MalformedCredential);
+    }
+    let key: Vec<u8> = match (authorization.first(), api_key.first()) {
+        (Some(value), _) => {
+            let lower = value.to_ascii_lowercase();
+            if !(lower.len() > 7 && lower.starts_with(b"bearer ")) {
+                return Err(DenyReason::MalformedCredential);
+            }
+            value[6..]
+                .iter()
+                .copied()
+                .skip_while(|b| *b == b' ')
+                .collect()
+        }
+        (None, Some(value)) => (*value).clone(),
+        (None, None) => return Err(DenyReason::MissingCredential),
+    };
+    let visible = key.iter().all(|b| (0x21..=0x7E).contains(b));
+    if key.is_empty() || key.len() > MAX_KEY_BYTES || !visible {
+        return Err(DenyReason::MalformedCredential);
+    }
+    Ok(key)
+}
+
+const X_API_KEY: http::HeaderName = http::HeaderName::from_static("x-api-key");
+
+/// A header value as clients send them, right and wrong: a scheme or none,
+/// then bytes that are mostly a key's, now and then a space or anything.
+fn header_value() -> impl Strategy<Value = Vec<u8>> {
+    let scheme = prop_oneof![
+        Just(b"Bearer ".to_vec()),
+        Just(b"bEaReR   ".to_vec()),
+        Just(b"Bearer".to_vec()),
+        Just(b"Basic ".to_vec()),
+        Just(Vec::new()),
+    ];
+    let byte = prop_oneof![
+        20 => 0x21_u8..=0x7E,
+        1 => Just(b' '),
+        1 => any::<u8>(),
+    ];
+    let body = prop_oneof![
+        6 => prop::collection::vec(0x21_u8..=0x7E, 1..64),
+        // Around the length limit.
+        1 => prop::collection::vec(0x21_u8..=0x7E, 250..260),
+        3 => prop::collection::vec(byte, 0..300),
+    ];
+    (scheme, body).prop_map(|(mut scheme, body)| {
+        scheme.extend(body);
+        scheme
+    })
+}
+
 proptest! {
+    /// Whatever the headers, the extractor answers as the model does, and
+    /// never panics.
     #[test]
-    fn extracting_a_key_from_arbitrary_headers_never_panics_and_yields_only_visible_ascii(
-        headers in prop::collection::vec((0_u8..3, prop::collection::vec(any::<u8>(), 0..300)), 0..4)
+    fn extracting_a_key_from_arbitrary_headers_follows_the_documented_rules(
+        headers in prop::collection::vec((0_u8..3, header_value()), 0..4)
     ) {
         let mut map = HeaderMap::new();
-        for (name, value) in &headers {
+        let mut sent = Vec::new();
+        for (name, value) in headers {
             let name = match name {
                 0 => AUTHORIZATION,
-                1 => http::HeaderName::from_static("x-api-key"),
+                1 => X_API_KEY,
                 _ => http::HeaderName::from_static("x-other"),
             };
-            if let Ok(value) = HeaderValue::from_bytes(value) {
-                map.append(name, value);
+            // What HTTP cannot carry never reaches the extractor.
+            if let Ok(header) = HeaderValue::from_bytes(&value) {
+                map.append(name.clone(), header);
+                sent.push((name, value));
             }
         }
-        if let Ok(key) = BearerOrApiKey.extract(&map) {
-            prop_assert!(!key.is_empty() && key.len() <= MAX_KEY_BYTES);
-            prop_assert!(key.iter().all(|byte| (0x21..=0x7E).contains(byte)));
-        }
+        let extracted = BearerOrApiKey.extract(&map).map(<[u8]>::to_vec);
+        prop_assert_eq!(extracted, extraction_model(&sent));
     }
+}
+
+/// The property above reaches every answer, not only the refusals.
+#[test]
+fn the_extraction_property_draws_keys_it_accepts() {
+    use proptest::strategy::ValueTree;
+    let mut runner = proptest::test_runner::TestRunner::deterministic();
+    let strategy = prop::collection::vec((0_u8..3, header_value()), 0..4);
+    let mut accepted = 0;
+    for _ in 0..256 {
+        let headers = strategy.new_tree(&mut runner).unwrap().current();
+        let named: Vec<_> = headers
+            .into_iter()
+            .map(|(name, value)| match name {
+                0 => (AUTHORIZATION, value),
+                1 => (X_API_KEY, value),
+                _ => (http::HeaderName::from_static("x-other"), value),
+            })
+            .collect();
+        accepted += usize::from(extraction_model(&named).is_ok());
+    }
+    assert!(
+        accepted > 25,
+        "only {accepted} of 256 cases drew a usable key"
+    );
 }
 
 #[tokio::test(start_paused = true)]
