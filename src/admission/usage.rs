@@ -720,31 +720,47 @@ mod tests {
         assert_eq!(recorder.queue().overflowed(), 0);
     }
 
+    /// I20: four threads released at once take places until refused, each
+    /// round on a fresh queue. Exactly the capacity is handed out, whoever
+    /// wins, and every permit's event is queued.
     #[test]
     fn racing_permits_never_exceed_the_capacity() {
-        let recorder = UsageRecorder::with_capacity(64, 64);
-        let granted: usize = std::thread::scope(|scope| {
-            let racers: Vec<_> = (0..4)
-                .map(|_| {
-                    let recorder = recorder.clone();
-                    scope.spawn(move || {
-                        let mut held = Vec::new();
-                        while let Ok(permit) = recorder.try_permit() {
-                            held.push(permit);
-                        }
-                        let count = held.len();
-                        for (i, permit) in held.into_iter().enumerate() {
-                            permit.record(event(i as u128));
-                        }
-                        count
+        const CAPACITY: usize = 64;
+        const RACERS: usize = 4;
+        let mut shared_rounds = 0;
+        for round in 0..200_u128 {
+            let recorder = UsageRecorder::with_capacity(CAPACITY, CAPACITY);
+            let start = std::sync::Barrier::new(RACERS);
+            let counts: Vec<usize> = std::thread::scope(|scope| {
+                let racers: Vec<_> = (0..RACERS as u128)
+                    .map(|racer| {
+                        let (recorder, start) = (recorder.clone(), &start);
+                        scope.spawn(move || {
+                            start.wait();
+                            let mut held = Vec::new();
+                            while let Ok(permit) = recorder.try_permit() {
+                                held.push(permit);
+                            }
+                            let count = held.len();
+                            for (i, permit) in held.into_iter().enumerate() {
+                                permit.record(event(round << 32 | racer << 16 | i as u128));
+                            }
+                            count
+                        })
                     })
-                })
-                .collect();
-            racers.into_iter().map(|r| r.join().unwrap()).sum()
-        });
-        // I20: exactly the capacity was handed out, and every event is queued.
-        assert_eq!(granted, 64);
-        assert_eq!(recorder.queued(), 64);
-        assert_eq!(recorder.queue().overflowed(), 0);
+                    .collect();
+                racers.into_iter().map(|r| r.join().unwrap()).collect()
+            });
+            assert_eq!(counts.iter().sum::<usize>(), CAPACITY, "round {round}");
+            assert_eq!(recorder.queued(), CAPACITY);
+            assert_eq!(recorder.queue().overflowed(), 0);
+            if counts.iter().filter(|&&count| count > 0).count() > 1 {
+                shared_rounds += 1;
+            }
+        }
+        assert!(
+            shared_rounds > 0,
+            "no round had two threads taking places at once"
+        );
     }
 }
