@@ -42,6 +42,10 @@ struct Tally {
     committed_lease: u64,
     committed_overage: u64,
     refused: u64,
+    /// Refusals because overage filled the cap (committed or pending).
+    cap_refused: u64,
+    /// Split charges whose waiter's cancel beat the commit.
+    split_lost: u64,
 }
 
 /// One thread's share of a round: reserve a small quote, then resolve it one
@@ -56,9 +60,23 @@ fn worker(
     for op in 0..OPS_PER_THREAD {
         let quote = CostUnits(1 + (op * 7 + seed) % 5);
         let funded = match Reservation::reserve(lease, quote, at(0)) {
-            Err(DenyReason::LeaseExhausted) => {
-                overage.and_then(|overage| Reservation::reserve_overage(overage, quote, cap).ok())
-            }
+            Err(DenyReason::LeaseExhausted) => match overage {
+                None => None,
+                Some(overage) => match Reservation::reserve_overage(overage, quote, cap) {
+                    Ok(reservation) => Some(reservation),
+                    // I11: only the overage refusals, each for its reason.
+                    Err(
+                        DenyReason::OverageCapExhausted { overage_cap, .. }
+                        | DenyReason::OverageCapTemporarilyExhausted { overage_cap, .. },
+                    ) => {
+                        assert_eq!(overage_cap, cap);
+                        tally.cap_refused += 1;
+                        None
+                    }
+                    Err(DenyReason::OverageCommitInProgress { .. }) => None,
+                    Err(other) => panic!("unexpected overage refusal {other:?}"),
+                },
+            },
             Err(other) => panic!("unexpected denial {other:?}"),
             Ok(reservation) => Some(reservation),
         };
@@ -83,7 +101,15 @@ fn worker(
                 // A split charge whose waiter cancels while this thread
                 // commits: exactly one of them wins.
                 let (shared, handle) = reservation.split();
-                let waiter = std::thread::spawn(move || handle.cancel());
+                let both = Arc::new(Barrier::new(2));
+                let waiter = {
+                    let both = Arc::clone(&both);
+                    std::thread::spawn(move || {
+                        both.wait();
+                        handle.cancel()
+                    })
+                };
+                both.wait();
                 let won = shared
                     .reservation()
                     .commit_at_execution_start(at(0), CommitFunding::LeaseOnly)
@@ -93,6 +119,7 @@ fn worker(
                     won,
                     matches!(cancelled, CancelOutcome::AlreadyCommitted { .. })
                 );
+                tally.split_lost += u64::from(!won);
                 won
             }
         };
@@ -107,7 +134,17 @@ fn worker(
     tally
 }
 
-fn run_rounds(sharding: LocalSharding, overage_cap: Option<CostUnits>) {
+/// What all rounds of a run did, for checking that the run reached the
+/// paths it names.
+#[derive(Default)]
+struct RunTally {
+    committed_overage: u64,
+    cap_refused: u64,
+    split_commits_lost: u64,
+}
+
+fn run_rounds(sharding: LocalSharding, overage_cap: Option<CostUnits>) -> RunTally {
+    let mut run = RunTally::default();
     for round in 0..ROUNDS {
         let lease = lease(sharding);
         let overage = overage_cap.map(|_| Arc::new(AccountOverage::new(AccountId(1))));
@@ -127,6 +164,9 @@ fn run_rounds(sharding: LocalSharding, overage_cap: Option<CostUnits>) {
         });
         let committed_lease: u64 = tallies.iter().map(|t| t.committed_lease).sum();
         let committed_overage: u64 = tallies.iter().map(|t| t.committed_overage).sum();
+        run.committed_overage += committed_overage;
+        run.cap_refused += tallies.iter().map(|t| t.cap_refused).sum::<u64>();
+        run.split_commits_lost += tallies.iter().map(|t| t.split_lost).sum::<u64>();
         // I6: quiescent now, so the count is exact.
         assert!(lease.is_only_local_view());
         assert_eq!(
@@ -151,6 +191,11 @@ fn run_rounds(sharding: LocalSharding, overage_cap: Option<CostUnits>) {
             "round {round}: the lease never ran dry"
         );
     }
+    assert!(
+        run.split_commits_lost > 0,
+        "no split charge's cancel ever beat its commit: the race went one way"
+    );
+    run
 }
 
 #[test]
@@ -165,7 +210,9 @@ fn four_threads_on_one_sharded_lease_conserve_every_unit() {
 
 #[test]
 fn four_threads_spilling_into_overage_never_pass_the_cap() {
-    run_rounds(LocalSharding::shards(2).unwrap(), Some(CostUnits(40)));
+    let run = run_rounds(LocalSharding::shards(2).unwrap(), Some(CostUnits(40)));
+    assert!(run.committed_overage > 0, "overage was never spent");
+    assert!(run.cap_refused > 0, "the cap never refused anything");
 }
 
 #[test]
