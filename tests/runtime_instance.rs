@@ -691,11 +691,15 @@ async fn an_integrity_fault_takes_the_instance_out_of_service_for_good() {
     // A tiny grant rotates at once, so a release happens early.
     config.leases.target_grant = CostUnits(10);
     config.leases.low_water = CostUnits(5);
+    let restart_backoff = config.manager_restart_backoff;
+    let supervisor_interval = config.supervisor_interval;
     let (runtime, handle) = w.spawn_with(allocator, config);
     tokio::time::sleep(ms(200)).await;
     assert!(handle.readiness());
+    // Down to low water: the lease rotates, and the old one's release is
+    // refused once it quiesces.
     for _ in 0..6 {
-        let _ = w.begin(&handle, 1);
+        assert_eq!(w.begin(&handle, 1), Ok(CostUnits(1)));
     }
     tokio::time::sleep(ms(500)).await;
     let report = handle.report();
@@ -704,6 +708,19 @@ async fn an_integrity_fault_takes_the_instance_out_of_service_for_good() {
         "I15, I29: the refused release is an integrity fault"
     );
     assert!(!report.ready);
+    let refused = report
+        .leases
+        .expect("the account's manager reports")
+        .release_refused_for(&AllocateError::InvalidRelease);
+    assert!(refused >= 1, "the fault is the refused release");
+    // For good: no restart or supervisor pass brings the instance back.
+    tokio::time::sleep(4 * (restart_backoff + supervisor_interval)).await;
+    let later = handle.report();
+    assert!(later.faulted && !later.ready, "still out of service");
+    assert_eq!(
+        later.manager_restarts, 0,
+        "a faulted manager is not restarted"
+    );
     runtime.shutdown().await;
 }
 
