@@ -319,22 +319,27 @@ fn a_cached_generation_never_keeps_a_superseded_lease_busy() {
 fn admission_counts_are_exact_across_many_threads() {
     const MANY: u64 = 160;
     let (engine, _map, _registry) = warm(1);
+    // All started before any admits, so the counting overlaps.
+    let start = Barrier::new(usize::try_from(MANY).unwrap());
     std::thread::scope(|scope| {
         for _ in 0..MANY {
-            let engine = &engine;
+            let (engine, start) = (&engine, &start);
             scope.spawn(move || {
+                start.wait();
                 for _ in 0..50 {
                     engine
                         .begin(Principal(1), PermissionBits::NONE, CostUnits(1), at(1))
                         .unwrap();
                 }
-                // One denial each, counted on the same stripe.
+                // One denial each, counted on the same stripe: a principal
+                // the map has not loaded, while no refresh vouches for it.
                 let denied = engine.begin(Principal(99), PermissionBits::NONE, CostUnits(1), at(1));
-                assert!(denied.is_err());
+                assert_eq!(denied.err(), Some(DenyReason::SnapshotUnavailable));
             });
         }
     });
     let stats = engine.counters().read();
     assert_eq!(stats.admitted, MANY * 50);
     assert_eq!(stats.denied_total(), MANY);
+    assert_eq!(stats.denied_for(DenyReason::SnapshotUnavailable), MANY);
 }
