@@ -1909,14 +1909,16 @@ async fn on_a_memory_store_spending_rotation_and_shutdown_leave_the_ledger_balan
     for round in 0..60_u64 {
         request += 1;
         let quote = 3 + round % 11;
-        if let Some(units) = serve_request(&store, &slot, request, quote).await {
-            committed += units;
-        }
+        // The balance covers every quote, and the lease is restocked
+        // between rounds: every request is served.
+        committed += serve_request(&store, &slot, request, quote)
+            .await
+            .unwrap_or_else(|| panic!("round {round}: the request is funded"));
         // A request that leaves before execution pays nothing (I4).
         let cancelled = slot.with_lease(|lease| {
-            lease.and_then(|lease| Reservation::reserve(lease, CostUnits(2), start()).ok())
+            Reservation::reserve(lease.expect("a lease serves"), CostUnits(2), start())
         });
-        drop(cancelled);
+        drop(cancelled.expect("the cancelled request was admitted"));
         if round == 30 {
             // More than any lease holds: refused, then folded (I18).
             let refused = slot.with_lease(|lease| {
