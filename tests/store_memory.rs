@@ -1307,9 +1307,16 @@ impl Outstanding {
 }
 
 /// One task's rounds: acquire, bill now and then, hold across a yield, then
-/// release or consolidate. Returns the units it was granted.
-async fn churn<S: TestStore>(store: &S, acct: AccountId, task: u128, ledger: &Outstanding) -> u64 {
+/// release or consolidate. Returns the units it was granted and the folds
+/// that succeeded.
+async fn churn<S: TestStore>(
+    store: &S,
+    acct: AccountId,
+    task: u128,
+    ledger: &Outstanding,
+) -> (u64, u64) {
     let mut held = 0_u64;
+    let mut folds = 0_u64;
     for round in 0..200_u128 {
         // A refusal (the balance is short) is an answer; a storage error,
         // such as a serialization failure, is not.
@@ -1352,9 +1359,15 @@ async fn churn<S: TestStore>(store: &S, acct: AccountId, task: u128, ledger: &Ou
                     at(1),
                 )
                 .await
-                .map_err(drop)
+                .map_err(|error| {
+                    // Short of balance is an answer; a storage error is not.
+                    if let AllocateError::Storage(error) = error {
+                        panic!("consolidate: {error}");
+                    }
+                })
         };
         if let Ok(next) = folded {
+            folds += 1;
             ledger.settled(spend);
             let n = next.grant;
             ledger.granted(n.units.get());
@@ -1375,7 +1388,7 @@ async fn churn<S: TestStore>(store: &S, acct: AccountId, task: u128, ledger: &Ou
             ledger.settled(spend);
         }
     }
-    held
+    (held, folds)
 }
 
 /// I14, I15: eight tasks on four threads acquire, bill, hold across a yield,
@@ -1396,10 +1409,13 @@ async fn eight_tasks_on_one_account_never_over_grant<S: TestStore>() {
             tokio::spawn(async move { churn(&*store, acct, task, &ledger).await })
         })
         .collect();
-    let mut held = 0;
+    let (mut held, mut folds) = (0, 0);
     for task in tasks {
-        held += task.await.unwrap();
+        let (task_held, task_folds) = task.await.unwrap();
+        held += task_held;
+        folds += task_folds;
     }
+    assert!(folds > 0, "the release-or-fold race had folds in it");
     let view = store.account(acct, at(2)).await.unwrap();
     let billed: u64 = store
         .usage(acct)
