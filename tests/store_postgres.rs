@@ -635,6 +635,8 @@ async fn three_concurrent_reclaimers_settle_each_lease_exactly_once() {
         all.extend(reclaimer.await.unwrap());
     }
     let credited: u64 = all.iter().map(|lease| lease.credited.get()).sum();
+    // Exactly once: as many reclaims as leases, and no lease twice.
+    assert_eq!(all.len(), 150, "I19: one reclaim per lease");
     all.sort_by_key(|lease| lease.lease_id);
     all.dedup_by_key(|lease| lease.lease_id);
     assert_eq!(all.len(), 150, "I19: every lease reclaimed exactly once");
