@@ -385,6 +385,9 @@ fn refills_are_set_and_cleared() {
     );
     cli.run(&["refill", "set", &id, "--amount", "500", "--every", "0s"])
         .fails(2, "positive duration");
+    // Stored, not only printed, and the refused change left it alone.
+    let shown = cli.run(&["account", "show", &id]).ok();
+    assert!(shown.contains("refill=500/"), "{shown}");
     cli.run(&["refill", "clear", &id]).ok();
     assert!(!cli.run(&["account", "show", &id]).ok().contains("refill="));
 }
