@@ -3,9 +3,10 @@
 //! tollgate admits each request by reserving its price against a locally
 //! *leased* slice of the caller's account balance, commits the charge when the
 //! handler starts, and releases it for zero when the request ends before
-//! execution. Admission and the commit use atomics only: no I/O, no lock and
-//! no heap allocation (the layer's deferred commit point adds one allocation
-//! and an uncontended lock per request).
+//! execution. The engine's admission and commit use atomics only: no I/O, no
+//! lock and no heap allocation. (The HTTP layer adds a few small allocations
+//! per admitted request, for its request extension and request-id header;
+//! its deferred commit point, two more and an uncontended lock.)
 //!
 //! The crate is layered; each module depends only on the ones listed before
 //! it:
