@@ -7,11 +7,13 @@
 
 mod support;
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use axum::routing::get;
 use axum::{Extension, Router};
-use support::http::{TestServer, priced_by_path, wait_started};
+use support::http::{TestServer, eventually, priced_by_path, wait_started};
 use support::runtime::ms;
 use tokio::sync::mpsc;
 use tollgate::layer::Admitted;
@@ -28,8 +30,9 @@ const SLOW_FOR: Duration = Duration::from_millis(600);
 /// A store, a runtime over it (ready), and an axum app on 127.0.0.1:0:
 /// `/work` and `/slow` behind tollgate, behind one global concurrency limit
 /// of one request placed OUTSIDE tollgate, so a queued request has not been
-/// admitted; and one message each time `/slow` starts running.
-async fn serve() -> (TestServer, mpsc::UnboundedReceiver<()>) {
+/// admitted; one message each time `/slow` starts running; and the count of
+/// requests that reached the server, taken outside the limit.
+async fn serve() -> (TestServer, mpsc::UnboundedReceiver<()>, Arc<AtomicUsize>) {
     let world = support::runtime::start_real_time(INITIAL).await;
     let layer = priced_by_path(&world.handle, |path| {
         if path == "/slow" {
@@ -41,6 +44,7 @@ async fn serve() -> (TestServer, mpsc::UnboundedReceiver<()>) {
     .build()
     .unwrap();
     let (started, slow_started) = mpsc::unbounded_channel();
+    let arrived = Arc::new(AtomicUsize::new(0));
     let app = Router::new()
         .route(
             "/work",
@@ -57,15 +61,27 @@ async fn serve() -> (TestServer, mpsc::UnboundedReceiver<()>) {
             }),
         )
         .layer(layer)
-        // Added last, so outermost: requests wait here before tollgate.
-        .layer(GlobalConcurrencyLimitLayer::new(1));
-    (TestServer::serve(world, INITIAL, app).await, slow_started)
+        // Requests wait here before tollgate.
+        .layer(GlobalConcurrencyLimitLayer::new(1))
+        // Added last, so outermost: every request that arrives is counted.
+        .layer(axum::middleware::from_fn({
+            let arrived = Arc::clone(&arrived);
+            move |request: axum::extract::Request, next: axum::middleware::Next| {
+                arrived.fetch_add(1, Ordering::SeqCst);
+                next.run(request)
+            }
+        }));
+    (
+        TestServer::serve(world, INITIAL, app).await,
+        slow_started,
+        arrived,
+    )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_served_request_is_charged_exactly_once() {
     const N: u64 = 20;
-    let (server, _slow_started) = serve().await;
+    let (server, _slow_started, _arrived) = serve().await;
     let mut request_ids = Vec::new();
     for _ in 0..N {
         let response = server.get("/work").await;
@@ -99,7 +115,7 @@ async fn every_served_request_is_charged_exactly_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_leaves_after_its_handler_started_pays_in_full_and_one_that_leaves_while_queued_pays_nothing()
  {
-    let (server, mut slow_started) = serve().await;
+    let (server, mut slow_started, arrived) = serve().await;
 
     // A: admitted, committed, its handler running and holding the limit.
     let first = server.send("/slow");
@@ -109,7 +125,10 @@ async fn a_client_that_leaves_after_its_handler_started_pays_in_full_and_one_tha
     // B: waits in the concurrency limit, outside tollgate, so it has not
     // been admitted; then its client leaves.
     let queued = server.send("/slow");
-    tokio::time::sleep(ms(100)).await;
+    eventually("the queued request reaches the server", || {
+        arrived.load(Ordering::SeqCst) == 2
+    })
+    .await;
     assert_eq!(
         server.handle.counters().admitted,
         1,
@@ -120,7 +139,9 @@ async fn a_client_that_leaves_after_its_handler_started_pays_in_full_and_one_tha
 
     // A's client leaves while its handler runs.
     drop(first);
-    // Long enough for A's handler to have ended either way.
+    // Long enough for A's handler to have ended either way. Had B's
+    // request still waited in the limit, A's end would have let it through
+    // to admission.
     tokio::time::sleep(SLOW_FOR + ms(200)).await;
     assert_eq!(
         server.handle.counters().admitted,
