@@ -36,6 +36,52 @@ enum Setup {
 /// What each handler hands the test: its request's token, if any.
 type Tokens = mpsc::UnboundedReceiver<Option<CancellationToken>>;
 
+/// One message each time the server drops a response body.
+type Drops = mpsc::UnboundedReceiver<()>;
+
+/// Wrapped around each response body outside the layer: says when the
+/// server drops it, after dropping the layer's body inside, so whatever
+/// that drop does has been done when the message arrives.
+struct SignalsDrop {
+    inner: Option<Body>,
+    dropped: mpsc::UnboundedSender<()>,
+}
+
+impl http_body::Body for SignalsDrop {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        match self.inner.as_mut() {
+            Some(inner) => Pin::new(inner).poll_frame(cx),
+            None => Poll::Ready(None),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner
+            .as_ref()
+            .is_none_or(http_body::Body::is_end_stream)
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.as_ref().map_or_else(
+            || http_body::SizeHint::with_exact(0),
+            http_body::Body::size_hint,
+        )
+    }
+}
+
+impl Drop for SignalsDrop {
+    fn drop(&mut self) {
+        drop(self.inner.take());
+        let _ = self.dropped.send(());
+    }
+}
+
 /// A response body of one-byte chunks: `Some(n)` sends n more and ends;
 /// `None` sends one and then waits forever without ending.
 struct Chunks {
@@ -93,7 +139,7 @@ impl http_body::Body for Trailing {
 /// and then never answers, whose `/quick` handler hands it over and
 /// answers at once, and whose `/stream` and `/chunks` handlers hand it over
 /// and answer with a body that never ends or ends after three chunks.
-async fn serve(setup: Setup) -> (TestServer, Tokens) {
+async fn serve(setup: Setup) -> (TestServer, Tokens, Drops) {
     let world = support::runtime::start_real_time(INITIAL).await;
     let mut builder = priced_by_path(&world.handle, |_| PRICE);
     if !matches!(setup, Setup::Untracked) {
@@ -105,6 +151,7 @@ async fn serve(setup: Setup) -> (TestServer, Tokens) {
     }
     let layer = builder.build().unwrap();
     let (tokens, received) = mpsc::unbounded_channel();
+    let (dropped, drops) = mpsc::unbounded_channel();
     let quick_tokens = tokens.clone();
     let stream_tokens = tokens.clone();
     let chunk_tokens = tokens.clone();
@@ -170,8 +217,25 @@ async fn serve(setup: Setup) -> (TestServer, Tokens) {
                 Body::new(Trailing { step: 0 })
             })),
         )
-        .layer(layer);
-    (TestServer::serve(world, INITIAL, app).await, received)
+        .layer(layer)
+        .layer(axum::middleware::map_response(
+            move |response: axum::response::Response| {
+                let dropped = dropped.clone();
+                async move {
+                    response.map(|inner| {
+                        Body::new(SignalsDrop {
+                            inner: Some(inner),
+                            dropped,
+                        })
+                    })
+                }
+            },
+        ));
+    (
+        TestServer::serve(world, INITIAL, app).await,
+        received,
+        drops,
+    )
 }
 
 async fn next_token(received: &mut Tokens) -> Option<CancellationToken> {
@@ -192,7 +256,7 @@ async fn with_a_deferred_commit_a_disconnect_while_the_handler_runs_cancels_too(
 }
 
 async fn disconnect_while_running(setup: Setup) {
-    let (server, mut received) = serve(setup).await;
+    let (server, mut received, _drops) = serve(setup).await;
     let client = server.send("/hang");
     let token = next_token(&mut received)
         .await
@@ -218,7 +282,7 @@ async fn cancelled_and_charged(server: TestServer, token: &CancellationToken) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_layer_built_without_tracking_gives_no_token() {
-    let (server, mut received) = serve(Setup::Untracked).await;
+    let (server, mut received, _drops) = serve(Setup::Untracked).await;
     let response = server.get("/quick").await;
     assert!(response.starts_with("HTTP/1.1 200"), "{response}");
     assert!(
@@ -230,7 +294,7 @@ async fn a_layer_built_without_tracking_gives_no_token() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_leaves_mid_stream_cancels_the_token() {
-    let (server, mut received) = serve(Setup::Tracked).await;
+    let (server, mut received, _drops) = serve(Setup::Tracked).await;
     let mut client = server.send("/stream");
     let token = next_token(&mut received).await.expect("tracking is on");
     // The headers and the first chunk arrive: the handler has returned,
@@ -257,7 +321,7 @@ async fn a_client_that_leaves_mid_stream_cancels_the_token() {
 /// declared length, a trailers frame, a `HEAD` request.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_response_sent_complete_is_never_cancelled() {
-    let (server, mut received) = serve(Setup::Tracked).await;
+    let (server, mut received, mut drops) = serve(Setup::Tracked).await;
     let cases: [(&str, &str, &str); 5] = [
         ("GET", "/quick", "\r\n\r\ndone"),
         ("GET", "/chunks", "1\r\nx\r\n0\r\n\r\n"),
@@ -276,7 +340,14 @@ async fn a_response_sent_complete_is_never_cancelled() {
         let token = next_token(&mut received).await.expect("tracking is on");
         tokens.push((method, path, token));
     }
-    tokio::time::sleep(ms(200)).await;
+    // Every response body dropped, the layer's with it: a cancellation
+    // that drop set off has happened by now.
+    for (method, path, _) in &tokens {
+        tokio::time::timeout(ms(5_000), drops.recv())
+            .await
+            .unwrap_or_else(|_| panic!("{method} {path}: the server drops its body"))
+            .expect("the server is running");
+    }
     for (method, path, token) in tokens {
         assert!(
             !token.is_cancelled(),
