@@ -7,7 +7,7 @@
 
 mod support;
 
-use std::time::Duration;
+use std::sync::Arc;
 
 use axum::Router;
 use axum::extract::{FromRequest, Request};
@@ -15,7 +15,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use http::StatusCode;
 use support::http::{TestServer, eventually, priced_by_path, wait_started};
-use tokio::sync::mpsc;
+use tokio::sync::{Semaphore, mpsc};
 use tollgate::layer::{Charged, CommitMarkerLayer};
 use tower::limit::GlobalConcurrencyLimitLayer;
 
@@ -24,8 +24,6 @@ const INITIAL: u64 = 10_000;
 const WORK_PRICE: u64 = 3;
 /// The price of `/slow`.
 const SLOW_PRICE: u64 = 11;
-/// How long `/slow` runs once started.
-const SLOW_FOR: Duration = Duration::from_millis(600);
 
 /// Which app the server runs.
 #[derive(Clone, Copy)]
@@ -58,9 +56,11 @@ impl<S: Send + Sync> FromRequest<S> for Validated {
     }
 }
 
-/// The server running `app`, and one message each time `/slow` starts
-/// running.
-async fn serve(app: App) -> (TestServer, mpsc::UnboundedReceiver<()>) {
+/// The server running `app`; one message each time `/slow` starts running;
+/// and the gate `/slow` waits at once started: it answers when the test
+/// adds a permit, so a request holds the limit exactly as long as the test
+/// needs, however loaded the machine.
+async fn serve(app: App) -> (TestServer, mpsc::UnboundedReceiver<()>, Arc<Semaphore>) {
     let world = support::runtime::start_real_time(INITIAL).await;
     let layer = priced_by_path(&world.handle, |path| {
         if path == "/slow" {
@@ -73,6 +73,8 @@ async fn serve(app: App) -> (TestServer, mpsc::UnboundedReceiver<()>) {
     .build()
     .unwrap();
     let (started, slow_started) = mpsc::unbounded_channel();
+    let gate = Arc::new(Semaphore::new(0));
+    let slow_gate = Arc::clone(&gate);
     let router = match app {
         App::LimitInside => Router::new()
             .route("/work", get(|| async { "work" }))
@@ -80,7 +82,7 @@ async fn serve(app: App) -> (TestServer, mpsc::UnboundedReceiver<()>) {
                 "/slow",
                 get(move || async move {
                     started.send(()).unwrap();
-                    tokio::time::sleep(SLOW_FOR).await;
+                    slow_gate.acquire().await.unwrap().forget();
                     "slow"
                 }),
             )
@@ -105,6 +107,7 @@ async fn serve(app: App) -> (TestServer, mpsc::UnboundedReceiver<()>) {
     (
         TestServer::serve(world, INITIAL, router).await,
         slow_started,
+        gate,
     )
 }
 
@@ -115,7 +118,7 @@ async fn started(slow_started: &mut mpsc::UnboundedReceiver<()>) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_queued_inside_the_layer_holds_its_reservation_and_pays_nothing_if_its_client_leaves()
  {
-    let (server, mut slow_started) = serve(App::LimitInside).await;
+    let (server, mut slow_started, gate) = serve(App::LimitInside).await;
 
     // A: admitted, committed at the marker, its handler holding the limit.
     let first = server.send("/slow");
@@ -142,6 +145,7 @@ async fn a_request_queued_inside_the_layer_holds_its_reservation_and_pays_nothin
     )
     .await;
 
+    gate.add_permits(1);
     let response = TestServer::read(first).await;
     assert!(response.starts_with("HTTP/1.1 200"), "{response}");
     assert!(
@@ -160,7 +164,7 @@ async fn a_request_queued_inside_the_layer_holds_its_reservation_and_pays_nothin
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_queued_inside_the_layer_that_then_runs_is_charged_in_full_once() {
-    let (server, mut slow_started) = serve(App::LimitInside).await;
+    let (server, mut slow_started, gate) = serve(App::LimitInside).await;
 
     let first = server.send("/slow");
     started(&mut slow_started).await;
@@ -169,7 +173,12 @@ async fn a_request_queued_inside_the_layer_that_then_runs_is_charged_in_full_onc
         server.handle.counters().admitted == 2
     })
     .await;
+    assert!(
+        slow_started.try_recv().is_err(),
+        "the second request waits in the limit"
+    );
 
+    gate.add_permits(2);
     let (first, second) = tokio::join!(TestServer::read(first), TestServer::read(second));
     assert!(first.starts_with("HTTP/1.1 200"), "{first}");
     assert!(second.starts_with("HTTP/1.1 200"), "{second}");
@@ -184,7 +193,7 @@ async fn a_request_queued_inside_the_layer_that_then_runs_is_charged_in_full_onc
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_charged_extractor_charges_nothing_when_its_input_is_rejected_and_once_when_accepted() {
-    let (server, _slow_started) = serve(App::ChargedExtractor).await;
+    let (server, _slow_started, _gate) = serve(App::ChargedExtractor).await;
 
     let rejected = server.request("POST", "/validate", "bad").await;
     assert!(rejected.starts_with("HTTP/1.1 422"), "{rejected}");
@@ -206,7 +215,7 @@ async fn a_charged_extractor_charges_nothing_when_its_input_is_rejected_and_once
 /// with `Router::layer` would wrap those fallbacks too, and charge them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_marker_on_the_handlers_leaves_unrouted_requests_uncharged() {
-    let (server, _slow_started) = serve(App::MarkerOnHandler).await;
+    let (server, _slow_started, _gate) = serve(App::MarkerOnHandler).await;
 
     let missing = server.request("GET", "/nope", "").await;
     assert!(missing.starts_with("HTTP/1.1 404"), "{missing}");
