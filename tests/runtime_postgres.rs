@@ -466,7 +466,15 @@ async fn a_server_outage_serves_from_held_leases_then_fails_closed_then_recovers
     // drained lease is reported unavailable (503), not a momentary
     // shortage (429), and nothing more is admitted for as long as the
     // server is away (I5).
-    tokio::time::sleep(ms(500)).await;
+    let mut closed = false;
+    for _ in 0..2_000 {
+        if denied.lock().unwrap().last() == Some(&DenyReason::LeaseUnavailable) {
+            closed = true;
+            break;
+        }
+        tokio::time::sleep(ms(5)).await;
+    }
+    assert!(closed, "I5: the drained lease is reported unavailable");
     denied.lock().unwrap().clear();
     let during = committed.load(Ordering::Relaxed);
     tokio::time::sleep(ms(500)).await;
