@@ -327,6 +327,25 @@ async fn a_migration_waits_out_another_instances_long_one() {
         .unwrap();
     let waiting = sibling(&store).await;
     let migrating = tokio::spawn(async move { waiting.migrate().await });
+    // Timed from the moment the migration is seen waiting on the lock, so
+    // it outwaits the pool's five-second lock timeout whenever it started.
+    // A bigint advisory key shows as its high and low halves.
+    let seen_waiting = "SELECT count(*) FROM pg_locks \
+                        WHERE locktype = 'advisory' AND NOT granted AND objsubid = 1 \
+                        AND classid = (($1 >> 32) & 4294967295)::oid \
+                        AND objid = ($1 & 4294967295)::oid";
+    let mut polls = 0;
+    while sqlx::query_scalar::<_, i64>(seen_waiting)
+        .bind(key)
+        .fetch_one(store.pool())
+        .await
+        .unwrap()
+        == 0
+    {
+        polls += 1;
+        assert!(polls < 1_000, "the migration never waited on the lock");
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
     tokio::time::sleep(std::time::Duration::from_secs(6)).await;
     assert!(!migrating.is_finished(), "it waits for the lock");
     other.commit().await.unwrap();
