@@ -542,6 +542,10 @@ async fn two_reclaimers_on_one_store_settle_each_lease_once() {
         "granted minus billed"
     );
     assert_eq!((first.errors, second.errors), (0, 0));
+    assert!(
+        first.reclaimed_leases > 0 && second.reclaimed_leases > 0,
+        "both reclaimers took part: {first:?} {second:?}"
+    );
     assert_eq!(balance(&store, accounts[0]), 999);
     assert_eq!(balance(&store, accounts[1]), 994);
     audited(&store);
