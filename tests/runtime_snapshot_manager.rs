@@ -427,6 +427,57 @@ async fn a_hanging_fetch_is_cut_off_by_the_fetch_timeout_and_retried_after_the_b
     );
 }
 
+/// I34: a source that answers with an older revision than the map holds
+/// (a lagging replica, a restored database) does not take back a
+/// revocation, and the refresh that read it does not vouch for the map: it
+/// counts as failed and is retried after the backoff, and if the source
+/// keeps going back the map goes stale and admission refuses.
+#[tokio::test(start_paused = true)]
+async fn a_source_that_goes_back_in_revision_neither_unrevokes_nor_vouches() {
+    let revoked = PrincipalSnapshot {
+        key_status: KeyStatus::Revoked,
+        policy_revision: PolicyRevision(5),
+        ..active(1, ALPHA)
+    };
+    let source = ScriptedSource::new([revoked]);
+    let h = Harness::new(source.clone(), fixed([1]));
+    settle().await;
+    assert!(h.ready());
+    assert_eq!(h.verdict(p(1)), DenyReason::KeyRevoked);
+
+    // The source now says revision 3, active.
+    source.set(PrincipalSnapshot {
+        policy_revision: PolicyRevision(3),
+        ..active(1, ALPHA)
+    });
+    h.run_for(10).await;
+    assert_eq!(source.calls(), vec![fetched([1], 0), fetched([1], 10)]);
+    assert_eq!(h.verdict(p(1)), DenyReason::KeyRevoked, "still revoked");
+    let after_regression = h.manager.stats();
+    assert_eq!(after_regression.failures, 1);
+    assert_eq!(after_regression.refreshes, 1, "only the first vouched");
+    h.run_for(3).await;
+    assert_eq!(
+        source.calls().last(),
+        Some(&fetched([1], 13)),
+        "retried after the backoff"
+    );
+
+    // Still going back: nothing vouches for the map past the staleness.
+    h.run_for(13).await;
+    assert!(!h.ready(), "I24: unverified past max_staleness");
+    assert_eq!(h.verdict(p(1)), DenyReason::SnapshotStale);
+
+    // The source catches up past what was published: served again.
+    source.set(PrincipalSnapshot {
+        policy_revision: PolicyRevision(6),
+        ..active(1, ALPHA)
+    });
+    h.run_for(3).await;
+    assert!(h.ready());
+    assert_eq!(h.verdict(p(1)), DenyReason::LeaseUnavailable, "usable");
+}
+
 /// I23, I24: a listed principal the source does not return is marked
 /// unknown and denied as such; refreshing again keeps it (and every other
 /// unknown principal) in the bounded negative cache, and once the source

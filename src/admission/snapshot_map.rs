@@ -409,8 +409,9 @@ impl ArcSwapSnapshotMap {
     /// A snapshot of an older policy revision than one already published or
     /// earlier in `snapshots` for its principal is dropped and logged (I34):
     /// revisions only grow, so it is a stale read, and publishing it could
-    /// bring back a key that was revoked.
-    pub fn publish(&self, snapshots: impl IntoIterator<Item = PrincipalSnapshot>) {
+    /// bring back a key that was revoked. Returns how many were dropped, so
+    /// that a refresh which read them does not vouch for the map.
+    pub fn publish(&self, snapshots: impl IntoIterator<Item = PrincipalSnapshot>) -> usize {
         let mut fresh: Vec<Entry> = snapshots
             .into_iter()
             .map(|snapshot| Entry {
@@ -425,7 +426,7 @@ impl ArcSwapSnapshotMap {
             })
             .collect();
         if fresh.is_empty() {
-            return;
+            return 0;
         }
         let mut writer = self.lock_writer();
         // Only writers publish, under the writer lock: this is the map the
@@ -446,15 +447,16 @@ impl ArcSwapSnapshotMap {
             true
         });
         drop(published);
-        if fresh.len() < offered {
+        let stale = offered - fresh.len();
+        if stale > 0 {
             tracing::warn!(
-                stale = offered - fresh.len(),
+                stale,
                 "snapshot map: dropped snapshots older than a revision already published \
                  for their principal (I34)"
             );
         }
         if fresh.is_empty() {
-            return;
+            return stale;
         }
         let depth = self.config.history_depth;
         for entry in &fresh {
@@ -495,6 +497,7 @@ impl ArcSwapSnapshotMap {
             }
             next
         });
+        stale
     }
 
     /// Records that the source does not know these principals: their

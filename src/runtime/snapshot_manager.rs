@@ -35,6 +35,10 @@
 //!
 //! # Failure
 //!
+//! A refresh whose answers go back in policy revision (I34) vouches for
+//! nothing: the map keeps the newer snapshots and the refresh counts as a
+//! failure.
+//!
 //! A call that fails or times out (I22) is counted and logged, and the next
 //! tick comes `retry_backoff` after the failed one ended; after a success
 //! the normal interval resumes. A failure never withdraws what was
@@ -428,6 +432,7 @@ impl SnapshotManager {
             tracked: HashSet::new(),
             pending_lookups: Vec::new(),
             verified_at: None,
+            went_back: 0,
         };
         Ok(Self {
             counters,
@@ -532,6 +537,9 @@ enum Failure {
     /// An enumeration page that is not the last but does not move the
     /// cursor forward: following it would loop forever.
     NoProgress(SnapshotCursor),
+    /// The source answered for this many principals with revisions older
+    /// than the map's (I34).
+    WentBack(usize),
 }
 
 /// What a refresh reads, and where an enumeration stands.
@@ -571,6 +579,9 @@ struct Task {
     pending_lookups: Vec<Principal>,
     lookup_capacity: usize,
     verified_at: Option<Timestamp>,
+    /// Snapshots the map dropped during the current refresh because they
+    /// were older than what it had published (I34).
+    went_back: usize,
 }
 
 impl Task {
@@ -607,14 +618,23 @@ impl Task {
     /// One refresh; true when it completed.
     async fn refresh(&mut self) -> Result<bool, Stopped> {
         let now = self.vigil.clock.now();
+        self.went_back = 0;
         let completed = match &self.plan {
             Plan::Fixed { .. } => self.refresh_fixed(now).await?,
             Plan::All { .. } => self.refresh_all(now).await?,
         };
-        if completed {
-            self.verify(now);
+        if !completed {
+            return Ok(false);
         }
-        Ok(completed)
+        // I34: a source that went back in revision cannot vouch for the map:
+        // a lagging replica is behind what was published, and a restored
+        // database disowns it.
+        if self.went_back > 0 {
+            self.note_failure("refresh", Failure::WentBack(self.went_back));
+            return Ok(false);
+        }
+        self.verify(now);
+        Ok(true)
     }
 
     async fn refresh_fixed(&mut self, now: Timestamp) -> Result<bool, Stopped> {
@@ -796,7 +816,7 @@ impl Task {
             .extend(snapshots.iter().map(|snapshot| snapshot.principal));
         // Revoked keys and suspended accounts are published as they are:
         // admission denies them by name (I23).
-        self.map.publish(snapshots);
+        self.went_back += self.map.publish(snapshots);
     }
 
     fn withdraw(&mut self, principals: &HashSet<Principal>) {
@@ -860,6 +880,17 @@ impl Task {
                     next = next.0,
                     "snapshot manager: the source returned an incomplete page that does not \
                      advance the cursor; keeping the last snapshots"
+                );
+            }
+            Failure::WentBack(stale) => {
+                bump(&self.counters.failures, 1);
+                tracing::error!(
+                    call,
+                    stale,
+                    "snapshot manager: the source answered with policy revisions older than \
+                     the ones published (a lagging replica, or a restored database); the \
+                     refresh does not vouch for the map, which goes stale unless the source \
+                     catches up. After restoring the database, restart the instances"
                 );
             }
             Failure::TimedOut(limit) => {
