@@ -216,6 +216,38 @@ impl SlotRegistry {
         created.expect("rcu runs its update at least once")
     }
 
+    /// The slots of `accounts`, in order, creating the missing ones in one
+    /// update: a first publication of many accounts copies the registry
+    /// once, not once per account.
+    pub fn ensure_many(&self, accounts: &[AccountId]) -> Vec<Arc<LeaseSlot>> {
+        let current = self.slots.load();
+        if let Some(found) = accounts
+            .iter()
+            .map(|account| current.get(account).cloned())
+            .collect::<Option<Vec<_>>>()
+        {
+            return found;
+        }
+        drop(current);
+        let mut ensured: HashMap<AccountId, Arc<LeaseSlot>, FxBuildHasher> = HashMap::default();
+        self.slots.rcu(|slots| {
+            let mut slots = HashMap::clone(slots);
+            ensured.clear();
+            for &account in accounts {
+                let slot = slots
+                    .entry(account)
+                    .or_insert_with(|| Arc::new(LeaseSlot::new(account, self.sharding)));
+                ensured.insert(account, Arc::clone(slot));
+            }
+            slots
+        });
+        self.changes.send_modify(|version| *version += 1);
+        accounts
+            .iter()
+            .filter_map(|account| ensured.get(account).cloned())
+            .collect()
+    }
+
     /// Drops the slots of accounts `keep` rejects, returning them so the
     /// caller can release their leases.
     pub fn retain(&self, mut keep: impl FnMut(AccountId) -> bool) -> Vec<Arc<LeaseSlot>> {
@@ -288,6 +320,35 @@ mod tests {
 
     /// Races four threads debiting and releasing the slot's lease until at
     /// least one debit has lost a race; returns how many have.
+    /// Many accounts are ensured in one registry update, in the order
+    /// asked, reusing the slots that exist; with all present, none.
+    #[test]
+    fn ensuring_many_accounts_creates_the_missing_in_one_update() {
+        let registry = SlotRegistry::new(LocalSharding::Single);
+        let existing = registry.ensure(AccountId(2));
+        let changes = registry.subscribe();
+        let before = *changes.borrow();
+        let asked = [AccountId(1), AccountId(2), AccountId(3), AccountId(1)];
+        let slots = registry.ensure_many(&asked);
+        assert_eq!(
+            slots.iter().map(|slot| slot.account()).collect::<Vec<_>>(),
+            asked
+        );
+        assert!(
+            Arc::ptr_eq(&slots[1], &existing),
+            "an existing slot is kept"
+        );
+        assert!(Arc::ptr_eq(&slots[0], &slots[3]), "one slot per account");
+        assert_eq!(*changes.borrow() - before, 1, "one update for all");
+        assert_eq!(
+            registry.accounts(),
+            [AccountId(1), AccountId(2), AccountId(3)]
+        );
+        let again = registry.ensure_many(&[AccountId(3)]);
+        assert!(Arc::ptr_eq(&again[0], &slots[2]));
+        assert_eq!(*changes.borrow() - before, 1, "nothing new, no update");
+    }
+
     fn race_until_contended(slot: &LeaseSlot) -> u64 {
         for _ in 0..200 {
             std::thread::scope(|scope| {

@@ -12,7 +12,7 @@ use jiff::{SignedDuration, Timestamp};
 use rustc_hash::FxBuildHasher;
 
 use crate::admission::{LeaseSlot, SlotRegistry};
-use crate::model::{DenyReason, KeyHash, PolicyRevision, Principal, PrincipalSnapshot};
+use crate::model::{AccountId, DenyReason, KeyHash, PolicyRevision, Principal, PrincipalSnapshot};
 
 /// How the snapshot map bounds what it holds and trusts. No defaults (I17).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -412,10 +412,14 @@ impl ArcSwapSnapshotMap {
     /// bring back a key that was revoked. Returns how many were dropped, so
     /// that a refresh which read them does not vouch for the map.
     pub fn publish(&self, snapshots: impl IntoIterator<Item = PrincipalSnapshot>) -> usize {
+        let snapshots: Vec<PrincipalSnapshot> = snapshots.into_iter().collect();
+        let accounts: Vec<AccountId> = snapshots.iter().map(|s| s.account_id).collect();
+        let slots = self.registry.ensure_many(&accounts);
         let mut fresh: Vec<Entry> = snapshots
             .into_iter()
-            .map(|snapshot| Entry {
-                slot: self.registry.ensure(snapshot.account_id),
+            .zip(slots)
+            .map(|(snapshot, slot)| Entry {
+                slot,
                 // Past the representable range it can only be checked the
                 // long way.
                 fresh_until: snapshot
