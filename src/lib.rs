@@ -37,8 +37,8 @@ pub use model::{
     CancelOutcome, CommitError, CommitFunding, CostUnits, DenyReason, EnforcementMode,
     FencingToken, KeyHash, KeyId, KeyStatus, LeaseDebit, LeaseGrant, LeaseId, LocalLease,
     LocalSharding, Locality, PermissionBits, PolicyRevision, Principal, PrincipalSnapshot,
-    RefillSignal, RefillVerdict, RequestId, Reservation, Retry, ShardOccupancy, SharedCharge,
-    UsageEvent, UsageSource,
+    RefillSignal, RefillVerdict, RequestId, Reservation, Retry, ShardCount, ShardOccupancy,
+    SharedCharge, UsageEvent, UsageSource,
 };
 
 /// Compiles and runs the README's examples as doctests, so the first code a

@@ -46,7 +46,7 @@ pub use reservation::{
     CancelHandle, CancelOutcome, CommitError, CommitFunding, Reservation, SharedCharge,
 };
 pub(crate) use sharding::CachePadded;
-pub use sharding::{LocalSharding, Locality, ShardOccupancy};
+pub use sharding::{LocalSharding, Locality, ShardCount, ShardOccupancy};
 pub use snapshot::{AccountStatus, EnforcementMode, KeyStatus, PrincipalSnapshot};
 pub use units::{CostUnits, PermissionBits};
 pub use usage::{UsageEvent, UsageSource};

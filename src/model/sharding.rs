@@ -20,8 +20,23 @@ pub enum LocalSharding {
     /// One counter. Best when a handful of threads serve the account.
     Single,
     /// `n` counters on separate cache lines, at most
-    /// [`LocalSharding::MAX_SHARDS`].
-    Shards(NonZeroUsize),
+    /// [`LocalSharding::MAX_SHARDS`]; made with
+    /// [`LocalSharding::shards`].
+    Shards(ShardCount),
+}
+
+/// A number of shards from 1 to [`LocalSharding::MAX_SHARDS`]. Only
+/// [`LocalSharding::shards`] makes one, so no layout can ask for more
+/// counters than a lease may have.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ShardCount(NonZeroUsize);
+
+impl ShardCount {
+    /// The number of shards.
+    #[must_use]
+    pub const fn get(self) -> usize {
+        self.0.get()
+    }
 }
 
 impl LocalSharding {
@@ -36,7 +51,7 @@ impl LocalSharding {
             return None;
         }
         match NonZeroUsize::new(n) {
-            Some(n) => Some(Self::Shards(n)),
+            Some(n) => Some(Self::Shards(ShardCount(n))),
             None => None,
         }
     }
