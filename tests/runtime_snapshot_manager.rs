@@ -1059,6 +1059,10 @@ fn check(config: &SnapshotManagerConfig, expected: Result<(), SnapshotManagerCon
 /// I17: every rule is checked, in field order, and the first one broken is
 /// named; `retry_backoff` may exceed `refresh_interval`.
 #[test]
+#[allow(
+    clippy::too_many_lines,
+    reason = "one rule after another, read top to bottom"
+)]
 fn every_configuration_rule_is_checked_in_field_order() {
     use SnapshotManagerConfigError as Broken;
     let valid = config(fixed([1]));
@@ -1138,9 +1142,34 @@ fn every_configuration_rule_is_checked_in_field_order() {
     check(
         &SnapshotManagerConfig {
             refresh_interval: Duration::MAX,
-            ..valid
+            ..valid.clone()
         },
         Err(Broken::MaxStalenessNotAboveRefreshInterval),
+    );
+    // Above the interval, but not above the interval and a slow call.
+    let within_a_slow_refresh = SignedDuration::try_from(REFRESH + FETCH_TIMEOUT).unwrap();
+    check(
+        &SnapshotManagerConfig {
+            max_staleness: within_a_slow_refresh,
+            ..valid.clone()
+        },
+        Err(Broken::MaxStalenessNotAboveRefreshAndCall),
+    );
+    check(
+        &SnapshotManagerConfig {
+            max_staleness: within_a_slow_refresh,
+            fetch_timeout: Duration::from_millis(1_999),
+            enumeration_timeout: Duration::from_millis(1_999),
+            ..valid.clone()
+        },
+        Ok(()),
+    );
+    check(
+        &SnapshotManagerConfig {
+            enumeration_timeout: Duration::MAX,
+            ..valid
+        },
+        Err(Broken::MaxStalenessNotAboveRefreshAndCall),
     );
     for broken in [
         Broken::FixedPrincipalsEmpty,
@@ -1150,6 +1179,7 @@ fn every_configuration_rule_is_checked_in_field_order() {
         Broken::FetchTimeoutZero,
         Broken::EnumerationTimeoutZero,
         Broken::MaxStalenessNotAboveRefreshInterval,
+        Broken::MaxStalenessNotAboveRefreshAndCall,
     ] {
         let message = broken.to_string();
         assert!(message.starts_with("snapshot manager: "), "{message}");

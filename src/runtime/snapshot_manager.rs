@@ -123,8 +123,9 @@ pub struct SnapshotManagerConfig {
     /// The bound on every `changed_since` call (I22). Must be positive.
     pub enumeration_timeout: Duration,
     /// How long after the last successful refresh readiness stays true.
-    /// Must exceed `refresh_interval`, so that one slow or missed refresh
-    /// does not take the instance out of service; set it to the snapshot
+    /// Must exceed `refresh_interval` plus the longer call timeout, so that
+    /// a healthy refresh that takes its whole timeout does not take the
+    /// instance out of service; set it to the snapshot
     /// map's own `max_staleness`, the point where admission refuses the
     /// snapshots anyway.
     pub max_staleness: SignedDuration,
@@ -148,6 +149,11 @@ pub enum SnapshotManagerConfigError {
     EnumerationTimeoutZero,
     /// `max_staleness` is not longer than `refresh_interval`.
     MaxStalenessNotAboveRefreshInterval,
+    /// `max_staleness` is not longer than `refresh_interval` plus the longer
+    /// of `fetch_timeout` and `enumeration_timeout`: a refresh vouches for
+    /// the instant it started only once it ends, so a healthy but slow one
+    /// would leave the snapshots stale in every interval.
+    MaxStalenessNotAboveRefreshAndCall,
     /// `max_staleness` is longer than the snapshot map's (checked by
     /// [`SnapshotManager::spawn`]): readiness would outlive the snapshots
     /// admission accepts.
@@ -169,6 +175,12 @@ impl SnapshotManagerConfig {
         // An interval too long to be a `SignedDuration` cannot be exceeded.
         let staleness_covers_a_refresh = SignedDuration::try_from(self.refresh_interval)
             .is_ok_and(|interval| self.max_staleness > interval);
+        let longest_call = self.fetch_timeout.max(self.enumeration_timeout);
+        let staleness_covers_a_slow_refresh = self
+            .refresh_interval
+            .checked_add(longest_call)
+            .and_then(|span| SignedDuration::try_from(span).ok())
+            .is_some_and(|span| self.max_staleness > span);
         let rules = [
             (listed, Broken::FixedPrincipalsEmpty),
             (paged, Broken::PageSizeZero),
@@ -185,6 +197,10 @@ impl SnapshotManagerConfig {
             (
                 staleness_covers_a_refresh,
                 Broken::MaxStalenessNotAboveRefreshInterval,
+            ),
+            (
+                staleness_covers_a_slow_refresh,
+                Broken::MaxStalenessNotAboveRefreshAndCall,
             ),
         ];
         rules
@@ -209,6 +225,10 @@ impl fmt::Display for SnapshotManagerConfigError {
             }
             Self::MaxStalenessNotAboveRefreshInterval => {
                 "snapshot manager: max_staleness must exceed refresh_interval"
+            }
+            Self::MaxStalenessNotAboveRefreshAndCall => {
+                "snapshot manager: max_staleness must exceed refresh_interval plus the longer \
+                 of fetch_timeout and enumeration_timeout (a refresh vouches only once it ends)"
             }
             Self::MaxStalenessAboveMap => {
                 "snapshot manager: max_staleness must not be longer than the snapshot map's \
