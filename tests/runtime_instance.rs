@@ -874,6 +874,21 @@ fn validate_names_the_first_broken_rule() {
         Some("instance runtime: snapshots.max_staleness must equal snapshot_map.max_staleness"),
     );
     check(
+        |c| {
+            c.usage.flush_interval = Duration::from_millis(4_800);
+            c.supervisor_interval = Duration::ZERO;
+        },
+        Some(
+            "instance runtime: usage.flush_interval plus usage.ingest_timeout must be shorter \
+             than leases.expiry_safety_margin (a charge must reach the store before its lease \
+             expires)",
+        ),
+    );
+    check(
+        |c| c.usage.flush_interval = Duration::from_millis(4_799),
+        None,
+    );
+    check(
         |c| c.supervisor_interval = Duration::ZERO,
         Some("instance runtime: supervisor_interval must be positive"),
     );

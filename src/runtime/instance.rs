@@ -89,6 +89,12 @@ pub enum InstanceRuntimeConfigError {
     Usage(UsageWriterConfigError),
     /// The reclaimer's configuration.
     Reclaimer(ReclaimerConfigError),
+    /// `usage.flush_interval` plus `usage.ingest_timeout` must be shorter
+    /// than `leases.expiry_safety_margin`: a charge committed as its lease's
+    /// window closes must reach the store before the lease expires, or at low
+    /// traffic it can wait out the lease, be reclaimed unbilled, and then be
+    /// rejected as settled.
+    UsageDeliveryOutlastsLeaseMargin,
     /// The snapshot manager's and the snapshot map's `max_staleness` must be
     /// the same limit: readiness and admission must agree on when policy is
     /// too old.
@@ -118,6 +124,11 @@ impl fmt::Display for InstanceRuntimeConfigError {
             Self::Reclaimer(error) => error.fmt(f),
             Self::StalenessMismatch => f.write_str(
                 "instance runtime: snapshots.max_staleness must equal snapshot_map.max_staleness",
+            ),
+            Self::UsageDeliveryOutlastsLeaseMargin => f.write_str(
+                "instance runtime: usage.flush_interval plus usage.ingest_timeout must be shorter \
+                 than leases.expiry_safety_margin (a charge must reach the store before its \
+                 lease expires)",
             ),
             Self::SupervisorIntervalZero => {
                 f.write_str("instance runtime: supervisor_interval must be positive")
@@ -159,6 +170,14 @@ impl InstanceRuntimeConfig {
         self.usage.validate().map_err(E::Usage)?;
         if let Some(reclaimer) = &self.reclaimer {
             reclaimer.validate().map_err(E::Reclaimer)?;
+        }
+        let delivery = self
+            .usage
+            .flush_interval
+            .checked_add(self.usage.ingest_timeout);
+        let margin = Duration::try_from(self.leases.expiry_safety_margin).ok();
+        if !matches!((delivery, margin), (Some(delivery), Some(margin)) if delivery < margin) {
+            return Err(E::UsageDeliveryOutlastsLeaseMargin);
         }
         if self.supervisor_interval.is_zero() {
             return Err(E::SupervisorIntervalZero);
