@@ -6,6 +6,8 @@
 //! and on shutdown, and the ledger after a run (I2, I5, I6, I7, I14, I15,
 //! I17, I18, I22, I25, I26, I27, I28).
 
+mod support;
+
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -1961,6 +1963,60 @@ async fn on_a_memory_store_spending_rotation_and_shutdown_leave_the_ledger_balan
         slot.load_observed().map(|lease| lease.grant().lease_id),
         None
     );
+}
+
+/// A store whose `max_ttl` leaves a grant usable for no longer than the
+/// replacement lead makes every poll replace the lease; the manager says so,
+/// once, naming the likely cause.
+#[tokio::test(start_paused = true)]
+async fn a_grant_too_short_to_outlast_the_replacement_lead_is_reported_once() {
+    let (logs, _guard) = support::logs::Logs::capture();
+    let store = Arc::new(
+        MemoryStore::new(GrantPolicy {
+            // Usable for 15 s − the 5 s margin = 10 s: within the 10.5 s
+            // replacement lead (poll + store call).
+            max_ttl: SignedDuration::from_secs(15),
+            reclaim_grace: SignedDuration::from_mins(1),
+            tail: TailSharing {
+                instances: 1,
+                min_grant: CostUnits(1),
+            },
+        })
+        .expect("the test policy is valid"),
+    );
+    let account = store
+        .create_account(
+            AccountSpec {
+                balance: CostUnits(100_000),
+                mode: EnforcementMode::Strict,
+                status: AccountStatus::Active,
+                refill: None,
+            },
+            start(),
+        )
+        .expect("the account opens");
+    let (manager, slot) = spawn_on(&store, account);
+    settle().await;
+    let first = slot
+        .load_observed()
+        .expect("a lease serves")
+        .grant()
+        .lease_id;
+    for _ in 0..3 {
+        sleep(POLL).await;
+        settle().await;
+    }
+    let serving = slot
+        .load_observed()
+        .expect("a lease serves")
+        .grant()
+        .lease_id;
+    assert_ne!(serving, first, "the short-lived lease was replaced");
+    let warnings = logs.lines_with("no longer than the replacement lead");
+    assert_eq!(warnings.len(), 1, "{}", logs.text());
+    assert!(warnings[0].contains("max_ttl"), "{}", warnings[0]);
+    let report = manager.shutdown().await;
+    assert_eq!(report.abandoned, 0, "every lease went back: {report:?}");
 }
 
 /// Near the end of a balance the store shrinks grants and says what is

@@ -491,6 +491,7 @@ impl LeaseManager {
             parked: VecDeque::new(),
             withheld: Vec::new(),
             rotation_fell_short: false,
+            warned_short_window: false,
         };
         let span = tracing::info_span!("lease_manager", account = %config.account);
         Ok(Self {
@@ -891,6 +892,9 @@ struct Task {
     /// Until a fold succeeds, a deferred fold no longer chases the quote, so
     /// one quote cannot split the account's funds into ever smaller leases.
     rotation_fell_short: bool,
+    /// Whether a grant too short-lived to outlast the replacement lead has
+    /// been reported; once per task, as every later grant is the same.
+    warned_short_window: bool,
 }
 
 /// Shutdown was requested; the deadline it set.
@@ -1152,6 +1156,18 @@ impl Task {
             );
             self.park(lease);
             return;
+        }
+        let window = lease.usable_until().duration_since(now);
+        if window <= self.config.replacement_lead() && !self.warned_short_window {
+            self.warned_short_window = true;
+            tracing::warn!(
+                lease = %grant.lease_id,
+                usable_for = %window,
+                replacement_lead = %self.config.replacement_lead(),
+                "lease manager: the grant is usable for no longer than the replacement lead \
+                 (poll_interval + store_call_timeout), so every poll replaces it (is the \
+                 allocator's max_ttl shorter than lease_ttl?)"
+            );
         }
         self.slot.publish_funding(allocation.funding);
         if allocation.funding.is_none() {
