@@ -551,6 +551,73 @@ async fn reclaim_is_due_not_a_microsecond_early() {
     audited(&store).await;
 }
 
+/// An instant `PostgreSQL` holds but tollgate cannot (`infinity`, or a year
+/// past 9999), written into a row by hand, is a storage error on every path
+/// that reads the row: never a panic in the task reading it.
+#[tokio::test]
+async fn an_instant_past_the_representable_range_is_a_storage_error() {
+    let Some(store) = store("instant_range", 1).await else {
+        return;
+    };
+    let acct = account(&store, 100).await;
+    let granted = store
+        .acquire(acct, CostUnits(10), TTL, at(0))
+        .await
+        .unwrap();
+    for instant in ["infinity", "12000-01-01 00:00:00+00", "-infinity"] {
+        sqlx::query(&format!(
+            "UPDATE {}.accounts SET refill_amount = 0, refill_interval_us = 1000000, \
+             period_end = '{instant}' WHERE id = $1",
+            store.schema()
+        ))
+        .bind(i64::try_from(acct.get()).unwrap())
+        .execute(store.pool())
+        .await
+        .unwrap();
+        let read = tokio::spawn({
+            let store = sibling(&store).await;
+            async move { store.account(acct, at(1)).await }
+        })
+        .await
+        .expect("reading the row does not panic");
+        assert!(
+            matches!(read, Err(AdminError::Storage(_))),
+            "{instant}: {read:?}"
+        );
+        let acquired = tokio::spawn({
+            let store = sibling(&store).await;
+            async move { store.acquire(acct, CostUnits(10), TTL, at(1)).await }
+        })
+        .await
+        .expect("the allocator does not panic");
+        assert!(
+            matches!(acquired, Err(AllocateError::Storage(_))),
+            "{instant}: {acquired:?}"
+        );
+    }
+    // The row put right, the account serves again.
+    sqlx::query(&format!(
+        "UPDATE {}.accounts SET refill_amount = NULL, refill_interval_us = NULL, \
+         period_end = NULL WHERE id = $1",
+        store.schema()
+    ))
+    .bind(i64::try_from(acct.get()).unwrap())
+    .execute(store.pool())
+    .await
+    .unwrap();
+    assert_eq!(balance(&store, acct, at(1)).await, 90);
+    let released = store
+        .release(
+            granted.grant.lease_id,
+            granted.grant.fencing_token,
+            CostUnits(10),
+            at(1),
+        )
+        .await;
+    assert!(released.is_ok(), "{released:?}");
+    assert_eq!(balance(&store, acct, at(1)).await, 100);
+}
+
 // ---- balances at the bigint limit ------------------------------------------------
 
 #[tokio::test]
