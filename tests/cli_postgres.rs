@@ -499,6 +499,9 @@ async fn usage_is_listed_by_window_reclaim_settles_expired_leases_and_audit_catc
         .fails(2, "RFC 3339");
 
     cli.run(&["reclaim"]).fails(1, "--reclaim-grace");
+    // A grace past any store's range would find nothing and say so quietly.
+    cli.run(&["reclaim", "--reclaim-grace", "1000000w"])
+        .fails(1, "reclaim_grace must not exceed a year");
     let reclaimed = cli.run(&["reclaim", "--reclaim-grace", "10s"]).ok();
     assert!(
         reclaimed.contains("1 leases reclaimed, 93 units credited"),

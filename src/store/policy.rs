@@ -46,8 +46,12 @@ pub struct TailSharing {
 pub enum GrantPolicyError {
     /// `max_ttl` must be positive.
     MaxTtlNotPositive,
+    /// `max_ttl` must not exceed [`GrantPolicy::LONGEST`].
+    MaxTtlTooLong,
     /// `reclaim_grace` must be positive.
     ReclaimGraceNotPositive,
+    /// `reclaim_grace` must not exceed [`GrantPolicy::LONGEST`].
+    ReclaimGraceTooLong,
     /// `tail.instances` must be at least one.
     TailInstancesZero,
     /// `tail.min_grant` must be at least one unit.
@@ -58,7 +62,9 @@ impl fmt::Display for GrantPolicyError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
             Self::MaxTtlNotPositive => "grant policy: max_ttl must be positive",
+            Self::MaxTtlTooLong => "grant policy: max_ttl must not exceed a year",
             Self::ReclaimGraceNotPositive => "grant policy: reclaim_grace must be positive",
+            Self::ReclaimGraceTooLong => "grant policy: reclaim_grace must not exceed a year",
             Self::TailInstancesZero => "grant policy: tail.instances must be at least 1",
             Self::TailMinGrantZero => "grant policy: tail.min_grant must be at least 1 unit",
         })
@@ -68,6 +74,12 @@ impl fmt::Display for GrantPolicyError {
 impl std::error::Error for GrantPolicyError {}
 
 impl GrantPolicy {
+    /// The longest `max_ttl` and `reclaim_grace`: a year. A lease meant to
+    /// outlive a crashed instance by longer strands its units for good, and
+    /// far longer ones take instants past the range a store keeps, so every
+    /// grant would be refused or reclaim would silently find nothing.
+    pub const LONGEST: SignedDuration = SignedDuration::from_hours(24 * 366);
+
     /// Checks every rule, in order, and names the first one broken.
     ///
     /// # Errors
@@ -77,8 +89,14 @@ impl GrantPolicy {
         if !self.max_ttl.is_positive() {
             return Err(GrantPolicyError::MaxTtlNotPositive);
         }
+        if self.max_ttl > Self::LONGEST {
+            return Err(GrantPolicyError::MaxTtlTooLong);
+        }
         if !self.reclaim_grace.is_positive() {
             return Err(GrantPolicyError::ReclaimGraceNotPositive);
+        }
+        if self.reclaim_grace > Self::LONGEST {
+            return Err(GrantPolicyError::ReclaimGraceTooLong);
         }
         if self.tail.instances == 0 {
             return Err(GrantPolicyError::TailInstancesZero);
@@ -156,13 +174,21 @@ mod tests {
         let mut bad = policy(0, 0);
         bad.max_ttl = SignedDuration::ZERO;
         assert_eq!(bad.validate(), Err(GrantPolicyError::MaxTtlNotPositive));
-        bad.max_ttl = SignedDuration::from_secs(1);
+        bad.max_ttl = GrantPolicy::LONGEST + SignedDuration::from_nanos(1);
+        assert_eq!(bad.validate(), Err(GrantPolicyError::MaxTtlTooLong));
+        bad.max_ttl = GrantPolicy::LONGEST;
         bad.reclaim_grace = SignedDuration::from_secs(-1);
         assert_eq!(
             bad.validate(),
             Err(GrantPolicyError::ReclaimGraceNotPositive)
         );
-        bad.reclaim_grace = SignedDuration::from_secs(1);
+        bad.reclaim_grace = SignedDuration::MAX;
+        assert_eq!(bad.validate(), Err(GrantPolicyError::ReclaimGraceTooLong));
+        assert_eq!(
+            GrantPolicyError::ReclaimGraceTooLong.to_string(),
+            "grant policy: reclaim_grace must not exceed a year"
+        );
+        bad.reclaim_grace = GrantPolicy::LONGEST;
         assert_eq!(bad.validate(), Err(GrantPolicyError::TailInstancesZero));
         bad.tail.instances = 2;
         assert_eq!(bad.validate(), Err(GrantPolicyError::TailMinGrantZero));
