@@ -385,6 +385,11 @@ fn refills_are_set_and_cleared() {
     );
     cli.run(&["refill", "set", &id, "--amount", "500", "--every", "0s"])
         .fails(2, "positive duration");
+    let too_much = (u64::MAX / 2 + 1).to_string();
+    cli.run(&[
+        "refill", "set", &id, "--amount", &too_much, "--every", "30d",
+    ])
+    .fails(1, "an amount of at most 9223372036854775807 units");
     // Stored, not only printed, and the refused change left it alone.
     let shown = cli.run(&["account", "show", &id]).ok();
     assert!(shown.contains("refill=500/"), "{shown}");

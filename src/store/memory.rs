@@ -133,8 +133,10 @@ pub enum AdminError {
     /// above the most units the ledger holds (`i64::MAX`, what `PostgreSQL`
     /// can store).
     BalanceOverflow,
-    /// A refill interval must be positive, and the period must end within
-    /// the representable time range.
+    /// A refill's amount must be at most the most units the ledger holds
+    /// (`i64::MAX`), and its interval positive (on `PostgreSQL`, a whole
+    /// number of microseconds) with a period that ends within the
+    /// representable time range.
     InvalidRefill,
     /// The operating system could not supply randomness for a key.
     Randomness,
@@ -156,9 +158,11 @@ impl fmt::Display for AdminError {
             Self::BalanceOverflow => {
                 f.write_str("the balance would exceed the most units the ledger holds")
             }
-            Self::InvalidRefill => {
-                f.write_str("a refill interval must be positive and end within the time range")
-            }
+            Self::InvalidRefill => f.write_str(
+                "a refill needs an amount of at most 9223372036854775807 units and a \
+                     positive interval (whole microseconds on PostgreSQL) whose period ends \
+                     within the time range",
+            ),
             Self::Randomness => f.write_str("the operating system supplied no randomness"),
             Self::BalanceUnderflow => {
                 f.write_str("the adjustment would take the balance below zero")
