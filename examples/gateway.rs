@@ -60,10 +60,10 @@ struct Args {
     /// never shares the API's listener; keep it off the public network.
     #[arg(long, default_value = "127.0.0.1:9000")]
     ops_listen: SocketAddr,
-    /// The starting balance of both demo accounts, in cost units (embedded
-    /// store only).
-    #[arg(long, default_value_t = 1_000)]
-    balance: u64,
+    /// The starting balance of both demo accounts, in cost units [embedded
+    /// store only; default 1000].
+    #[arg(long)]
+    balance: Option<u64>,
     /// `memory` for the embedded store with two demo accounts, or a
     /// `postgres://` URL for a store shared by several gateways.
     #[arg(long, default_value = "memory")]
@@ -71,9 +71,31 @@ struct Args {
     /// With a PostgreSQL store: create or upgrade the schema first.
     #[arg(long)]
     migrate: bool,
-    /// With a PostgreSQL store: the schema tollgate's tables live in.
-    #[arg(long, default_value = "tollgate")]
-    schema: String,
+    /// With a PostgreSQL store: the schema tollgate's tables live in
+    /// [default: tollgate].
+    #[arg(long)]
+    schema: Option<String>,
+}
+
+impl Args {
+    /// Refuses flags that mean nothing for the chosen store, rather than
+    /// let them be ignored.
+    fn check(&self) -> Result<(), String> {
+        let embedded = self.store == "memory";
+        if embedded && (self.migrate || self.schema.is_some()) {
+            return Err(
+                "--migrate and --schema apply to a PostgreSQL store, not --store memory".into(),
+            );
+        }
+        if !embedded && self.balance.is_some() {
+            return Err(
+                "--balance seeds the embedded store's demo accounts; on a PostgreSQL \
+                        store create accounts with `tollgate account create`"
+                    .into(),
+            );
+        }
+        Ok(())
+    }
 }
 
 fn ms(n: u64) -> Duration {
@@ -204,7 +226,7 @@ impl Backend {
         let store = PostgresStore::connect(
             &args.store,
             PostgresConfig {
-                schema: args.schema.clone(),
+                schema: args.schema.clone().unwrap_or_else(|| "tollgate".to_owned()),
                 policy: grant_policy(),
             },
         )
@@ -216,7 +238,7 @@ impl Backend {
             SchemaStatus::Current { .. } => Ok(Self::Postgres(Arc::new(store))),
             other => Err(format!(
                 "schema {} is not ready ({other:?}): run with --migrate, or `tollgate migrate`",
-                args.schema
+                store.schema()
             )
             .into()),
         }
@@ -373,12 +395,15 @@ fn open_demo_accounts(
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
+    args.check()?;
     // The request path reads time with one atomic load; the ticker keeps it
     // within two milliseconds, far inside the leases' safety margin.
     let clock: Arc<dyn Clock> = Arc::new(CoarseClock::start(Duration::from_millis(1))?);
     let backend = Backend::open(&args).await?;
     let demo_keys = match &backend {
-        Backend::Memory(store) => open_demo_accounts(store, args.balance, clock.now())?,
+        Backend::Memory(store) => {
+            open_demo_accounts(store, args.balance.unwrap_or(1_000), clock.now())?
+        }
         #[cfg(feature = "postgres")]
         Backend::Postgres(_) => Vec::new(),
     };
