@@ -243,11 +243,26 @@ async fn a_schema_named_by_a_reserved_word_migrates_and_serves() {
     )
     .await
     .expect("the test server is reachable");
-    // The one test that uses this name, so a rerun starts afresh.
-    sqlx::raw_sql(r#"DROP SCHEMA IF EXISTS "order" CASCADE"#)
-        .execute(store.pool())
-        .await
-        .unwrap();
+    // The one test that uses this name. A schema of that name left by an
+    // earlier run is tollgate's and starts afresh; any other is not this
+    // test's to drop.
+    let exists: bool =
+        sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = 'order')")
+            .fetch_one(store.pool())
+            .await
+            .unwrap();
+    if exists {
+        let status = store.check_schema().await;
+        assert!(
+            matches!(
+                status,
+                Ok(SchemaStatus::Current { .. } | SchemaStatus::Behind { .. })
+            ),
+            "this server has a schema named \"order\" that is not tollgate's ({status:?}); \
+             run the tests against a server of their own"
+        );
+        drop_order_schema(&store).await;
+    }
     assert_eq!(store.check_schema().await.unwrap(), SchemaStatus::Missing);
     assert_eq!(store.migrate().await.unwrap().current, 2);
     assert_eq!(
@@ -278,6 +293,14 @@ async fn a_schema_named_by_a_reserved_word_migrates_and_serves() {
         vec![key.principal]
     );
     audited(&store).await;
+    drop_order_schema(&store).await;
+}
+
+async fn drop_order_schema(store: &PostgresStore) {
+    sqlx::raw_sql(r#"DROP SCHEMA "order" CASCADE"#)
+        .execute(store.pool())
+        .await
+        .unwrap();
 }
 
 /// I33: three instances migrating one database at once apply each version
