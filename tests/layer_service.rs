@@ -1050,15 +1050,21 @@ fn extraction_model(headers: &[(http::HeaderName, Vec<u8>)]) -> Result<Vec<u8>, 
 
 const X_API_KEY: http::HeaderName = http::HeaderName::from_static("x-api-key");
 
-/// A header value as clients send them, right and wrong: a scheme or none,
-/// then bytes that are mostly a key's, now and then a space or anything.
-fn header_value() -> impl Strategy<Value = Vec<u8>> {
-    let scheme = prop_oneof![
-        Just(b"Bearer ".to_vec()),
-        Just(b"bEaReR   ".to_vec()),
-        Just(b"Bearer".to_vec()),
-        Just(b"Basic ".to_vec()),
-        Just(Vec::new()),
+/// A header as clients send them, right and wrong: its name (0
+/// `Authorization`, 1 `x-api-key`, 2 one the extractor ignores) and a value
+/// that is mostly what that header should carry, now and then not.
+fn header() -> impl Strategy<Value = (u8, Vec<u8>)> {
+    let bearer = prop_oneof![
+        6 => Just(b"Bearer ".to_vec()),
+        2 => Just(b"bEaReR   ".to_vec()),
+        1 => Just(b"Bearer".to_vec()),
+        1 => Just(b"Basic ".to_vec()),
+        1 => Just(Vec::new()),
+    ];
+    let bare = prop_oneof![
+        8 => Just(Vec::new()),
+        1 => Just(b"Bearer ".to_vec()),
+        1 => Just(b" ".to_vec()),
     ];
     let byte = prop_oneof![
         20 => 0x21_u8..=0x7E,
@@ -1071,10 +1077,17 @@ fn header_value() -> impl Strategy<Value = Vec<u8>> {
         1 => prop::collection::vec(0x21_u8..=0x7E, 250..260),
         3 => prop::collection::vec(byte, 0..300),
     ];
-    (scheme, body).prop_map(|(mut scheme, body)| {
-        scheme.extend(body);
-        scheme
-    })
+    let value = |scheme: BoxedStrategy<Vec<u8>>| {
+        (scheme, body.clone()).prop_map(|(mut scheme, body)| {
+            scheme.extend(body);
+            scheme
+        })
+    };
+    prop_oneof![
+        2 => value(bearer.clone().boxed()).prop_map(|value| (0_u8, value)),
+        2 => value(bare.boxed()).prop_map(|value| (1_u8, value)),
+        1 => value(bearer.boxed()).prop_map(|value| (2_u8, value)),
+    ]
 }
 
 proptest! {
@@ -1082,7 +1095,7 @@ proptest! {
     /// never panics.
     #[test]
     fn extracting_a_key_from_arbitrary_headers_follows_the_documented_rules(
-        headers in prop::collection::vec((0_u8..3, header_value()), 0..4)
+        headers in prop::collection::vec(header(), 0..3)
     ) {
         let mut map = HeaderMap::new();
         let mut sent = Vec::new();
@@ -1108,12 +1121,14 @@ proptest! {
 fn the_extraction_property_draws_keys_it_accepts() {
     use proptest::strategy::ValueTree;
     let mut runner = proptest::test_runner::TestRunner::deterministic();
-    let strategy = prop::collection::vec((0_u8..3, header_value()), 0..4);
+    let strategy = prop::collection::vec(header(), 0..3);
     let mut accepted = 0;
     for _ in 0..256 {
         let headers = strategy.new_tree(&mut runner).unwrap().current();
         let named: Vec<_> = headers
             .into_iter()
+            // As the property sends them: what HTTP cannot carry is left out.
+            .filter(|(_, value)| HeaderValue::from_bytes(value).is_ok())
             .map(|(name, value)| match name {
                 0 => (AUTHORIZATION, value),
                 1 => (X_API_KEY, value),
@@ -1123,7 +1138,7 @@ fn the_extraction_property_draws_keys_it_accepts() {
         accepted += usize::from(extraction_model(&named).is_ok());
     }
     assert!(
-        accepted > 25,
+        accepted > 64,
         "only {accepted} of 256 cases drew a usable key"
     );
 }

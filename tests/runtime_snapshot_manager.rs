@@ -1164,12 +1164,27 @@ fn every_configuration_rule_is_checked_in_field_order() {
         },
         Ok(()),
     );
+    // Each plan is held to the timeout of the call its refresh makes.
     check(
         &SnapshotManagerConfig {
             enumeration_timeout: Duration::MAX,
             ..valid
         },
+        Ok(()),
+    );
+    check(
+        &SnapshotManagerConfig {
+            enumeration_timeout: Duration::MAX,
+            ..all.clone()
+        },
         Err(Broken::MaxStalenessNotAboveRefreshAndCall),
+    );
+    check(
+        &SnapshotManagerConfig {
+            fetch_timeout: Duration::MAX,
+            ..all
+        },
+        Ok(()),
     );
     for broken in [
         Broken::FixedPrincipalsEmpty,

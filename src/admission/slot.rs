@@ -318,8 +318,6 @@ mod tests {
         ))
     }
 
-    /// Races four threads debiting and releasing the slot's lease until at
-    /// least one debit has lost a race; returns how many have.
     /// Many accounts are ensured in one registry update, in the order
     /// asked, reusing the slots that exist; with all present, none.
     #[test]
@@ -349,6 +347,8 @@ mod tests {
         assert_eq!(*changes.borrow() - before, 1, "nothing new, no update");
     }
 
+    /// Races four threads debiting and releasing the slot's lease until at
+    /// least one debit has lost a race; returns how many have.
     fn race_until_contended(slot: &LeaseSlot) -> u64 {
         for _ in 0..200 {
             std::thread::scope(|scope| {

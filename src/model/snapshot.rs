@@ -72,7 +72,8 @@ pub struct PrincipalSnapshot {
     pub account_status: AccountStatus,
     /// How the account may spend beyond its leases.
     pub mode: EnforcementMode,
-    /// The policy generation this snapshot reflects.
+    /// The policy generation this snapshot reflects. A source never gives
+    /// a principal a smaller one than it gave before (I34).
     pub policy_revision: PolicyRevision,
     /// When the source produced this snapshot; staleness is measured from
     /// here.

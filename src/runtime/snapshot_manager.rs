@@ -37,7 +37,12 @@
 //!
 //! A refresh whose answers go back in policy revision (I34) vouches for
 //! nothing: the map keeps the newer snapshots and the refresh counts as a
-//! failure.
+//! failure. Under `Fixed` every refresh reads every principal again, so a
+//! source that stays behind leaves the map to go stale. An enumeration
+//! moves its cursor on past what it read, so only the refresh that read the
+//! older answer fails; and a source restored to an earlier state is not
+//! seen at all (its revisions are behind the cursor): restart the instances
+//! after restoring a database.
 //!
 //! A call that fails or times out (I22) is counted and logged, and the next
 //! tick comes `retry_backoff` after the failed one ended; after a success
@@ -123,9 +128,10 @@ pub struct SnapshotManagerConfig {
     /// The bound on every `changed_since` call (I22). Must be positive.
     pub enumeration_timeout: Duration,
     /// How long after the last successful refresh readiness stays true.
-    /// Must exceed `refresh_interval` plus the longer call timeout, so that
-    /// a healthy refresh that takes its whole timeout does not take the
-    /// instance out of service; set it to the snapshot
+    /// Must exceed `refresh_interval` plus the timeout of a refresh's call,
+    /// so that a healthy refresh that takes its whole timeout does not take
+    /// the instance out of service; that is a minimum, and an enumeration of
+    /// many pages, or lookups answered between refreshes, take longer; set it to the snapshot
     /// map's own `max_staleness`, the point where admission refuses the
     /// snapshots anyway.
     pub max_staleness: SignedDuration,
@@ -149,10 +155,12 @@ pub enum SnapshotManagerConfigError {
     EnumerationTimeoutZero,
     /// `max_staleness` is not longer than `refresh_interval`.
     MaxStalenessNotAboveRefreshInterval,
-    /// `max_staleness` is not longer than `refresh_interval` plus the longer
-    /// of `fetch_timeout` and `enumeration_timeout`: a refresh vouches for
-    /// the instant it started only once it ends, so a healthy but slow one
-    /// would leave the snapshots stale in every interval.
+    /// `max_staleness` is not longer than `refresh_interval` plus the
+    /// timeout of the call a refresh makes (`fetch_timeout` for a fixed
+    /// list, `enumeration_timeout` for an enumeration): a refresh vouches
+    /// for the instant it started only once it ends, so a healthy one that
+    /// takes its whole timeout would leave the snapshots stale in every
+    /// interval.
     MaxStalenessNotAboveRefreshAndCall,
     /// `max_staleness` is longer than the snapshot map's (checked by
     /// [`SnapshotManager::spawn`]): readiness would outlive the snapshots
@@ -175,10 +183,14 @@ impl SnapshotManagerConfig {
         // An interval too long to be a `SignedDuration` cannot be exceeded.
         let staleness_covers_a_refresh = SignedDuration::try_from(self.refresh_interval)
             .is_ok_and(|interval| self.max_staleness > interval);
-        let longest_call = self.fetch_timeout.max(self.enumeration_timeout);
+        // The bound on the call a refresh makes under this plan.
+        let refresh_call = match &self.principals {
+            PrincipalSelection::Fixed(_) => self.fetch_timeout,
+            PrincipalSelection::All { .. } => self.enumeration_timeout,
+        };
         let staleness_covers_a_slow_refresh = self
             .refresh_interval
-            .checked_add(longest_call)
+            .checked_add(refresh_call)
             .and_then(|span| SignedDuration::try_from(span).ok())
             .is_some_and(|span| self.max_staleness > span);
         let rules = [
@@ -227,8 +239,9 @@ impl fmt::Display for SnapshotManagerConfigError {
                 "snapshot manager: max_staleness must exceed refresh_interval"
             }
             Self::MaxStalenessNotAboveRefreshAndCall => {
-                "snapshot manager: max_staleness must exceed refresh_interval plus the longer \
-                 of fetch_timeout and enumeration_timeout (a refresh vouches only once it ends)"
+                "snapshot manager: max_staleness must exceed refresh_interval plus the timeout \
+                 of a refresh's call (fetch_timeout for a fixed list, enumeration_timeout for \
+                 an enumeration), since a refresh vouches only once it ends"
             }
             Self::MaxStalenessAboveMap => {
                 "snapshot manager: max_staleness must not be longer than the snapshot map's \
@@ -332,15 +345,18 @@ impl AccountBindings {
 /// What the snapshot manager has done so far.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct SnapshotStats {
-    /// Complete refreshes: a fixed fetch, or an enumeration that reached its
-    /// last page.
+    /// Complete refreshes that vouched for the map: a fixed fetch, or an
+    /// enumeration that reached its last page, with no answer older than
+    /// what the map held (I34).
     pub refreshes: u64,
     /// Source calls that answered with an error (or, for an enumeration,
-    /// with a page that made no progress).
+    /// with a page that made no progress), and complete refreshes that went
+    /// back in revision.
     pub failures: u64,
     /// Source calls cut off by their timeout (I22).
     pub timeouts: u64,
-    /// Snapshots handed to the map.
+    /// Snapshots handed to the map, including any it dropped as older than
+    /// what it held.
     pub published: u64,
     /// Principals marked unknown: not returned by the source when asked for.
     pub unknown: u64,

@@ -140,6 +140,12 @@ pub trait UsageSink: Send + Sync {
 }
 
 /// Serves principals' policy snapshots.
+///
+/// The revisions a source gives one principal never decrease: a change gets
+/// a larger [`PolicyRevision`](crate::PolicyRevision) than the state it
+/// replaces (the stores number every change from one sequence, I32). The
+/// snapshot map drops an answer older than what it holds (I34), so a source
+/// whose revisions go back is treated as a stale read, not obeyed.
 #[async_trait]
 pub trait SnapshotSource: Send + Sync {
     /// The current snapshots of the named principals. Unknown principals are

@@ -14,10 +14,12 @@ use crate::model::CostUnits;
 pub struct GrantPolicy {
     /// The longest lease the store grants. A longer requested ttl is clamped
     /// to this, which bounds how long a crashed instance can strand units.
+    /// Must be positive and at most [`GrantPolicy::LONGEST`].
     pub max_ttl: SignedDuration,
     /// How long after `expires_at` a lease is still its holder's to release.
     /// Reclaim waits this long, so a holder whose clock runs slightly behind
-    /// the store's still commits inside its window (I2). Must be positive.
+    /// the store's still commits inside its window (I2). Must be positive
+    /// and at most [`GrantPolicy::LONGEST`].
     pub reclaim_grace: SignedDuration,
     /// How grants shrink near the end of a balance.
     pub tail: TailSharing,

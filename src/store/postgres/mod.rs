@@ -12,8 +12,10 @@
 //!
 //! # Schema and migrations
 //!
-//! Everything lives in one schema of tollgate's own (`tollgate` unless
-//! configured), including its migration table `{schema}.schema_migrations`,
+//! Everything lives in one schema of tollgate's own (named by
+//! [`PostgresConfig::schema`]; the CLI and the example gateway use
+//! `tollgate` unless told otherwise), including its migration table
+//! `{schema}.schema_migrations`,
 //! which it never shares with the host application. The migrations ship in
 //! the crate and [`PostgresStore::migrate`] applies them under a
 //! transaction-scoped advisory lock, so instances starting together migrate
