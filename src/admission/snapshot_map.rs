@@ -104,14 +104,98 @@ pub struct ArcSwapSnapshotMap {
     writer: Mutex<Writer>,
 }
 
-/// What requests read: one immutable generation.
-#[derive(Default)]
+/// How many shards each index of a generation is split into. A publication
+/// copies only the shards it changes, so one change to a map of N principals
+/// copies about N / `SHARDS` entries, not N.
+const SHARDS: usize = 64;
+
+type EntryShard = HashMap<Principal, Entry, FxBuildHasher>;
+type KeyShard = HashMap<KeyHash, Principal, FxBuildHasher>;
+
+/// What requests read: one immutable generation. Generations share the
+/// shards neither has changed.
+#[derive(Clone)]
 struct Published {
-    entries: HashMap<Principal, Entry, FxBuildHasher>,
-    unknown: HashSet<Principal, FxBuildHasher>,
+    entries: [Arc<EntryShard>; SHARDS],
+    unknown: Arc<HashSet<Principal, FxBuildHasher>>,
     /// Principals by the hash of their API key. Keys are SHA-256 digests, so
-    /// a caller cannot choose which bucket its guesses land in.
-    by_key: HashMap<KeyHash, Principal, FxBuildHasher>,
+    /// a caller cannot choose which bucket (or shard) its guesses land in.
+    by_key: [Arc<KeyShard>; SHARDS],
+}
+
+impl Default for Published {
+    fn default() -> Self {
+        Self {
+            entries: std::array::from_fn(|_| Arc::default()),
+            unknown: Arc::default(),
+            by_key: std::array::from_fn(|_| Arc::default()),
+        }
+    }
+}
+
+/// The shard of `principal`'s entry: the top bits of a multiplicative hash,
+/// so consecutive ids spread over every shard.
+#[allow(
+    clippy::inline_always,
+    reason = "part of the request path's first lookup"
+)]
+#[inline(always)]
+fn principal_shard(principal: Principal) -> usize {
+    let spread = principal.get().wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 58;
+    // Six bits: below `SHARDS` on every target.
+    usize::from(u8::try_from(spread).unwrap_or(0))
+}
+
+/// The shard of a key hash: its first byte's low six bits, uniform because
+/// the hash is a SHA-256 digest.
+#[allow(
+    clippy::inline_always,
+    reason = "part of the request path's first lookup"
+)]
+#[inline(always)]
+fn key_shard(hash: &KeyHash) -> usize {
+    usize::from(hash.0[0]) % SHARDS
+}
+
+impl Published {
+    #[allow(clippy::inline_always, reason = "the request path's lookup")]
+    #[inline(always)]
+    fn entry(&self, principal: Principal) -> Option<&Entry> {
+        self.entries[principal_shard(principal)].get(&principal)
+    }
+
+    #[allow(clippy::inline_always, reason = "the request path's lookup")]
+    #[inline(always)]
+    fn principal_by_key(&self, hash: &KeyHash) -> Option<Principal> {
+        self.by_key[key_shard(hash)].get(hash).copied()
+    }
+
+    fn len(&self) -> usize {
+        self.entries.iter().map(|shard| shard.len()).sum()
+    }
+
+    fn values(&self) -> impl Iterator<Item = &Entry> {
+        self.entries.iter().flat_map(|shard| shard.values())
+    }
+
+    /// The shard holding `principal`'s entry, copied first if another
+    /// generation shares it.
+    fn entries_mut(&mut self, principal: Principal) -> &mut EntryShard {
+        Arc::make_mut(&mut self.entries[principal_shard(principal)])
+    }
+
+    /// The shard holding `hash`, copied first if another generation shares
+    /// it.
+    fn keys_mut(&mut self, hash: &KeyHash) -> &mut KeyShard {
+        Arc::make_mut(&mut self.by_key[key_shard(hash)])
+    }
+
+    /// Forgets `principal`'s key `hash` if it still leads to `principal`.
+    fn forget_key(&mut self, hash: &KeyHash, principal: Principal) {
+        if self.principal_by_key(hash) == Some(principal) {
+            self.keys_mut(hash).remove(hash);
+        }
+    }
 }
 
 #[derive(Clone)]
@@ -149,7 +233,7 @@ impl Pinned<'_> {
     #[inline(always)]
     pub(crate) fn entry(&self, principal: Principal) -> Result<&Entry, DenyReason> {
         let published = self.published()?;
-        match published.entries.get(&principal) {
+        match published.entry(principal) {
             Some(entry) => Ok(entry),
             None => Err(self.map.missing(published, principal)),
         }
@@ -177,9 +261,8 @@ impl Pinned<'_> {
     ) -> Result<&Entry, DenyReason> {
         let published = self.published()?;
         published
-            .by_key
-            .get(hash)
-            .and_then(|principal| published.entries.get(principal))
+            .principal_by_key(hash)
+            .and_then(|principal| published.entry(principal))
             .ok_or_else(|| self.map.missing_key(now))
     }
 
@@ -296,7 +379,7 @@ impl ArcSwapSnapshotMap {
     /// The principal whose API key hashes to `hash`, if one is published.
     #[must_use]
     pub fn principal_for_key(&self, hash: &KeyHash) -> Option<Principal> {
-        self.published.load().by_key.get(hash).copied()
+        self.published.load().principal_by_key(hash)
     }
 
     /// The current generation, from this thread's cache when its number
@@ -370,8 +453,7 @@ impl ArcSwapSnapshotMap {
     pub fn get(&self, principal: Principal) -> Option<Arc<PrincipalSnapshot>> {
         self.published
             .load()
-            .entries
-            .get(&principal)
+            .entry(principal)
             .map(|entry| Arc::clone(&entry.snapshot))
     }
 
@@ -384,7 +466,7 @@ impl ArcSwapSnapshotMap {
     /// How many principals have snapshots.
     #[must_use]
     pub fn len(&self) -> usize {
-        self.published.load().entries.len()
+        self.published.load().len()
     }
 
     /// Whether no principal has a snapshot.
@@ -441,7 +523,7 @@ impl ArcSwapSnapshotMap {
         fresh.retain(|entry| {
             let (principal, revision) = (entry.snapshot.principal, entry.snapshot.policy_revision);
             let seen = newest.get(&principal).copied().or_else(|| {
-                let held = published.entries.get(&principal)?;
+                let held = published.entry(principal)?;
                 Some(held.snapshot.policy_revision)
             });
             if seen.is_some_and(|seen| revision < seen) {
@@ -473,31 +555,34 @@ impl ArcSwapSnapshotMap {
             .unknown_order
             .retain(|principal| !principals.contains(principal));
         self.publish_generation(|current| {
-            let mut next = Published {
-                entries: current.entries.clone(),
-                unknown: current.unknown.clone(),
-                by_key: current.by_key.clone(),
-            };
+            // Shares every shard with `current` until one is written.
+            let mut next = Published::clone(current);
+            if fresh
+                .iter()
+                .any(|entry| next.unknown.contains(&entry.snapshot.principal))
+            {
+                let unknown = Arc::make_mut(&mut next.unknown);
+                for entry in &fresh {
+                    unknown.remove(&entry.snapshot.principal);
+                }
+            }
             for entry in &fresh {
                 let principal = entry.snapshot.principal;
-                next.unknown.remove(&principal);
                 let hash = entry.snapshot.key_hash;
                 // A principal whose key changed (rotated, or withdrawn) must
                 // not stay reachable through the old one, which would read
                 // the new key's policy.
-                if let Some(old) = next
-                    .entries
-                    .get(&principal)
-                    .and_then(|e| e.snapshot.key_hash)
+                if let Some(old) = next.entry(principal).and_then(|e| e.snapshot.key_hash)
                     && Some(old) != hash
-                    && next.by_key.get(&old) == Some(&principal)
                 {
-                    next.by_key.remove(&old);
+                    next.forget_key(&old, principal);
                 }
-                if let Some(hash) = hash {
-                    next.by_key.insert(hash, principal);
+                if let Some(hash) = hash
+                    && next.principal_by_key(&hash) != Some(principal)
+                {
+                    next.keys_mut(&hash).insert(hash, principal);
                 }
-                next.entries.insert(principal, entry.clone());
+                next.entries_mut(principal).insert(principal, entry.clone());
             }
             next
         });
@@ -526,24 +611,24 @@ impl ArcSwapSnapshotMap {
             evicted.extend(writer.unknown_order.pop_front());
         }
         self.publish_generation(|current| {
-            let mut next = Published {
-                entries: current.entries.clone(),
-                unknown: current.unknown.clone(),
-                by_key: current.by_key.clone(),
-            };
+            let mut next = Published::clone(current);
             for principal in &added {
                 // The hash leads elsewhere if another principal was
                 // published with it since; that one keeps it.
-                if let Some(entry) = next.entries.remove(principal)
-                    && let Some(hash) = entry.snapshot.key_hash
-                    && next.by_key.get(&hash) == Some(principal)
-                {
-                    next.by_key.remove(&hash);
+                let withdrawn = next.entry(*principal).map(|entry| entry.snapshot.key_hash);
+                if let Some(key_hash) = withdrawn {
+                    next.entries_mut(*principal).remove(principal);
+                    if let Some(hash) = key_hash {
+                        next.forget_key(&hash, *principal);
+                    }
                 }
-                next.unknown.insert(*principal);
+            }
+            let unknown = Arc::make_mut(&mut next.unknown);
+            for principal in &added {
+                unknown.insert(*principal);
             }
             for principal in &evicted {
-                next.unknown.remove(principal);
+                unknown.remove(principal);
             }
             next
         });
@@ -568,7 +653,6 @@ impl ArcSwapSnapshotMap {
     pub fn bound_accounts(&self) -> HashSet<crate::model::AccountId> {
         self.published
             .load()
-            .entries
             .values()
             .map(|entry| entry.snapshot.account_id)
             .collect()
@@ -585,7 +669,7 @@ impl fmt::Debug for ArcSwapSnapshotMap {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let published = self.published.load();
         f.debug_struct("ArcSwapSnapshotMap")
-            .field("principals", &published.entries.len())
+            .field("principals", &published.len())
             .field("unknown", &published.unknown.len())
             .field("config", &self.config)
             .finish_non_exhaustive()
@@ -683,6 +767,43 @@ mod tests {
             .map(|snapshot| snapshot.policy_revision.get())
             .collect();
         assert_eq!(kept, vec![3, 2], "newest first, two deep");
+    }
+
+    /// A publication copies only the shards it changes: one changed
+    /// principal shares every other shard of both indexes with the
+    /// generation before it, and every principal stays reachable.
+    #[test]
+    fn a_publication_copies_only_the_shards_it_changes() {
+        let map = map(2, 8);
+        map.publish((1..=1_000).map(|p| snapshot(p, &format!("tg_{p}"), 1)));
+        let before = map.published.load_full();
+        map.publish([snapshot(7, "tg_7", 2)]);
+        let after = map.published.load_full();
+        let shared = |a: &[Arc<EntryShard>], b: &[Arc<EntryShard>]| {
+            a.iter().zip(b).filter(|(a, b)| Arc::ptr_eq(a, b)).count()
+        };
+        assert_eq!(shared(&before.entries, &after.entries), SHARDS - 1);
+        let shared_keys = before
+            .by_key
+            .iter()
+            .zip(&after.by_key)
+            .filter(|(a, b)| Arc::ptr_eq(a, b))
+            .count();
+        assert_eq!(shared_keys, SHARDS, "the same key: its index is unchanged");
+        assert!(Arc::ptr_eq(&before.unknown, &after.unknown));
+        assert_eq!(after.len(), 1_000);
+        assert!(
+            before.entries.iter().all(|shard| !shard.is_empty()),
+            "a thousand principals reach every shard"
+        );
+        for p in [1, 7, 500, 1_000] {
+            let expected = if p == 7 { 2 } else { 1 };
+            assert_eq!(entry(&map, p), Ok(expected));
+            assert_eq!(
+                map.principal_for_key(&KeyHash::of(format!("tg_{p}").as_bytes())),
+                Some(Principal(p))
+            );
+        }
     }
 
     /// I34: a stale read of an older revision, published after a newer

@@ -706,9 +706,11 @@ impl Task {
             unreachable!("refresh_all runs only under an enumeration plan");
         };
         let limit = self.config.enumeration_timeout;
-        // Every publication copies the map, so pages are published in
-        // batches at least as large as the map: a first enumeration of N
-        // principals then copies O(N) entries in all, not O(N²/page).
+        // Every publication copies the shards it changes, and a page of a
+        // first enumeration changes nearly all of them, so pages are
+        // published in batches at least as large as the map: a first
+        // enumeration of N principals then copies O(N) entries in all, not
+        // O(N²/page).
         let mut unpublished = Vec::new();
         loop {
             let answer = self
