@@ -16,6 +16,6 @@ mod usage;
 pub use engine::{AdmissionCounters, AdmissionEngine, AdmissionStats, RequestContext};
 pub use request_id::RequestIds;
 pub use slot::{LeaseSlot, SlotRegistry};
-pub use snapshot_map::{ArcSwapSnapshotMap, SnapshotMapConfig, SnapshotMapConfigError};
+pub use snapshot_map::{ArcSwapSnapshotMap, SnapshotMapConfig, SnapshotMapConfigError, Snapshots};
 pub(crate) use usage::UsageQueue;
 pub use usage::{UsagePermit, UsageRecorder};

@@ -104,6 +104,26 @@ pub struct ArcSwapSnapshotMap {
     writer: Mutex<Writer>,
 }
 
+/// One generation of an [`ArcSwapSnapshotMap`], for reading many
+/// snapshots at once (see [`ArcSwapSnapshotMap::snapshots`]).
+pub struct Snapshots(Arc<Published>);
+
+impl Snapshots {
+    /// `principal`'s snapshot in this generation, if it has one.
+    #[must_use]
+    pub fn get(&self, principal: Principal) -> Option<&PrincipalSnapshot> {
+        self.0.entry(principal).map(|entry| &*entry.snapshot)
+    }
+}
+
+impl fmt::Debug for Snapshots {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Snapshots")
+            .field("principals", &self.0.len())
+            .finish()
+    }
+}
+
 /// How many shards each index of a generation is split into. A publication
 /// copies only the shards it changes, so one change to a map of N principals
 /// copies about N / `SHARDS` entries, not N.
@@ -446,6 +466,14 @@ impl ArcSwapSnapshotMap {
             return Err(DenyReason::SnapshotStale);
         }
         Ok(())
+    }
+
+    /// The current generation, for reading many snapshots: one load for
+    /// all of them, and no reference count per read. It holds that
+    /// generation, so keep it only for the reads at hand.
+    #[must_use]
+    pub fn snapshots(&self) -> Snapshots {
+        Snapshots(self.published.load_full())
     }
 
     /// The current snapshot of `principal`, if one is published.
@@ -804,6 +832,27 @@ mod tests {
                 Some(Principal(p))
             );
         }
+    }
+
+    /// A generation read for many snapshots keeps answering from that
+    /// generation; a later publication is seen by the next one.
+    #[test]
+    fn a_generation_read_for_many_snapshots_answers_as_of_its_load() {
+        let map = map(2, 8);
+        map.publish([snapshot(1, "tg_one", 1), snapshot(2, "tg_two", 1)]);
+        let first = map.snapshots();
+        map.publish([snapshot(1, "tg_one", 2)]);
+        map.mark_unknown([Principal(2)]);
+        let revision = |s: &Snapshots, p: u64| s.get(Principal(p)).map(|s| s.policy_revision.get());
+        assert_eq!(
+            (revision(&first, 1), revision(&first, 2)),
+            (Some(1), Some(1))
+        );
+        let second = map.snapshots();
+        assert_eq!(
+            (revision(&second, 1), revision(&second, 2)),
+            (Some(2), None)
+        );
     }
 
     /// I34: a stale read of an older revision, published after a newer

@@ -948,13 +948,15 @@ impl Task {
     /// they changed.
     fn rebind(&mut self) {
         let verified_at = self.verified_at;
-        let map = &self.map;
+        // One generation for the whole pass: a load and a reference count
+        // per principal would cost more than the reads themselves.
+        let snapshots = self.map.snapshots();
         let mut seen: BTreeMap<AccountId, Timestamp> = BTreeMap::new();
         self.tracked.retain(|principal| {
-            let Some(snapshot) = map.get(*principal) else {
+            let Some(snapshot) = snapshots.get(*principal) else {
                 return false;
             };
-            if usable(&snapshot) {
+            if usable(snapshot) {
                 // A snapshot is as recent as its fetch, or the last complete
                 // refresh that confirmed it, whichever is later.
                 let at = verified_at.map_or(snapshot.fetched_at, |v| v.max(snapshot.fetched_at));
