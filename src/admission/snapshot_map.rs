@@ -332,7 +332,11 @@ thread_local! {
 /// Bookkeeping only the publisher touches.
 #[derive(Default)]
 struct Writer {
+    /// The principals remembered as unknown, oldest first, and the same
+    /// principals as a set, so membership costs one lookup, not a scan of
+    /// up to the negative capacity.
     unknown_order: VecDeque<Principal>,
+    unknown_members: HashSet<Principal, FxBuildHasher>,
     history: HashMap<Principal, VecDeque<Arc<PrincipalSnapshot>>, FxBuildHasher>,
 }
 
@@ -578,10 +582,19 @@ impl ArcSwapSnapshotMap {
             kept.push_front(Arc::clone(&entry.snapshot));
             kept.truncate(depth);
         }
-        let principals: HashSet<Principal> = fresh.iter().map(|e| e.snapshot.principal).collect();
-        writer
-            .unknown_order
-            .retain(|principal| !principals.contains(principal));
+        let known_again: HashSet<Principal> = fresh
+            .iter()
+            .map(|entry| entry.snapshot.principal)
+            .filter(|principal| writer.unknown_members.contains(principal))
+            .collect();
+        if !known_again.is_empty() {
+            writer
+                .unknown_order
+                .retain(|principal| !known_again.contains(principal));
+            writer
+                .unknown_members
+                .retain(|principal| !known_again.contains(principal));
+        }
         self.publish_generation(|current| {
             // Shares every shard with `current` until one is written.
             let mut next = Published::clone(current);
@@ -629,14 +642,17 @@ impl ArcSwapSnapshotMap {
             writer.history.remove(&principal);
             // Once per principal, so eviction forgets the oldest record and
             // not a copy of a newer one.
-            if !writer.unknown_order.contains(&principal) {
+            if writer.unknown_members.insert(principal) {
                 writer.unknown_order.push_back(principal);
             }
             added.push(principal);
         }
         let mut evicted = Vec::new();
         while writer.unknown_order.len() > capacity {
-            evicted.extend(writer.unknown_order.pop_front());
+            if let Some(oldest) = writer.unknown_order.pop_front() {
+                writer.unknown_members.remove(&oldest);
+                evicted.push(oldest);
+            }
         }
         self.publish_generation(|current| {
             let mut next = Published::clone(current);
@@ -766,6 +782,30 @@ mod tests {
         map.publish([snapshot(3, "tg_three", 1)]);
         assert!(!map.is_known_unknown(Principal(3)));
         assert_eq!(entry(&map, 3), Ok(1));
+    }
+
+    /// A principal published again leaves the negative cache's order too,
+    /// and one marked twice holds one place: eviction still takes the
+    /// oldest remaining record.
+    #[test]
+    fn the_negative_cache_order_follows_publication_and_repeats() {
+        let map = map(2, 8);
+        map.mark_unknown([Principal(1), Principal(2)]);
+        map.publish([snapshot(2, "tg_two", 1)]);
+        map.mark_unknown([Principal(3)]);
+        map.mark_unknown([Principal(1)]);
+        map.mark_unknown([Principal(4)]);
+        let unknown: Vec<bool> = (1..=4)
+            .map(|p| map.is_known_unknown(Principal(p)))
+            .collect();
+        assert_eq!(unknown, [false, false, true, true], "1 was the oldest");
+        assert_eq!(entry(&map, 2), Ok(1));
+        // 2, withdrawn after its publication, is the newest record again.
+        map.mark_unknown([Principal(2)]);
+        let unknown: Vec<bool> = (1..=4)
+            .map(|p| map.is_known_unknown(Principal(p)))
+            .collect();
+        assert_eq!(unknown, [false, true, false, true], "3 was the oldest");
     }
 
     /// A principal nobody has published is queued for the snapshot manager
