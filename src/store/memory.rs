@@ -302,6 +302,9 @@ struct Ledger {
     usage_by_account: FxHashMap<AccountId, Vec<RequestId>>,
     keys_by_hash: HashMap<KeyHash, KeyId>,
     keys: BTreeMap<KeyId, KeyRecord>,
+    /// Every key by its current revision (each revision names one key), so
+    /// paging by revision reads one page, not every key.
+    keys_by_revision: BTreeMap<u64, KeyId>,
     last_account: u64,
     last_lease: u64,
     last_fencing: u64,
@@ -520,6 +523,7 @@ impl MemoryStore {
             revision: ledger.revision,
         };
         ledger.keys_by_hash.insert(record.hash, key_id);
+        ledger.keys_by_revision.insert(record.revision, key_id);
         ledger.keys.insert(key_id, record);
         Ok(IssuedKey {
             key,
@@ -537,10 +541,13 @@ impl MemoryStore {
         let mut ledger = self.lock()?;
         ledger.revision += 1;
         let revision = ledger.revision;
+        let ledger = &mut *ledger;
         let record = ledger.keys.get_mut(&key_id).ok_or(AdminError::UnknownKey)?;
         if record.status == KeyStatus::Active {
             record.status = KeyStatus::Revoked;
             record.revoked_at = Some(now);
+            ledger.keys_by_revision.remove(&record.revision);
+            ledger.keys_by_revision.insert(revision, key_id);
             record.revision = revision;
         }
         Ok(())
@@ -816,13 +823,13 @@ impl MemoryStore {
         now: Timestamp,
     ) -> Result<SnapshotPage, StoreError> {
         let ledger = self.lock()?;
+        // One past the page says whether the page is the last.
         let mut changed: Vec<(u64, KeyId)> = ledger
-            .keys
-            .iter()
-            .filter(|(_, record)| record.revision > since.0)
-            .map(|(key_id, record)| (record.revision, *key_id))
+            .keys_by_revision
+            .range((Excluded(since.0), Unbounded))
+            .map(|(revision, key_id)| (*revision, *key_id))
+            .take(limit.saturating_add(1))
             .collect();
-        changed.sort_unstable();
         let complete = changed.len() <= limit;
         changed.truncate(limit);
         let next = changed
@@ -1062,12 +1069,14 @@ impl Ledger {
     /// Bumps the revision of every key of `account`, whose snapshots embed
     /// the account's status and mode.
     fn touch_account_keys(&mut self, account: AccountId) {
-        for record in self
+        for (key_id, record) in self
             .keys
-            .values_mut()
-            .filter(|record| record.account_id == account)
+            .iter_mut()
+            .filter(|(_, record)| record.account_id == account)
         {
             self.revision += 1;
+            self.keys_by_revision.remove(&record.revision);
+            self.keys_by_revision.insert(self.revision, *key_id);
             record.revision = self.revision;
         }
     }
@@ -1336,6 +1345,48 @@ mod tests {
             ledger.keys_by_hash[hash], issued.key_id,
             "found by hash only"
         );
+    }
+
+    /// The revision index names every key once, at its current revision,
+    /// through issues, revocations and account changes; paging by revision
+    /// reads it in order.
+    #[test]
+    fn the_revision_index_follows_every_change_of_a_key() {
+        let store = store();
+        let (a, b) = (funded(&store), funded(&store));
+        let now = Timestamp::UNIX_EPOCH;
+        let keys: Vec<KeyId> = [a, b, a, b]
+            .into_iter()
+            .map(|account| {
+                store
+                    .issue_key(account, PermissionBits::ALL, now)
+                    .unwrap()
+                    .key_id
+            })
+            .collect();
+        store.revoke_key(keys[1], now).unwrap();
+        store.revoke_key(keys[1], now).unwrap();
+        store.set_status(a, AccountStatus::Suspended).unwrap();
+        {
+            let ledger = store.lock().unwrap();
+            assert_eq!(ledger.keys_by_revision.len(), ledger.keys.len());
+            for (key_id, record) in &ledger.keys {
+                assert_eq!(ledger.keys_by_revision.get(&record.revision), Some(key_id));
+            }
+        }
+        let mut cursor = SnapshotCursor::START;
+        let mut paged = Vec::new();
+        loop {
+            let page = store.changed_since_now(cursor, 3, now).unwrap();
+            paged.extend(page.snapshots.iter().map(|s| s.principal.get()));
+            cursor = page.next;
+            if page.complete {
+                break;
+            }
+        }
+        // Key 3 was issued last but b's revocation and a's suspension came
+        // after: 4, then 2, then a's keys 1 and 3.
+        assert_eq!(paged, [4, 2, 1, 3]);
     }
 
     #[test]
