@@ -71,7 +71,7 @@
 //! source hangs. Dropping the [`SnapshotManager`] instead aborts the task
 //! and logs it.
 
-use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::fmt;
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -465,7 +465,8 @@ impl SnapshotManager {
             bindings: bindings_tx,
             config,
             plan,
-            tracked: HashSet::new(),
+            tracked: HashMap::new(),
+            usable_accounts: HashMap::new(),
             pending_lookups: Vec::new(),
             verified_at: None,
             went_back: 0,
@@ -599,7 +600,10 @@ enum Plan {
 /// # Invariants
 ///
 /// 1. `tracked` holds every principal this task published and has not
-///    withdrawn; bindings are computed over it, reading the map.
+///    withdrawn, with the account and usability the map holds for it; and
+///    `usable_accounts` counts, per account, the tracked principals that
+///    are usable, with the latest time one was seen so. Bindings are built
+///    from the counts, so a tick costs the accounts, not the principals.
 /// 2. `verified_at` is the start of the last complete refresh, and the map
 ///    was marked verified at that instant.
 /// 3. `pending_lookups` holds at most `lookup_capacity` principals.
@@ -611,13 +615,29 @@ struct Task {
     bindings: watch::Sender<Arc<AccountBindings>>,
     config: SnapshotManagerConfig,
     plan: Plan,
-    tracked: HashSet<Principal>,
+    tracked: HashMap<Principal, Tracked>,
+    usable_accounts: HashMap<AccountId, UsableAccount>,
     pending_lookups: Vec<Principal>,
     lookup_capacity: usize,
     verified_at: Option<Timestamp>,
     /// Snapshots the map dropped during the current refresh because they
     /// were older than what it had published (I34).
     went_back: usize,
+}
+
+/// What the map holds for a tracked principal.
+#[derive(Clone, Copy)]
+struct Tracked {
+    account: AccountId,
+    usable: bool,
+}
+
+/// An account with at least one usable tracked principal.
+struct UsableAccount {
+    principals: usize,
+    /// The latest time a usable principal of the account was fetched, or
+    /// confirmed by a complete refresh.
+    last_seen: Timestamp,
 }
 
 impl Task {
@@ -850,16 +870,61 @@ impl Task {
             return;
         }
         bump(&self.counters.published, snapshots.len());
-        self.tracked
-            .extend(snapshots.iter().map(|snapshot| snapshot.principal));
+        let principals: Vec<Principal> = snapshots.iter().map(|s| s.principal).collect();
         // Revoked keys and suspended accounts are published as they are:
         // admission denies them by name (I23).
         self.went_back += self.map.publish(snapshots);
+        // What the map holds now, which is not what was offered where it
+        // kept a newer revision (I34).
+        let held = self.map.snapshots();
+        for principal in principals {
+            let now_held = held.get(principal).map(|snapshot| {
+                let seen = self
+                    .verified_at
+                    .map_or(snapshot.fetched_at, |v| v.max(snapshot.fetched_at));
+                (
+                    Tracked {
+                        account: snapshot.account_id,
+                        usable: usable(snapshot),
+                    },
+                    seen,
+                )
+            });
+            self.retrack(principal, now_held);
+        }
+    }
+
+    /// Records what the map now holds for `principal` (`None`: nothing),
+    /// moving it between the usable counts.
+    fn retrack(&mut self, principal: Principal, held: Option<(Tracked, Timestamp)>) {
+        let before = match held {
+            Some((tracked, _)) => self.tracked.insert(principal, tracked),
+            None => self.tracked.remove(&principal),
+        };
+        if let Some(before) = before.filter(|before| before.usable)
+            && let Some(account) = self.usable_accounts.get_mut(&before.account)
+        {
+            account.principals -= 1;
+            if account.principals == 0 {
+                self.usable_accounts.remove(&before.account);
+            }
+        }
+        if let Some((tracked, seen)) = held.filter(|(tracked, _)| tracked.usable) {
+            let account = self
+                .usable_accounts
+                .entry(tracked.account)
+                .or_insert(UsableAccount {
+                    principals: 0,
+                    last_seen: seen,
+                });
+            account.principals += 1;
+            account.last_seen = account.last_seen.max(seen);
+        }
     }
 
     fn withdraw(&mut self, principals: &HashSet<Principal>) {
         for principal in principals {
-            self.tracked.remove(principal);
+            self.retrack(*principal, None);
         }
         // A principal already remembered as unknown is not marked again, so
         // `unknown` counts what the source newly disowned and a refresh that
@@ -887,7 +952,12 @@ impl Task {
         // here, which is honest because the refresh just read every one of
         // them (fixed) or confirmed that none else changed (enumeration).
         self.map.mark_verified(now);
-        self.verified_at = Some(self.verified_at.map_or(now, |before| before.max(now)));
+        let verified_at = self.verified_at.map_or(now, |before| before.max(now));
+        self.verified_at = Some(verified_at);
+        // Every usable principal is confirmed as of the refresh.
+        for account in self.usable_accounts.values_mut() {
+            account.last_seen = account.last_seen.max(verified_at);
+        }
         bump(&self.counters.refreshes, 1);
         *self.counters.last_success() = Some(now);
         // I29: the accounts this refresh found go out before readiness
@@ -947,28 +1017,14 @@ impl Task {
     /// Recomputes the account bindings from the map and publishes them if
     /// they changed.
     fn rebind(&mut self) {
-        let verified_at = self.verified_at;
-        // One generation for the whole pass: a load and a reference count
-        // per principal would cost more than the reads themselves.
-        let snapshots = self.map.snapshots();
-        let mut seen: BTreeMap<AccountId, Timestamp> = BTreeMap::new();
-        self.tracked.retain(|principal| {
-            let Some(snapshot) = snapshots.get(*principal) else {
-                return false;
-            };
-            if usable(snapshot) {
-                // A snapshot is as recent as its fetch, or the last complete
-                // refresh that confirmed it, whichever is later.
-                let at = verified_at.map_or(snapshot.fetched_at, |v| v.max(snapshot.fetched_at));
-                seen.entry(snapshot.account_id)
-                    .and_modify(|latest| *latest = (*latest).max(at))
-                    .or_insert(at);
-            }
-            true
-        });
+        // A snapshot is as recent as its fetch, or the last complete
+        // refresh that confirmed it, whichever is later: `last_seen` keeps
+        // the latest of those over the account's usable principals.
         let previous = Arc::clone(&self.bindings.borrow());
-        let mut accounts: BTreeMap<AccountId, AccountBinding> = seen
-            .into_iter()
+        let mut accounts: BTreeMap<AccountId, AccountBinding> = self
+            .usable_accounts
+            .iter()
+            .map(|(account, usable)| (*account, usable.last_seen))
             .map(|(account, at)| {
                 // Invariant 2: never backwards, even if the clock is.
                 let last_seen_usable = previous.last_seen(account).map_or(at, |p| p.max(at));
