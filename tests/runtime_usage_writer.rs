@@ -12,6 +12,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use jiff::{SignedDuration, Timestamp};
 use tokio::time::{Instant, sleep};
+use tollgate::admission::UsageRecorder;
 use tollgate::runtime::{
     UsageWriter, UsageWriterConfig, UsageWriterConfigError, WriterHealth, WriterStats,
 };
@@ -171,7 +172,7 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 struct Harness {
     sink: Arc<ScriptedSink>,
     clock: Arc<ManualClock>,
-    recorder: tollgate::admission::UsageRecorder,
+    recorder: UsageRecorder,
     writer: UsageWriter,
     recorded: u64,
 }
@@ -728,6 +729,22 @@ async fn spawning_with_an_invalid_configuration_starts_nothing() {
     assert_eq!(refused, UsageWriterConfigError::MaxBatchZero);
 }
 
+/// I17: a queue too large to allocate is refused by name. Without the
+/// bound, `spawn` allocated every place up front and the failed allocation
+/// aborted the process.
+#[tokio::test(start_paused = true)]
+async fn spawning_with_a_hostile_queue_capacity_is_refused_not_aborted() {
+    let sink = ScriptedSink::new([]);
+    let clock = Arc::new(ManualClock::new(start()));
+    let hostile = UsageWriterConfig {
+        queue_capacity: usize::MAX,
+        max_batch: usize::MAX,
+        ..config()
+    };
+    let refused = UsageWriter::spawn(sink, clock, hostile).unwrap_err();
+    assert_eq!(refused, UsageWriterConfigError::QueueCapacityAboveMax);
+}
+
 /// I17: `validate` names the first broken rule, in field order.
 #[test]
 fn validate_names_the_first_broken_rule_in_field_order() {
@@ -754,6 +771,14 @@ fn validate_names_the_first_broken_rule_in_field_order() {
         Some((
             Broken::QueueCapacityZero,
             "usage writer: queue_capacity must be positive",
+        )),
+    );
+    check(|c| c.queue_capacity = UsageRecorder::MAX_CAPACITY, None);
+    check(
+        |c| c.queue_capacity = UsageRecorder::MAX_CAPACITY + 1,
+        Some((
+            Broken::QueueCapacityAboveMax,
+            "usage writer: queue_capacity must be at most 4194304",
         )),
     );
     check(

@@ -21,11 +21,16 @@ pub struct SnapshotMapConfig {
     /// map) was last confirmed current by the source (I24). Longer tolerates
     /// longer source outages; shorter bounds how long a revoked key works.
     pub max_staleness: SignedDuration,
-    /// Principals remembered as unknown (I24).
+    /// Principals remembered as unknown (I24). At least 1 and at most
+    /// [`MAX_NEGATIVE_CAPACITY`](Self::MAX_NEGATIVE_CAPACITY).
     pub negative_capacity: usize,
-    /// Snapshots kept per principal for inspection, newest first (I24).
+    /// Snapshots kept per principal for inspection, newest first (I24). At
+    /// least 1 and at most [`MAX_HISTORY_DEPTH`](Self::MAX_HISTORY_DEPTH).
     pub history_depth: usize,
-    /// Unknown principals queued for the snapshot manager to look up.
+    /// Unknown principals queued for the snapshot manager to look up. At
+    /// least 1 and at most
+    /// [`MAX_LOOKUP_QUEUE_CAPACITY`](Self::MAX_LOOKUP_QUEUE_CAPACITY); the
+    /// queue is allocated up front.
     pub lookup_queue_capacity: usize,
 }
 
@@ -37,47 +42,105 @@ pub enum SnapshotMapConfigError {
     MaxStalenessNotPositive,
     /// `negative_capacity` must be at least one.
     NegativeCapacityZero,
+    /// `negative_capacity` is above
+    /// [`SnapshotMapConfig::MAX_NEGATIVE_CAPACITY`].
+    NegativeCapacityAboveMax,
     /// `history_depth` must be at least one.
     HistoryDepthZero,
+    /// `history_depth` is above [`SnapshotMapConfig::MAX_HISTORY_DEPTH`].
+    HistoryDepthAboveMax,
     /// `lookup_queue_capacity` must be at least one.
     LookupQueueCapacityZero,
+    /// `lookup_queue_capacity` is above
+    /// [`SnapshotMapConfig::MAX_LOOKUP_QUEUE_CAPACITY`].
+    LookupQueueCapacityAboveMax,
 }
 
 impl fmt::Display for SnapshotMapConfigError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Self::MaxStalenessNotPositive => "snapshot map: max_staleness must be positive",
-            Self::NegativeCapacityZero => "snapshot map: negative_capacity must be at least 1",
-            Self::HistoryDepthZero => "snapshot map: history_depth must be at least 1",
-            Self::LookupQueueCapacityZero => {
-                "snapshot map: lookup_queue_capacity must be at least 1"
+        let (field, rule) = match self {
+            Self::MaxStalenessNotPositive => ("max_staleness", "be positive"),
+            Self::NegativeCapacityZero => ("negative_capacity", "be at least 1"),
+            Self::HistoryDepthZero => ("history_depth", "be at least 1"),
+            Self::LookupQueueCapacityZero => ("lookup_queue_capacity", "be at least 1"),
+            Self::NegativeCapacityAboveMax => {
+                return at_most(
+                    f,
+                    "negative_capacity",
+                    SnapshotMapConfig::MAX_NEGATIVE_CAPACITY,
+                );
             }
-        })
+            Self::HistoryDepthAboveMax => {
+                return at_most(f, "history_depth", SnapshotMapConfig::MAX_HISTORY_DEPTH);
+            }
+            Self::LookupQueueCapacityAboveMax => {
+                return at_most(
+                    f,
+                    "lookup_queue_capacity",
+                    SnapshotMapConfig::MAX_LOOKUP_QUEUE_CAPACITY,
+                );
+            }
+        };
+        write!(f, "snapshot map: {field} must {rule}")
     }
+}
+
+fn at_most(f: &mut fmt::Formatter<'_>, field: &str, max: usize) -> fmt::Result {
+    write!(f, "snapshot map: {field} must be at most {max}")
 }
 
 impl std::error::Error for SnapshotMapConfigError {}
 
 impl SnapshotMapConfig {
+    /// The most principals the negative cache may remember: 2²⁰. The cache
+    /// is what keeps a flood of made-up principals from reaching the
+    /// source; its bound is what keeps the flood from growing memory
+    /// instead (I24).
+    pub const MAX_NEGATIVE_CAPACITY: usize = 1 << 20;
+
+    /// The most snapshots kept per principal. History is for inspection; a
+    /// deeper one multiplies the map's memory by every principal.
+    pub const MAX_HISTORY_DEPTH: usize = 64;
+
+    /// The most places in the lookup queue: 2²⁰. The queue is allocated
+    /// when the map is built.
+    pub const MAX_LOOKUP_QUEUE_CAPACITY: usize = 1 << 20;
+
     /// Checks every rule in field order and names the first one broken.
     ///
     /// # Errors
     ///
     /// The first broken rule.
     pub fn validate(&self) -> Result<(), SnapshotMapConfigError> {
-        if !self.max_staleness.is_positive() {
-            return Err(SnapshotMapConfigError::MaxStalenessNotPositive);
-        }
-        if self.negative_capacity == 0 {
-            return Err(SnapshotMapConfigError::NegativeCapacityZero);
-        }
-        if self.history_depth == 0 {
-            return Err(SnapshotMapConfigError::HistoryDepthZero);
-        }
-        if self.lookup_queue_capacity == 0 {
-            return Err(SnapshotMapConfigError::LookupQueueCapacityZero);
-        }
-        Ok(())
+        use SnapshotMapConfigError as Broken;
+        let rules = [
+            (
+                self.max_staleness.is_positive(),
+                Broken::MaxStalenessNotPositive,
+            ),
+            (self.negative_capacity > 0, Broken::NegativeCapacityZero),
+            (
+                self.negative_capacity <= Self::MAX_NEGATIVE_CAPACITY,
+                Broken::NegativeCapacityAboveMax,
+            ),
+            (self.history_depth > 0, Broken::HistoryDepthZero),
+            (
+                self.history_depth <= Self::MAX_HISTORY_DEPTH,
+                Broken::HistoryDepthAboveMax,
+            ),
+            (
+                self.lookup_queue_capacity > 0,
+                Broken::LookupQueueCapacityZero,
+            ),
+            (
+                self.lookup_queue_capacity <= Self::MAX_LOOKUP_QUEUE_CAPACITY,
+                Broken::LookupQueueCapacityAboveMax,
+            ),
+        ];
+        rules
+            .into_iter()
+            .find_map(|(holds, broken)| (!holds).then_some(broken))
+            .map_or(Ok(()), Err)
     }
 }
 
@@ -732,6 +795,86 @@ mod tests {
 
     fn at(second: i64) -> Timestamp {
         Timestamp::from_second(1_700_000_000 + second).expect("in range")
+    }
+
+    type BrokenCase = (
+        fn(&mut SnapshotMapConfig),
+        SnapshotMapConfigError,
+        &'static str,
+    );
+
+    /// I17: every rule is named, in field order, with its message; the
+    /// bounds refuse a configuration that would otherwise fail its
+    /// allocation (the lookup queue is built up front) or let the negative
+    /// cache and history grow without limit.
+    #[test]
+    fn validation_names_the_first_broken_rule() {
+        use SnapshotMapConfigError as Broken;
+        let valid = SnapshotMapConfig {
+            max_staleness: SignedDuration::from_secs(30),
+            negative_capacity: SnapshotMapConfig::MAX_NEGATIVE_CAPACITY,
+            history_depth: SnapshotMapConfig::MAX_HISTORY_DEPTH,
+            lookup_queue_capacity: SnapshotMapConfig::MAX_LOOKUP_QUEUE_CAPACITY,
+        };
+        assert_eq!(valid.validate(), Ok(()));
+        let registry = || Arc::new(SlotRegistry::new(LocalSharding::Single));
+        assert!(ArcSwapSnapshotMap::new(valid, registry()).is_ok());
+        let cases: [BrokenCase; 7] = [
+            (
+                |c| c.max_staleness = SignedDuration::ZERO,
+                Broken::MaxStalenessNotPositive,
+                "snapshot map: max_staleness must be positive",
+            ),
+            (
+                |c| c.negative_capacity = 0,
+                Broken::NegativeCapacityZero,
+                "snapshot map: negative_capacity must be at least 1",
+            ),
+            (
+                |c| c.negative_capacity = SnapshotMapConfig::MAX_NEGATIVE_CAPACITY + 1,
+                Broken::NegativeCapacityAboveMax,
+                "snapshot map: negative_capacity must be at most 1048576",
+            ),
+            (
+                |c| c.history_depth = 0,
+                Broken::HistoryDepthZero,
+                "snapshot map: history_depth must be at least 1",
+            ),
+            (
+                |c| c.history_depth = SnapshotMapConfig::MAX_HISTORY_DEPTH + 1,
+                Broken::HistoryDepthAboveMax,
+                "snapshot map: history_depth must be at most 64",
+            ),
+            (
+                |c| c.lookup_queue_capacity = 0,
+                Broken::LookupQueueCapacityZero,
+                "snapshot map: lookup_queue_capacity must be at least 1",
+            ),
+            (
+                |c| c.lookup_queue_capacity = usize::MAX,
+                Broken::LookupQueueCapacityAboveMax,
+                "snapshot map: lookup_queue_capacity must be at most 1048576",
+            ),
+        ];
+        for (break_it, broken, message) in cases {
+            let mut config = valid;
+            break_it(&mut config);
+            assert_eq!(config.validate(), Err(broken));
+            assert_eq!(broken.to_string(), message);
+            // Refused before anything is allocated: no panic, no abort.
+            assert_eq!(
+                ArcSwapSnapshotMap::new(config, registry()).err(),
+                Some(broken)
+            );
+        }
+        // Field order: with every count hostile, the first field's rule.
+        let hostile = SnapshotMapConfig {
+            negative_capacity: usize::MAX,
+            history_depth: usize::MAX,
+            lookup_queue_capacity: usize::MAX,
+            ..valid
+        };
+        assert_eq!(hostile.validate(), Err(Broken::NegativeCapacityAboveMax));
     }
 
     fn map(negative_capacity: usize, lookup_queue_capacity: usize) -> ArcSwapSnapshotMap {

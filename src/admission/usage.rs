@@ -122,6 +122,15 @@ struct Hub {
 }
 
 impl UsageRecorder {
+    /// The most places a usage queue may have: 2²², about four million.
+    ///
+    /// Every place is allocated when the queue is built (a little over a
+    /// hundred bytes each, so about half a gibibyte at this size), and each
+    /// is a charge the process may hold committed but not yet billed. A
+    /// larger queue is a misconfiguration, refused by name (I17) rather
+    /// than left to abort the process when the allocation fails.
+    pub const MAX_CAPACITY: usize = 1 << 22;
+
     /// A recorder over a new queue of `capacity` places that wakes its
     /// reader once `wake_at` events wait in one stripe (or a stripe is full).
     ///
@@ -134,7 +143,7 @@ impl UsageRecorder {
     ///
     /// # Panics
     ///
-    /// When `capacity` is zero.
+    /// When `capacity` is zero or above [`MAX_CAPACITY`](Self::MAX_CAPACITY).
     #[must_use]
     pub fn with_capacity(capacity: usize, wake_at: usize) -> Self {
         Self::striped(capacity, wake_at, LocalSharding::per_core())
@@ -153,10 +162,15 @@ impl UsageRecorder {
     ///
     /// # Panics
     ///
-    /// When `capacity` is zero.
+    /// When `capacity` is zero or above [`MAX_CAPACITY`](Self::MAX_CAPACITY).
     #[must_use]
     pub fn striped(capacity: usize, wake_at: usize, stripes: LocalSharding) -> Self {
         assert!(capacity > 0, "a usage queue needs at least one place");
+        assert!(
+            capacity <= Self::MAX_CAPACITY,
+            "a usage queue has at most {} places, not {capacity}",
+            Self::MAX_CAPACITY
+        );
         let count = stripes.count().min(capacity);
         let hub = Arc::new(Hub {
             capacity,
@@ -563,6 +577,14 @@ mod tests {
             policy_revision: PolicyRevision::UNSTATED,
             key_id: None,
         }
+    }
+
+    /// I17: a queue past the bound is refused with its reason before any
+    /// place is allocated, rather than aborting on a failed allocation.
+    #[test]
+    #[should_panic(expected = "a usage queue has at most 4194304 places")]
+    fn a_queue_past_the_bound_is_refused_before_allocating() {
+        let _ = UsageRecorder::with_capacity(usize::MAX, 1);
     }
 
     #[test]

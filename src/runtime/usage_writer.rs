@@ -58,7 +58,8 @@ use crate::store::{Clock, IngestOutcome, StoreError, UsageSink};
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct UsageWriterConfig {
     /// Places in the usage queue: the most charges this process may hold
-    /// committed but not yet written. Must be positive.
+    /// committed but not yet written. Must be positive and at most
+    /// [`UsageRecorder::MAX_CAPACITY`]; every place is allocated up front.
     pub queue_capacity: usize,
     /// How the queue is split so threads recording in parallel do not
     /// contend: [`LocalSharding::per_core`] for a server. With more than one
@@ -88,6 +89,8 @@ pub struct UsageWriterConfig {
 pub enum UsageWriterConfigError {
     /// `queue_capacity` is zero.
     QueueCapacityZero,
+    /// `queue_capacity` is above [`UsageRecorder::MAX_CAPACITY`].
+    QueueCapacityAboveMax,
     /// `max_batch` is zero.
     MaxBatchZero,
     /// `max_batch` is larger than `queue_capacity`.
@@ -202,6 +205,10 @@ impl UsageWriterConfig {
         use UsageWriterConfigError as Broken;
         let rules = [
             (self.queue_capacity > 0, Broken::QueueCapacityZero),
+            (
+                self.queue_capacity <= UsageRecorder::MAX_CAPACITY,
+                Broken::QueueCapacityAboveMax,
+            ),
             (self.max_batch > 0, Broken::MaxBatchZero),
             (
                 self.max_batch <= self.queue_capacity,
@@ -226,6 +233,13 @@ impl fmt::Display for UsageWriterConfigError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
             Self::QueueCapacityZero => "usage writer: queue_capacity must be positive",
+            Self::QueueCapacityAboveMax => {
+                return write!(
+                    f,
+                    "usage writer: queue_capacity must be at most {}",
+                    UsageRecorder::MAX_CAPACITY
+                );
+            }
             Self::MaxBatchZero => "usage writer: max_batch must be positive",
             Self::MaxBatchAboveQueueCapacity => {
                 "usage writer: max_batch must not exceed queue_capacity"
