@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use jiff::{SignedDuration, Timestamp};
-use tokio::sync::watch;
+use tokio::sync::{Notify, watch};
 use tokio::time::{Instant, sleep};
 use tollgate::admission::LeaseSlot;
 use tollgate::runtime::{
@@ -111,6 +111,8 @@ enum Reply {
     Refuse(AllocateError),
     /// Never answer: a wedged backend.
     Hang,
+    /// Wait for the gate to open, then answer.
+    Gated(Arc<Notify>, Box<Reply>),
     Panic,
     /// Install a lease with this id into the slot, as a concurrent
     /// publisher would, then answer.
@@ -222,6 +224,10 @@ impl Scripted {
         match reply {
             Reply::Hang => std::future::pending().await,
             Reply::Panic => panic!("scripted allocator panic"),
+            Reply::Gated(gate, then) => {
+                gate.notified().await;
+                Box::pin(self.resolve(*then)).await
+            }
             Reply::PublishThen(lease, then) => {
                 let slot = lock(&self.slot).clone().expect("publish needs a slot");
                 let published = LocalLease::new(
@@ -1572,6 +1578,42 @@ async fn a_hung_release_cannot_stretch_shutdown_past_its_deadline() {
     assert_eq!((report.released, report.abandoned), (0, 1));
     assert_eq!(report.abandoned_units, 100);
     assert_eq!(report.stats.release_timeouts, 1);
+}
+
+/// No grant call starts once shutdown is asked for, even when the stop
+/// arrives together with the answer of the release pass that comes first:
+/// the answer counts, and the empty slot is not refilled. A grant cut off
+/// after it was sent would strand its lease until reclaim.
+#[tokio::test(start_paused = true)]
+async fn a_stop_that_arrives_with_a_release_answer_starts_no_grant() {
+    let allocator = Scripted::new();
+    let gate = Arc::new(Notify::new());
+    allocator.plan_releases(
+        1,
+        [Reply::Gated(Arc::clone(&gate), Box::new(Reply::Grant(0)))],
+    );
+    let mut h = Harness::started(allocator).await;
+    h.spend(30);
+    // The lease lapses: the next poll empties the slot and releases it,
+    // and the release waits at the gate.
+    h.clock.advance(TTL - MARGIN);
+    h.allocator.calls_reach(2).await;
+    settle().await;
+    assert_eq!(h.serving(), None, "the lapsed lease left the slot");
+
+    // The answer and the stop are both ready before the task runs again.
+    gate.notify_one();
+    let report = h.shutdown().await;
+
+    assert_eq!(
+        h.allocator.calls(),
+        [acquire(), release(1, 70)],
+        "no grant call after the stop"
+    );
+    assert_eq!(report.stats.released, 1, "the release's answer counted");
+    assert_eq!(report.stats.acquired, 1, "only the cold start");
+    assert_eq!((report.abandoned, report.stats.uncertain_acquires), (0, 0));
+    assert_eq!(h.serving(), None);
 }
 
 /// Shutdown is acted on inside a hung acquire, not after its timeout; the
