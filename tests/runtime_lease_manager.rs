@@ -2061,6 +2061,86 @@ async fn a_grant_too_short_to_outlast_the_replacement_lead_is_reported_once() {
     assert_eq!(report.abandoned, 0, "every lease went back: {report:?}");
 }
 
+/// A clock that reads tokio's (paused) time, so the store, the manager and
+/// the test see time pass together.
+#[derive(Debug)]
+struct TokioClock {
+    base: Instant,
+}
+
+impl Clock for TokioClock {
+    fn now(&self) -> Timestamp {
+        let elapsed = SignedDuration::try_from(self.base.elapsed()).expect("a short test");
+        start() + elapsed
+    }
+}
+
+/// I28: a grant usable for less than a poll interval (the store's `max_ttl`
+/// cuts the lease short) is replaced one store call before its window
+/// closes, not at the next poll: the account is served throughout. Before,
+/// each lease closed halfway between two polls and every request in the
+/// other half was denied.
+#[tokio::test(start_paused = true)]
+async fn a_lease_shorter_than_the_poll_is_replaced_as_its_window_closes() {
+    let clock = Arc::new(TokioClock {
+        base: Instant::now(),
+    });
+    let store = Arc::new(
+        MemoryStore::new(GrantPolicy {
+            // Usable for 10 s − the 5 s margin = 5 s; the poll is 10 s.
+            max_ttl: SignedDuration::from_secs(10),
+            reclaim_grace: SignedDuration::from_mins(1),
+            tail: TailSharing {
+                instances: 1,
+                min_grant: CostUnits(1),
+            },
+        })
+        .expect("the test policy is valid"),
+    );
+    let account = store
+        .create_account(
+            AccountSpec {
+                balance: CostUnits(100_000),
+                mode: EnforcementMode::Strict,
+                status: AccountStatus::Active,
+                refill: None,
+            },
+            clock.now(),
+        )
+        .expect("the account opens");
+    let slot = Arc::new(LeaseSlot::new(account, LocalSharding::Single));
+    let manager = LeaseManager::spawn(
+        Arc::clone(&store) as Arc<dyn LeaseAllocator>,
+        Arc::clone(&slot),
+        Arc::clone(&clock) as Arc<dyn Clock>,
+        LeaseManagerConfig {
+            account,
+            ..config()
+        },
+    )
+    .expect("the test configuration is valid");
+    settle().await;
+
+    let span = Duration::from_secs(60);
+    let began = Instant::now();
+    let mut probes = 0;
+    while began.elapsed() < span {
+        let now = clock.now();
+        let served = slot.with_lease(|lease| lease.is_some_and(|lease| now < lease.usable_until()));
+        assert!(served, "no usable lease at {:?}", began.elapsed());
+        probes += 1;
+        sleep(ms(100)).await;
+        settle().await;
+    }
+    assert_eq!(probes, 600);
+    // One grant per 4.5 s (the 5 s window less one 0.5 s store call), not
+    // one per probe.
+    let acquired = manager.stats().acquired;
+    assert!((13..=15).contains(&acquired), "{acquired} grants in 60 s");
+    let report = manager.shutdown().await;
+    assert_eq!(report.abandoned, 0, "every lease went back: {report:?}");
+}
+
 /// Near the end of a balance the store shrinks grants and says what is
 /// left; the manager publishes that word, returns a parked lease's remainder
 /// before asking for the next grant (so the tail is granted again), and

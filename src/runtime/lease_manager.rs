@@ -155,7 +155,9 @@ pub struct LeaseManagerConfig {
     /// the pause before a failed call is retried. Expiry rings no doorbell,
     /// so a lease is replaced `poll_interval + store_call_timeout` before
     /// its usable window closes ([`replacement_lead`](Self::replacement_lead)),
-    /// which must be shorter than that window. Must be positive.
+    /// which must be shorter than that window. (A grant the allocator cuts
+    /// shorter is replaced one store call before its window closes, whatever
+    /// the poll.) Must be positive.
     pub poll_interval: Duration,
     /// The longest any allocator call may take (I22), and the budget of one
     /// release pass over every parked lease. A call cut off by it is treated
@@ -969,14 +971,36 @@ impl Task {
             self.note_holdings();
             self.publish_readiness();
             let next_poll = after(Instant::now(), self.config.poll_interval);
+            let wake = self
+                .replacement_due()
+                .map_or(next_poll, |due| due.min(next_poll));
             tokio::select! {
                 biased;
                 deadline = stop_requested(&mut self.stop) => return Stopped(deadline),
                 // I28: a ring is answered at once; the poll is the backstop.
                 () = self.doorbell.answer() => {}
-                () = sleep_until(next_poll) => {}
+                () = sleep_until(wake) => {}
             }
         }
+    }
+
+    /// When the serving lease must be replaced if the next poll would come
+    /// too late: one store call before its window closes (I28).
+    ///
+    /// Expiry rings no doorbell, and a lease usable for less than the
+    /// replacement lead (a store whose `max_ttl` is shorter than
+    /// `lease_ttl`) would otherwise close between two polls and leave the
+    /// account denied until the next one. `None` when there is no lease, or
+    /// when the replacement is already due: the inspection just made
+    /// attempted it, and a failed call waits for the poll.
+    fn replacement_due(&self) -> Option<Instant> {
+        let usable_until = self
+            .slot
+            .with_lease(|lease| lease.map(LocalLease::usable_until))?;
+        let left = usable_until.duration_since(self.clock.now());
+        let call = SignedDuration::try_from(self.config.store_call_timeout).ok()?;
+        let wait = Duration::try_from(left.checked_sub(call)?).ok()?;
+        (!wait.is_zero()).then(|| after(Instant::now(), wait))
     }
 
     async fn inspect(&mut self) -> Result<(), Stopped> {
@@ -1165,7 +1189,8 @@ impl Task {
                 usable_for = %window,
                 replacement_lead = %self.config.replacement_lead(),
                 "lease manager: the grant is usable for no longer than the replacement lead \
-                 (poll_interval + store_call_timeout), so every poll replaces it (is the \
+                 (poll_interval + store_call_timeout), so each lease is replaced one store \
+                 call before its window closes, and every ring replaces it (is the \
                  allocator's max_ttl shorter than lease_ttl?)"
             );
         }
