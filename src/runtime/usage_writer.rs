@@ -572,8 +572,13 @@ impl Task {
                     if self.queue.len() > 0 {
                         return Wait::Work;
                     }
-                    if Instant::now() >= flush_at {
-                        flush_at = after(flush_at, self.config.flush_interval);
+                    // Counted from now, not from the passed deadline: a
+                    // flush interval below the timer's millisecond would
+                    // otherwise take a lap per interval to catch up, and
+                    // one short enough would never catch up at all.
+                    let now = Instant::now();
+                    if now >= flush_at {
+                        flush_at = after(now, self.config.flush_interval);
                     }
                 }
                 () = stop_changed(&mut self.stop) => {}
