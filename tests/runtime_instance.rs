@@ -873,21 +873,32 @@ fn validate_names_the_first_broken_rule() {
         |c| c.snapshots.max_staleness = SignedDuration::from_secs(31),
         Some("instance runtime: snapshots.max_staleness must equal snapshot_map.max_staleness"),
     );
+    // 5 s of margin: a flush, a failed 200 ms call, a 50 ms backoff and a
+    // 200 ms retry must fit.
+    let outlasts = "instance runtime: usage.flush_interval plus usage.retry_backoff plus twice \
+                    usage.ingest_timeout must be shorter than leases.expiry_safety_margin (a \
+                    charge must reach the store before its lease expires, even after one failed \
+                    delivery)";
     check(
         |c| {
-            c.usage.flush_interval = Duration::from_millis(4_800);
+            c.usage.flush_interval = Duration::from_millis(4_550);
             c.supervisor_interval = Duration::ZERO;
         },
-        Some(
-            "instance runtime: usage.flush_interval plus usage.ingest_timeout must be shorter \
-             than leases.expiry_safety_margin (a charge must reach the store before its lease \
-             expires)",
-        ),
+        Some(outlasts),
     );
     check(
-        |c| c.usage.flush_interval = Duration::from_millis(4_799),
+        |c| c.usage.flush_interval = Duration::from_millis(4_549),
         None,
     );
+    check(
+        |c| c.usage.retry_backoff = Duration::from_millis(4_550),
+        Some(outlasts),
+    );
+    check(
+        |c| c.usage.retry_backoff = Duration::from_millis(4_549),
+        None,
+    );
+    check(|c| c.usage.retry_backoff = Duration::MAX, Some(outlasts));
     check(
         |c| c.supervisor_interval = Duration::ZERO,
         Some("instance runtime: supervisor_interval must be positive"),

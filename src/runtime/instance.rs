@@ -89,11 +89,13 @@ pub enum InstanceRuntimeConfigError {
     Usage(UsageWriterConfigError),
     /// The reclaimer's configuration.
     Reclaimer(ReclaimerConfigError),
-    /// `usage.flush_interval` plus `usage.ingest_timeout` must be shorter
-    /// than `leases.expiry_safety_margin`: a charge committed as its lease's
-    /// window closes must reach the store before the lease expires, or at low
-    /// traffic it can wait out the lease, be reclaimed unbilled, and then be
-    /// rejected as settled.
+    /// `usage.flush_interval` plus `usage.retry_backoff` plus twice
+    /// `usage.ingest_timeout` must be shorter than
+    /// `leases.expiry_safety_margin`: a charge committed as its lease's
+    /// window closes must reach the store before the lease expires, even
+    /// when its first delivery fails and the retry after it succeeds.
+    /// Otherwise, at low traffic, it can wait out the lease, be reclaimed
+    /// unbilled, and then be rejected as settled.
     UsageDeliveryOutlastsLeaseMargin,
     /// The snapshot manager's and the snapshot map's `max_staleness` must be
     /// the same limit: readiness and admission must agree on when policy is
@@ -126,9 +128,9 @@ impl fmt::Display for InstanceRuntimeConfigError {
                 "instance runtime: snapshots.max_staleness must equal snapshot_map.max_staleness",
             ),
             Self::UsageDeliveryOutlastsLeaseMargin => f.write_str(
-                "instance runtime: usage.flush_interval plus usage.ingest_timeout must be shorter \
-                 than leases.expiry_safety_margin (a charge must reach the store before its \
-                 lease expires)",
+                "instance runtime: usage.flush_interval plus usage.retry_backoff plus twice \
+                 usage.ingest_timeout must be shorter than leases.expiry_safety_margin (a charge \
+                 must reach the store before its lease expires, even after one failed delivery)",
             ),
             Self::SupervisorIntervalZero => {
                 f.write_str("instance runtime: supervisor_interval must be positive")
@@ -171,10 +173,13 @@ impl InstanceRuntimeConfig {
         if let Some(reclaimer) = &self.reclaimer {
             reclaimer.validate().map_err(E::Reclaimer)?;
         }
-        let delivery = self
-            .usage
+        // The wait for a flush, a failed call, the backoff, the retry.
+        let usage = &self.usage;
+        let delivery = usage
             .flush_interval
-            .checked_add(self.usage.ingest_timeout);
+            .checked_add(usage.ingest_timeout)
+            .and_then(|wait| wait.checked_add(usage.retry_backoff))
+            .and_then(|wait| wait.checked_add(usage.ingest_timeout));
         let margin = Duration::try_from(self.leases.expiry_safety_margin).ok();
         if !matches!((delivery, margin), (Some(delivery), Some(margin)) if delivery < margin) {
             return Err(E::UsageDeliveryOutlastsLeaseMargin);
