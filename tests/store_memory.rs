@@ -1197,6 +1197,80 @@ async fn a_key_resolves_by_its_hash_until_revoked<S: TestStore>() {
     audited(&store).await;
 }
 
+/// A revocation reaches `changed_since` as the key's next revision. A
+/// call that changes nothing (revoking a revoked or unknown key, or asking
+/// for an overage cap the ledger cannot hold) uses up no revision and
+/// delivers nothing, so both stores number the same calls alike.
+async fn a_revocation_is_enumerated_and_a_refused_change_is_not<S: TestStore>() {
+    let Some(store) = S::fresh(policy(1)).await else {
+        return;
+    };
+    let acct = account(&store, 10).await;
+    let first = store
+        .issue_key(acct, PermissionBits::ALL, at(0))
+        .await
+        .unwrap();
+    let issued = store
+        .changed_since(SnapshotCursor::START, 10, at(1))
+        .await
+        .unwrap();
+    assert_eq!(issued.snapshots.len(), 1);
+    let issued_at = issued.snapshots[0].policy_revision.get();
+
+    store.revoke_key(first.key_id, at(1)).await.unwrap();
+    let revoked = store.changed_since(issued.next, 10, at(1)).await.unwrap();
+    assert_eq!(revoked.snapshots.len(), 1);
+    let snapshot = &revoked.snapshots[0];
+    assert_eq!(snapshot.principal, first.principal);
+    assert_eq!(snapshot.key_status, KeyStatus::Revoked);
+    assert_eq!(snapshot.policy_revision.get(), issued_at + 1);
+
+    store.revoke_key(first.key_id, at(2)).await.unwrap();
+    assert_eq!(
+        store.revoke_key(KeyId(9_999), at(2)).await,
+        Err(AdminError::UnknownKey)
+    );
+    let huge_cap = EnforcementMode::Elastic {
+        overage_cap: CostUnits(u64::MAX),
+    };
+    assert!(matches!(
+        store.set_mode(acct, huge_cap, at(2)).await,
+        Err(AdminError::Invalid(_))
+    ));
+    let opened = store
+        .create_account(
+            AccountSpec {
+                balance: CostUnits(10),
+                mode: huge_cap,
+                status: AccountStatus::Active,
+                refill: None,
+            },
+            at(2),
+        )
+        .await;
+    assert!(matches!(opened, Err(AdminError::Invalid(_))), "{opened:?}");
+    let quiet = store.changed_since(revoked.next, 10, at(2)).await.unwrap();
+    assert!(quiet.snapshots.is_empty() && quiet.complete, "{quiet:?}");
+    assert_eq!(
+        store.fetch(&[first.principal], at(2)).await.unwrap()[0].mode,
+        EnforcementMode::Strict,
+        "the refused cap left the account alone"
+    );
+
+    let second = store
+        .issue_key(acct, PermissionBits::ALL, at(3))
+        .await
+        .unwrap();
+    let next = store.changed_since(revoked.next, 10, at(3)).await.unwrap();
+    assert_eq!(next.snapshots.len(), 1);
+    assert_eq!(next.snapshots[0].principal, second.principal);
+    assert_eq!(
+        next.snapshots[0].policy_revision.get(),
+        issued_at + 2,
+        "no revision was spent on the calls that changed nothing"
+    );
+}
+
 async fn changes_are_enumerated_incrementally_by_revision<S: TestStore>() {
     let Some(store) = S::fresh(policy(1)).await else {
         return;
@@ -1517,6 +1591,7 @@ store_tests! {
             a_batch_is_judged_in_order_even_when_it_could_be_recorded_at_once,
             a_key_resolves_by_its_hash_until_revoked,
             changes_are_enumerated_incrementally_by_revision,
+            a_revocation_is_enumerated_and_a_refused_change_is_not,
         }
         #[tokio::test(flavor = "multi_thread", worker_threads = 4)] {
             concurrent_reclaimers_settle_each_lease_once,

@@ -15,7 +15,7 @@ use crate::model::{
     UsageEvent, UsageSource,
 };
 use crate::store::rules::{
-    UNITS_MAX, credited_balance, first_period_end, next_period_end, plan_acquire,
+    UNITS_MAX, check_mode, credited_balance, first_period_end, next_period_end, plan_acquire,
     plan_consolidation,
 };
 use crate::store::{
@@ -387,6 +387,7 @@ impl MemoryStore {
         if spec.balance.get() > UNITS_MAX {
             return Err(AdminError::BalanceOverflow);
         }
+        check_mode(spec.mode)?;
         let refill = match spec.refill {
             Some(schedule) => Some((schedule, first_period_end(schedule, now)?)),
             None => None,
@@ -458,6 +459,7 @@ impl MemoryStore {
     ///
     /// [`AdminError::UnknownAccount`].
     pub fn set_mode(&self, account: AccountId, mode: EnforcementMode) -> Result<(), AdminError> {
+        check_mode(mode)?;
         let mut ledger = self.lock()?;
         ledger
             .accounts
@@ -539,11 +541,13 @@ impl MemoryStore {
     /// [`AdminError::UnknownKey`].
     pub fn revoke_key(&self, key_id: KeyId, now: Timestamp) -> Result<(), AdminError> {
         let mut ledger = self.lock()?;
-        ledger.revision += 1;
-        let revision = ledger.revision;
         let ledger = &mut *ledger;
         let record = ledger.keys.get_mut(&key_id).ok_or(AdminError::UnknownKey)?;
         if record.status == KeyStatus::Active {
+            // A revision only for a change, as in the PostgreSQL store, so
+            // both number the same calls alike.
+            ledger.revision += 1;
+            let revision = ledger.revision;
             record.status = KeyStatus::Revoked;
             record.revoked_at = Some(now);
             ledger.keys_by_revision.remove(&record.revision);

@@ -6,12 +6,27 @@
 
 use jiff::Timestamp;
 
-use crate::model::{AccountStatus, BalanceExhaustion, BalanceShortfall, CostUnits};
+use crate::model::{
+    AccountStatus, BalanceExhaustion, BalanceShortfall, CostUnits, EnforcementMode,
+};
 use crate::store::{AdminError, AllocateError, GrantPolicy, RefillSchedule, StoreError};
 
 /// The largest units a stored amount may hold, so every store (including
 /// `PostgreSQL`'s signed 64-bit integers) accepts the same events.
 pub(crate) const UNITS_MAX: u64 = i64::MAX as u64;
+
+/// Refuses an enforcement mode the ledger cannot hold: an overage cap above
+/// [`UNITS_MAX`], which no store could settle as debt. Both stores ask here
+/// before an account is opened or its mode changed, so both refuse the same
+/// cap and leave its keys' snapshots untouched.
+pub(crate) fn check_mode(mode: EnforcementMode) -> Result<(), AdminError> {
+    match mode.overage_cap() {
+        Some(cap) if cap.get() > UNITS_MAX => Err(AdminError::Invalid(format!(
+            "overage cap {cap} exceeds {UNITS_MAX}"
+        ))),
+        _ => Ok(()),
+    }
+}
 
 /// A grant the ledger allows: its size, the balance left after it, and the
 /// evidence to hand back when that balance could not fund another such

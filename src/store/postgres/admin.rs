@@ -72,14 +72,12 @@ enum AccountChange {
 }
 
 fn mode_columns(mode: EnforcementMode) -> Result<(&'static str, Option<i64>), AdminError> {
-    match mode {
-        EnforcementMode::Strict => Ok(("strict", None)),
-        EnforcementMode::Elastic { overage_cap } => to_i64(overage_cap.get())
-            .map(|cap| ("elastic", Some(cap)))
-            .ok_or_else(|| {
-                AdminError::Invalid(format!("overage cap {overage_cap} exceeds {UNITS_MAX}"))
-            }),
-    }
+    rules::check_mode(mode)?;
+    Ok(match mode.overage_cap() {
+        None => ("strict", None),
+        // `check_mode` refused a cap no bigint holds.
+        Some(cap) => ("elastic", to_i64(cap.get())),
+    })
 }
 
 fn status_label(status: AccountStatus) -> &'static str {
