@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use jiff::Timestamp;
 
-use crate::admission::snapshot_map::Entry;
+use crate::admission::snapshot_map::{Entry, Pinned};
 use crate::admission::{ArcSwapSnapshotMap, LeaseSlot, RequestIds, UsagePermit, UsageRecorder};
 use crate::model::{
     AccountId, AccountOverage, AccountStatus, BalanceShortfall, CachePadded, CommitError,
@@ -101,7 +101,7 @@ impl AdmissionEngine {
         // The admission is the tail, built where the caller receives it; the
         // pin is given back after.
         let pinned = self.snapshots.pin();
-        self.admit(pinned.entry(principal), required, quote, now)
+        self.admit(&pinned, pinned.entry(principal), required, quote, now)
     }
 
     /// [`begin`](Self::begin) for the principal whose API key hashes to
@@ -123,7 +123,7 @@ impl AdmissionEngine {
         now: Timestamp,
     ) -> Result<RequestContext, DenyReason> {
         let pinned = self.snapshots.pin();
-        self.admit(pinned.entry_by_key(key, now), required, quote, now)
+        self.admit(&pinned, pinned.entry_by_key(key, now), required, quote, now)
     }
 
     /// The admission counters.
@@ -151,6 +151,7 @@ impl AdmissionEngine {
     #[inline(always)]
     fn admit(
         &self,
+        pinned: &Pinned<'_>,
         entry: Result<&Entry, DenyReason>,
         required: PermissionBits,
         quote: CostUnits,
@@ -169,7 +170,7 @@ impl AdmissionEngine {
         // Read in place; what the request keeps is copied into its context,
         // so no reference count is touched.
         let snapshot = &*entry.snapshot;
-        if let Err(reason) = self.check_policy(entry, required, now) {
+        if let Err(reason) = Self::check_policy(pinned, entry, required, now) {
             return Err(self.counters.denied_at(locality, reason));
         }
         let reservation = match fund(&entry.slot, snapshot, quote, now, locality) {
@@ -212,13 +213,13 @@ impl AdmissionEngine {
     #[allow(clippy::inline_always, reason = "part of the inlined admission")]
     #[inline(always)]
     fn check_policy(
-        &self,
+        pinned: &Pinned<'_>,
         entry: &Entry,
         required: PermissionBits,
         now: Timestamp,
     ) -> Result<(), DenyReason> {
         let snapshot = &*entry.snapshot;
-        self.snapshots.check_fresh(entry, now)?;
+        pinned.check_fresh(entry, now)?;
         if snapshot.key_status == KeyStatus::Revoked {
             return Err(DenyReason::KeyRevoked);
         }
@@ -812,28 +813,39 @@ mod tests {
         let mut revoked = snapshot(EnforcementMode::Strict, PermissionBits::NONE);
         revoked.key_status = KeyStatus::Revoked;
         revoked.account_status = AccountStatus::Suspended;
+        // Each change comes with the next revision, as a store gives it (I32).
+        let revision = |n: u64| PolicyRevision(10 + n);
+        revoked.policy_revision = revision(0);
         f.map.publish([revoked]);
         f.lease(100);
         denied(f.begin(1, 0), DenyReason::KeyRevoked);
         revoked.key_status = KeyStatus::Active;
+        revoked.policy_revision = revision(1);
         f.map.publish([revoked]);
         denied(f.begin(1, 0), DenyReason::AccountInactive);
         revoked.account_status = AccountStatus::Active;
+        revoked.policy_revision = revision(2);
         f.map.publish([revoked]);
         denied(
             f.begin(1, 0),
             DenyReason::PermissionDenied { missing: READ },
         );
-        f.map.publish([snapshot(EnforcementMode::Strict, READ)]);
+        f.map.publish([PrincipalSnapshot {
+            policy_revision: revision(3),
+            ..snapshot(EnforcementMode::Strict, READ)
+        }]);
         denied(
             f.engine
                 .begin(ALICE, READ.union(WRITE), CostUnits(1), at(0)),
             DenyReason::PermissionDenied { missing: WRITE },
         );
-        f.map.publish([snapshot(
-            EnforcementMode::Strict,
-            READ.union(WRITE).union(PermissionBits::bit(5)),
-        )]);
+        f.map.publish([PrincipalSnapshot {
+            policy_revision: revision(4),
+            ..snapshot(
+                EnforcementMode::Strict,
+                READ.union(WRITE).union(PermissionBits::bit(5)),
+            )
+        }]);
         let admitted = f
             .engine
             .begin(ALICE, READ.union(WRITE), CostUnits(1), at(0))

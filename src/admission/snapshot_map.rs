@@ -299,6 +299,10 @@ pub(crate) struct Entry {
 /// generation back in the thread's cache, also when the reader unwinds.
 pub(crate) struct Pinned<'map> {
     map: &'map ArcSwapSnapshotMap,
+    /// The map's verification, read before the generation: a refresh
+    /// publishes and then verifies, so this never vouches for more than
+    /// the pinned generation holds (I24).
+    verified_at: i64,
     generation: u64,
     /// `Some` until the drop hands it back to the cache.
     published: Option<Arc<Published>>,
@@ -346,7 +350,25 @@ impl Pinned<'_> {
         published
             .principal_by_key(hash)
             .and_then(|principal| published.entry(principal))
-            .ok_or_else(|| self.map.missing_key(now))
+            .ok_or_else(|| self.map.missing_key(self.verified_at, now))
+    }
+
+    /// Refuses a snapshot that has not been confirmed current within the
+    /// maximum staleness (I24), by the verification pinned with the
+    /// generation it came from.
+    ///
+    /// # Errors
+    ///
+    /// [`DenyReason::SnapshotStale`].
+    #[inline]
+    pub(crate) fn check_fresh(&self, entry: &Entry, now: Timestamp) -> Result<(), DenyReason> {
+        // I24: fresh on its own fetch time; `now − fetched_at ≤ max_staleness`
+        // implies `now − max(fetched_at, verified) ≤ max_staleness`.
+        if now <= entry.fresh_until {
+            return Ok(());
+        }
+        self.map
+            .check_verified(&entry.snapshot, self.verified_at, now)
     }
 
     /// The pinned generation. Missing only once the drop has taken it, which
@@ -452,8 +474,7 @@ impl ArcSwapSnapshotMap {
     /// Why a key no published principal has is refused (see
     /// [`Pinned::entry_by_key`]).
     #[cold]
-    fn missing_key(&self, now: Timestamp) -> DenyReason {
-        let verified = self.verified_at.load(Ordering::Acquire);
+    fn missing_key(&self, verified: i64, now: Timestamp) -> DenyReason {
         let vouched = verified != i64::MIN
             && now.as_nanosecond() - i128::from(verified) <= self.config.max_staleness.as_nanos();
         if vouched {
@@ -482,6 +503,11 @@ impl ArcSwapSnapshotMap {
     #[allow(clippy::inline_always, reason = "the request path's first step")]
     #[inline(always)]
     pub(crate) fn pin(&self) -> Pinned<'_> {
+        // Verification first: read after the generation, it could vouch
+        // for a refresh whose publication the pinned generation predates,
+        // freshening a stale snapshot or calling a just-published key
+        // unknown.
+        let verified_at = self.verified_at.load(Ordering::Acquire);
         let generation = self.generation.load(Ordering::Acquire);
         // Moved out while pinned, so a nested read finds no cache and loads
         // afresh rather than conflict. A thread being torn down has none.
@@ -493,6 +519,7 @@ impl ArcSwapSnapshotMap {
         };
         Pinned {
             map: self,
+            verified_at,
             generation,
             published: Some(published),
         }
@@ -505,29 +532,17 @@ impl ArcSwapSnapshotMap {
         self.generation.fetch_add(1, Ordering::Release);
     }
 
-    /// Refuses a snapshot that has not been confirmed current within the
-    /// maximum staleness (I24).
-    ///
-    /// # Errors
-    ///
-    /// [`DenyReason::SnapshotStale`].
-    #[inline]
-    pub(crate) fn check_fresh(&self, entry: &Entry, now: Timestamp) -> Result<(), DenyReason> {
-        // I24: fresh on its own fetch time; `now − fetched_at ≤ max_staleness`
-        // implies `now − max(fetched_at, verified) ≤ max_staleness`.
-        if now <= entry.fresh_until {
-            return Ok(());
-        }
-        self.check_verified(&entry.snapshot, now)
-    }
-
+    /// The slow half of [`Pinned::check_fresh`]: `snapshot` is stale on its
+    /// own fetch time, and only a verification at `verified` (the map's,
+    /// as pinned) can still vouch for it.
     #[cold]
     fn check_verified(
         &self,
         snapshot: &PrincipalSnapshot,
+        verified: i64,
         now: Timestamp,
     ) -> Result<(), DenyReason> {
-        let verified = i128::from(self.verified_at.load(Ordering::Acquire));
+        let verified = i128::from(verified);
         let confirmed = snapshot.fetched_at.as_nanosecond().max(verified);
         if now.as_nanosecond() - confirmed > self.config.max_staleness.as_nanos() {
             return Err(DenyReason::SnapshotStale);
@@ -642,6 +657,15 @@ impl ArcSwapSnapshotMap {
         let depth = self.config.history_depth;
         for entry in &fresh {
             let kept = writer.history.entry(entry.snapshot.principal).or_default();
+            // A refresh that reads the same revision again replaces its
+            // record: history is of revisions, and repeats would push the
+            // older ones out.
+            if kept
+                .front()
+                .is_some_and(|newest| newest.policy_revision == entry.snapshot.policy_revision)
+            {
+                kept.pop_front();
+            }
             kept.push_front(Arc::clone(&entry.snapshot));
             kept.truncate(depth);
         }
@@ -744,7 +768,10 @@ impl ArcSwapSnapshotMap {
     /// Records that the source confirmed every published snapshot current as
     /// of `now` (a complete refresh), which resets their staleness.
     pub fn mark_verified(&self, now: Timestamp) {
-        let nanos = i64::try_from(now.as_nanosecond()).unwrap_or(i64::MAX);
+        // Saturating toward the sentinel: an instant before 1677 reads as
+        // never verified, not as verified for ever.
+        let nanos = now.as_nanosecond();
+        let nanos = i64::try_from(nanos).unwrap_or(if nanos < 0 { i64::MIN } else { i64::MAX });
         self.verified_at.fetch_max(nanos, Ordering::AcqRel);
     }
 
@@ -903,6 +930,96 @@ mod tests {
             policy_revision: PolicyRevision(revision),
             fetched_at: at(0),
         }
+    }
+
+    /// I24: a reader judges staleness and unknown keys by the verification
+    /// that stood when it pinned its generation, not one a refresh made
+    /// after publishing what that generation lacks. Played in order on one
+    /// thread: pin, then the refresh's publish and verify, then the reads.
+    #[test]
+    fn a_pinned_generation_is_judged_by_the_verification_pinned_with_it() {
+        let map = map(4, 4);
+        // Before the first refresh: a key the next refresh brings is not yet
+        // unknown to a reader pinned before it.
+        {
+            let pinned = map.pin();
+            map.publish([snapshot(1, "tg_new", 1)]);
+            map.mark_verified(at(1));
+            assert_eq!(
+                pinned.entry_by_key(&KeyHash::of(b"tg_new"), at(1)).err(),
+                Some(DenyReason::SnapshotUnavailable),
+                "the pinned generation predates the key and its verification"
+            );
+        }
+        assert_eq!(
+            map.pin()
+                .entry_by_key(&KeyHash::of(b"tg_other"), at(1))
+                .err(),
+            Some(DenyReason::UnknownPrincipal),
+            "a fresh pin sees the verification"
+        );
+        // A stale map: a reader pinned before the refresh that replaces the
+        // stale snapshot does not have it freshened by that refresh.
+        let late = at(100);
+        let pinned = map.pin();
+        map.publish([PrincipalSnapshot {
+            key_status: KeyStatus::Revoked,
+            fetched_at: late,
+            ..snapshot(1, "tg_new", 2)
+        }]);
+        map.mark_verified(late);
+        let stale = pinned
+            .entry(Principal(1))
+            .expect("pinned before the refresh");
+        assert_eq!(stale.snapshot.policy_revision.get(), 1);
+        assert_eq!(
+            pinned.check_fresh(stale, late),
+            Err(DenyReason::SnapshotStale)
+        );
+        drop(pinned);
+        let current = map.pin();
+        let entry = current.entry(Principal(1)).expect("published");
+        assert_eq!(entry.snapshot.policy_revision.get(), 2);
+        assert_eq!(current.check_fresh(entry, late), Ok(()));
+    }
+
+    /// I24: an instant before 1677, beyond the nanosecond counter, reads
+    /// as never verified, not as verified for ever.
+    #[test]
+    fn a_verification_before_the_counter_s_range_vouches_for_nothing() {
+        let map = map(4, 4);
+        map.publish([snapshot(1, "tg_one", 1)]);
+        let ancient = Timestamp::from_second(-10_000_000_000).expect("in range");
+        map.mark_verified(ancient);
+        let pinned = map.pin();
+        assert_eq!(
+            pinned.entry_by_key(&KeyHash::of(b"tg_none"), at(0)).err(),
+            Some(DenyReason::SnapshotUnavailable)
+        );
+        let entry = pinned.entry(Principal(1)).expect("published");
+        assert_eq!(
+            pinned.check_fresh(entry, at(3_600)),
+            Err(DenyReason::SnapshotStale)
+        );
+    }
+
+    /// I24: history is of revisions; reading the current one again (as a
+    /// fixed list's every refresh does) does not push the older ones out.
+    #[test]
+    fn history_does_not_repeat_a_revision_read_again() {
+        let map = map(4, 4);
+        map.publish([snapshot(1, "tg_one", 5)]);
+        map.publish([snapshot(1, "tg_one", 6)]);
+        map.publish([PrincipalSnapshot {
+            fetched_at: at(10),
+            ..snapshot(1, "tg_one", 6)
+        }]);
+        let kept: Vec<(u64, Timestamp)> = map
+            .history(Principal(1))
+            .iter()
+            .map(|snapshot| (snapshot.policy_revision.get(), snapshot.fetched_at))
+            .collect();
+        assert_eq!(kept, vec![(6, at(10)), (5, at(0))]);
     }
 
     fn entry(map: &ArcSwapSnapshotMap, principal: u64) -> Result<u64, DenyReason> {
@@ -1080,7 +1197,7 @@ mod tests {
         let pinned = map.pin();
         let entry = pinned.entry(Principal(1)).expect("published");
         assert_eq!(
-            map.check_fresh(entry, at(40)),
+            pinned.check_fresh(entry, at(40)),
             Ok(()),
             "fresh for 30 s from the re-read at 25 s"
         );
