@@ -603,11 +603,51 @@ impl ArcSwapSnapshotMap {
     /// revisions only grow, so it is a stale read, and publishing it could
     /// bring back a key that was revoked. Returns how many were dropped, so
     /// that a refresh which read them does not vouch for the map.
+    ///
+    /// Under a running [`InstanceRuntime`](crate::runtime::InstanceRuntime)
+    /// its snapshot manager is the map's only writer, and keeps its account
+    /// bindings by what it publishes; publish through a
+    /// [`SnapshotSource`](crate::store::SnapshotSource) instead.
     pub fn publish(&self, snapshots: impl IntoIterator<Item = PrincipalSnapshot>) -> usize {
-        let snapshots: Vec<PrincipalSnapshot> = snapshots.into_iter().collect();
+        let mut snapshots: Vec<PrincipalSnapshot> = snapshots.into_iter().collect();
+        if snapshots.is_empty() {
+            return 0;
+        }
+        let mut writer = self.lock_writer();
+        // Only writers publish, under the writer lock: this is the map the
+        // new one is made from.
+        let published = self.published.load();
+        let mut newest: HashMap<Principal, PolicyRevision> = HashMap::new();
+        let offered = snapshots.len();
+        snapshots.retain(|snapshot| {
+            let (principal, revision) = (snapshot.principal, snapshot.policy_revision);
+            let seen = newest.get(&principal).copied().or_else(|| {
+                let held = published.entry(principal)?;
+                Some(held.snapshot.policy_revision)
+            });
+            if seen.is_some_and(|seen| revision < seen) {
+                return false;
+            }
+            newest.insert(principal, revision);
+            true
+        });
+        drop(published);
+        let stale = offered - snapshots.len();
+        if stale > 0 {
+            tracing::warn!(
+                stale,
+                "snapshot map: dropped snapshots older than a revision already published \
+                 for their principal (I34)"
+            );
+        }
+        if snapshots.is_empty() {
+            return stale;
+        }
+        // Slots only for what is kept: a dropped stale read naming another
+        // account must not leave that account a slot.
         let accounts: Vec<AccountId> = snapshots.iter().map(|s| s.account_id).collect();
         let slots = self.registry.ensure_many(&accounts);
-        let mut fresh: Vec<Entry> = snapshots
+        let fresh: Vec<Entry> = snapshots
             .into_iter()
             .zip(slots)
             .map(|(snapshot, slot)| Entry {
@@ -621,39 +661,6 @@ impl ArcSwapSnapshotMap {
                 snapshot: Arc::new(snapshot),
             })
             .collect();
-        if fresh.is_empty() {
-            return 0;
-        }
-        let mut writer = self.lock_writer();
-        // Only writers publish, under the writer lock: this is the map the
-        // new one is made from.
-        let published = self.published.load();
-        let mut newest: HashMap<Principal, PolicyRevision> = HashMap::new();
-        let offered = fresh.len();
-        fresh.retain(|entry| {
-            let (principal, revision) = (entry.snapshot.principal, entry.snapshot.policy_revision);
-            let seen = newest.get(&principal).copied().or_else(|| {
-                let held = published.entry(principal)?;
-                Some(held.snapshot.policy_revision)
-            });
-            if seen.is_some_and(|seen| revision < seen) {
-                return false;
-            }
-            newest.insert(principal, revision);
-            true
-        });
-        drop(published);
-        let stale = offered - fresh.len();
-        if stale > 0 {
-            tracing::warn!(
-                stale,
-                "snapshot map: dropped snapshots older than a revision already published \
-                 for their principal (I34)"
-            );
-        }
-        if fresh.is_empty() {
-            return stale;
-        }
         let depth = self.config.history_depth;
         for entry in &fresh {
             let kept = writer.history.entry(entry.snapshot.principal).or_default();
@@ -720,7 +727,8 @@ impl ArcSwapSnapshotMap {
     /// Records that the source does not know these principals: their
     /// snapshots are withdrawn and requests naming them are denied as
     /// unknown. The oldest such records are forgotten past the negative
-    /// capacity (I24).
+    /// capacity (I24). Like [`publish`](Self::publish), for a map no
+    /// running snapshot manager writes.
     pub fn mark_unknown(&self, principals: impl IntoIterator<Item = Principal>) {
         let mut writer = self.lock_writer();
         let capacity = self.config.negative_capacity;
@@ -1001,6 +1009,21 @@ mod tests {
             pinned.check_fresh(entry, at(3_600)),
             Err(DenyReason::SnapshotStale)
         );
+    }
+
+    /// I34: a stale read dropped by publication leaves nothing behind, not
+    /// even a slot for the account it names.
+    #[test]
+    fn a_dropped_stale_read_creates_no_slot_for_its_account() {
+        let map = map(4, 4);
+        map.publish([snapshot(1, "tg_one", 5)]);
+        let lagging = PrincipalSnapshot {
+            account_id: AccountId(7),
+            ..snapshot(1, "tg_one", 4)
+        };
+        assert_eq!(map.publish([lagging]), 1, "dropped");
+        assert_eq!(map.registry().accounts(), vec![AccountId(1)]);
+        assert_eq!(entry(&map, 1), Ok(5));
     }
 
     /// I24: history is of revisions; reading the current one again (as a

@@ -58,11 +58,15 @@
 //! once the task ends, however it ends, and its channel closes then, so a
 //! supervisor can tell a stopped manager from a quiet one.
 //!
-//! After every tick the manager recomputes from the map which accounts have a usable principal (key and
-//! account both active) and when each was last seen so. An account that
-//! lost its last usable principal stays listed, not usable, with the time
-//! it was last seen usable, so a supervisor can linger before retiring it;
-//! it is forgotten once its slot leaves the registry.
+//! The manager keeps, as it publishes and withdraws, which accounts have a
+//! usable principal (key and account both active) and when each was last
+//! seen so, and lists them after every tick. It is the map's only writer:
+//! its counts follow what it published, so a snapshot published or
+//! withdrawn behind its back is not reflected until the principal is read
+//! again. An account that lost its last usable principal stays listed, not
+//! usable, with the time it was last seen usable, so a supervisor can
+//! linger before retiring it; it is forgotten once its slot leaves the
+//! registry.
 //!
 //! # Shutdown
 //!
