@@ -151,6 +151,11 @@ impl ScriptedSource {
         lock(&self.directory).insert(snapshot.principal, snapshot);
     }
 
+    /// The source stops knowing `principal`.
+    fn remove(&self, principal: u64) {
+        lock(&self.directory).remove(&Principal(principal));
+    }
+
     fn plan_fetches(&self, answers: impl IntoIterator<Item = Fetch>) {
         lock(&self.fetches).extend(answers);
     }
@@ -1048,6 +1053,56 @@ async fn bindings_list_usable_accounts_and_keep_the_last_seen_time_of_those_that
     h.run_for(10).await;
     assert_eq!(listed(&bindings), vec![binding(a, true, 50)]);
     assert_eq!(bindings.borrow().len(), 1);
+}
+
+/// Bindings follow principals that move between accounts or that the
+/// source stops knowing: an account left without a usable principal either
+/// way stays listed, not usable, from the last time it had one. A stale read
+/// naming another account is dropped (I34) and binds nothing.
+#[tokio::test(start_paused = true)]
+async fn bindings_follow_principals_that_move_or_disappear_and_ignore_stale_reads() {
+    let (a, b, c) = (AccountId(1), AccountId(2), AccountId(3));
+    let source = ScriptedSource::new([active(1, a), active(2, b)]);
+    let h = Harness::new(source.clone(), fixed([1, 2]));
+    let bindings = h.manager.bindings();
+    let listed = || bindings.borrow().accounts().collect::<Vec<_>>();
+    settle().await;
+    assert_eq!(listed(), vec![binding(a, true, 0), binding(b, true, 0)]);
+
+    // p1 moves from a to b: a has no usable principal left.
+    source.set(PrincipalSnapshot {
+        policy_revision: PolicyRevision(2),
+        ..active(1, b)
+    });
+    h.run_for(10).await;
+    assert_eq!(listed(), vec![binding(a, false, 0), binding(b, true, 10)]);
+
+    // A read of p2 older than the one held, naming c, is dropped: c is
+    // never bound, and b keeps p2 (and p1, read fresh at 20).
+    source.set(PrincipalSnapshot {
+        policy_revision: PolicyRevision(0),
+        ..active(2, c)
+    });
+    h.run_for(10).await;
+    assert_eq!(listed(), vec![binding(a, false, 0), binding(b, true, 20)]);
+    assert!(!bindings.borrow().is_usable(c));
+    assert!(h.map.registry().get(c).is_none(), "no slot for c either");
+
+    // The source forgets p1 and puts p2 back as it was. The refresh that
+    // read the stale p2 failed, so the next comes after the retry backoff,
+    // at 23: b keeps p2.
+    source.remove(1);
+    source.set(active(2, b));
+    h.run_for(10).await;
+    assert_eq!(listed(), vec![binding(a, false, 0), binding(b, true, 23)]);
+    assert!(h.map.is_known_unknown(p(1)));
+
+    // Then p2 as well: at the refresh at 33, b has none left, and stays
+    // listed from the last time it had one.
+    source.remove(2);
+    h.run_for(10).await;
+    assert_eq!(listed(), vec![binding(a, false, 0), binding(b, false, 23)]);
+    assert_eq!(bindings.borrow().usable_accounts().count(), 0);
 }
 
 /// A configuration and the first rule it breaks, if any.
