@@ -2061,6 +2061,33 @@ async fn a_grant_too_short_to_outlast_the_replacement_lead_is_reported_once() {
     assert_eq!(report.abandoned, 0, "every lease went back: {report:?}");
 }
 
+/// I29: a lease whose replacement keeps failing is retired as its window
+/// closes, not at the next poll, so readiness stops saying it serves the
+/// moment it stops serving. Before, the last attempt one store call before
+/// the close left the next inspection a whole poll later.
+#[tokio::test(start_paused = true)]
+async fn readiness_falls_as_a_lease_closes_after_its_replacement_failed() {
+    let allocator = Scripted::new();
+    allocator.plan_acquires(
+        std::iter::once(Reply::Grant(TARGET))
+            .chain(std::iter::repeat_n(Reply::Refuse(storage_error()), 16)),
+    );
+    let h = Harness::started(allocator).await;
+    let window = Duration::try_from(TTL - MARGIN).expect("positive");
+    let step = ms(100);
+    let mut elapsed = Duration::ZERO;
+    while elapsed < window + secs(1) {
+        h.clock
+            .advance(SignedDuration::try_from(step).expect("small"));
+        tokio::time::advance(step).await;
+        settle().await;
+        elapsed += step;
+        assert_eq!(h.ready(), elapsed < window, "at {elapsed:?}");
+    }
+    assert_eq!(h.serving(), None, "the closed lease left the slot");
+    assert!(h.allocator.calls().len() >= 4, "{:?}", h.allocator.calls());
+}
+
 /// A clock that reads tokio's (paused) time, so the store, the manager and
 /// the test see time pass together.
 #[derive(Debug)]

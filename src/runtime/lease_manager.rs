@@ -984,23 +984,32 @@ impl Task {
         }
     }
 
-    /// When the serving lease must be replaced if the next poll would come
-    /// too late: one store call before its window closes (I28).
+    /// When the serving lease needs an inspection before the next poll:
+    /// one store call before its window closes, to replace it (I28), and,
+    /// once that is past, at the close, to retire it.
     ///
-    /// Expiry rings no doorbell, and a lease usable for less than the
+    /// Expiry rings no doorbell. A lease usable for less than the
     /// replacement lead (a store whose `max_ttl` is shorter than
     /// `lease_ttl`) would otherwise close between two polls and leave the
-    /// account denied until the next one. `None` when there is no lease, or
-    /// when the replacement is already due: the inspection just made
-    /// attempted it, and a failed call waits for the poll.
+    /// account denied until the next one; and a lease whose replacement
+    /// failed would close with the readiness published at the last
+    /// inspection still saying it serves (I29). `None` when there is no
+    /// lease, or its window has closed.
     fn replacement_due(&self) -> Option<Instant> {
         let usable_until = self
             .slot
             .with_lease(|lease| lease.map(LocalLease::usable_until))?;
         let left = usable_until.duration_since(self.clock.now());
-        let call = SignedDuration::try_from(self.config.store_call_timeout).ok()?;
-        let wait = Duration::try_from(left.checked_sub(call)?).ok()?;
-        (!wait.is_zero()).then(|| after(Instant::now(), wait))
+        let left = Duration::try_from(left)
+            .ok()
+            .filter(|left| !left.is_zero())?;
+        let before_close = left.saturating_sub(self.config.store_call_timeout);
+        let wait = if before_close.is_zero() {
+            left
+        } else {
+            before_close
+        };
+        Some(after(Instant::now(), wait))
     }
 
     async fn inspect(&mut self) -> Result<(), Stopped> {
