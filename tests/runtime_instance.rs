@@ -14,11 +14,12 @@ use tollgate::runtime::InstanceRuntimeConfigError;
 use tollgate::runtime::{InstanceRuntime, InstanceRuntimeConfig, RuntimeHandle};
 use tollgate::store::{
     AccountSpec, AllocateError, Allocation, Clock, GrantPolicy, IngestOutcome, LeaseAllocator,
-    ManualClock, MemoryStore, ReclaimBatch, Released, StoreError, TailSharing, UsageSink,
+    ManualClock, MemoryStore, ReclaimBatch, Released, SnapshotCursor, SnapshotPage, SnapshotSource,
+    StoreError, TailSharing, UsageSink,
 };
 use tollgate::{
     AccountId, AccountStatus, CommitError, CostUnits, DenyReason, EnforcementMode, FencingToken,
-    LeaseId, PermissionBits, Principal, UsageEvent,
+    KeyHash, LeaseId, PermissionBits, Principal, PrincipalSnapshot, UsageEvent,
 };
 
 use support::logs::Logs;
@@ -724,6 +725,111 @@ async fn an_integrity_fault_takes_the_instance_out_of_service_for_good() {
     runtime.shutdown().await;
 }
 
+/// An allocator whose first release is refused as an accounting fault and
+/// whose every later release panics.
+struct FaultThenPanic {
+    store: Arc<MemoryStore>,
+    releases: std::sync::atomic::AtomicU32,
+    panicked: std::sync::atomic::AtomicBool,
+}
+
+#[async_trait]
+impl LeaseAllocator for FaultThenPanic {
+    async fn acquire(
+        &self,
+        account: AccountId,
+        requested: CostUnits,
+        ttl: SignedDuration,
+        now: Timestamp,
+    ) -> Result<Allocation, AllocateError> {
+        self.store.acquire(account, requested, ttl, now).await
+    }
+
+    async fn release(
+        &self,
+        _lease_id: LeaseId,
+        _fencing_token: FencingToken,
+        _unspent: CostUnits,
+        _now: Timestamp,
+    ) -> Result<Released, AllocateError> {
+        let seen = self
+            .releases
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        if seen == 0 {
+            return Err(AllocateError::InvalidRelease);
+        }
+        self.panicked
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        panic!("a bug in the allocator client");
+    }
+
+    async fn consolidate(
+        &self,
+        lease_id: LeaseId,
+        fencing_token: FencingToken,
+        unspent: CostUnits,
+        requested: CostUnits,
+        needed: CostUnits,
+        ttl: SignedDuration,
+        now: Timestamp,
+    ) -> Result<Allocation, AllocateError> {
+        self.store
+            .consolidate(
+                lease_id,
+                fencing_token,
+                unspent,
+                requested,
+                needed,
+                ttl,
+                now,
+            )
+            .await
+    }
+
+    async fn reclaim_expired_batch(
+        &self,
+        now: Timestamp,
+        limit: usize,
+    ) -> Result<ReclaimBatch, StoreError> {
+        self.store.reclaim_expired_batch(now, limit).await
+    }
+}
+
+/// I15, I29: a manager that found an integrity fault and then died is not
+/// restarted: a new one would spend on the books the fault disowned.
+#[tokio::test(start_paused = true)]
+async fn a_faulted_manager_that_later_dies_is_not_restarted() {
+    let w = world(10_000);
+    let allocator = Arc::new(FaultThenPanic {
+        store: Arc::clone(&w.store),
+        releases: std::sync::atomic::AtomicU32::new(0),
+        panicked: std::sync::atomic::AtomicBool::new(false),
+    });
+    let mut config = config();
+    config.leases.target_grant = CostUnits(10);
+    config.leases.low_water = CostUnits(5);
+    let (runtime, handle) = w.spawn_with(Arc::clone(&allocator) as _, config.clone());
+    tokio::time::sleep(ms(200)).await;
+    for _ in 0..12 {
+        let _ = w.begin(&handle, 1);
+        tokio::time::sleep(ms(50)).await;
+    }
+    tokio::time::sleep(4 * (config.manager_restart_backoff + config.supervisor_interval)).await;
+    assert!(
+        allocator.panicked.load(std::sync::atomic::Ordering::SeqCst),
+        "the faulted manager died: {} releases",
+        allocator.releases.load(std::sync::atomic::Ordering::SeqCst)
+    );
+    let report = handle.report();
+    assert!(report.faulted && !report.ready);
+    assert_eq!(
+        report.manager_restarts, 0,
+        "a faulted manager is not restarted"
+    );
+    assert_eq!(w.begin(&handle, 1), Err(DenyReason::LeaseUnavailable));
+    drop(runtime);
+}
+
 /// I15: an integrity fault found while an account retires (the release of
 /// its lease refused as an accounting fault) takes the instance out of
 /// service as surely as one found while the account served.
@@ -782,6 +888,62 @@ async fn a_lingering_account_refused_a_lease_does_not_make_the_instance_unready(
         "an account nobody can use does not hold readiness back"
     );
     runtime.shutdown().await;
+}
+
+/// I29: an account that comes back while its retired manager is still
+/// winding down (here, waiting for a request that holds the old lease) gets
+/// a new manager only once the old one is done with the slot: the old one
+/// takes the serving lease out of the slot as it stops, and must not take
+/// or strand a lease the new one installed.
+#[tokio::test(start_paused = true)]
+async fn a_returning_account_waits_for_its_retiring_manager_to_finish() {
+    let w = world(10_000);
+    let mut config = config();
+    config.leases.shutdown_release_deadline = Duration::from_secs(5);
+    config.shutdown_deadline = Duration::from_secs(10);
+    let (runtime, handle) = w.spawn_with(Arc::clone(&w.store) as _, config);
+    tokio::time::sleep(ms(200)).await;
+    let held = handle
+        .begin(
+            w.principal,
+            PermissionBits::NONE,
+            CostUnits(3),
+            w.clock.now(),
+        )
+        .expect("admitted");
+
+    w.store
+        .set_status(w.account, AccountStatus::Suspended)
+        .unwrap();
+    tokio::time::sleep(ms(1_100)).await;
+    w.clock.advance(SignedDuration::from_secs(11));
+    tokio::time::sleep(ms(300)).await;
+    let retiring = handle.report().leases.expect("no overflow");
+    assert_eq!(retiring.released, 0, "the held lease keeps it winding down");
+
+    w.store
+        .set_status(w.account, AccountStatus::Active)
+        .unwrap();
+    tokio::time::sleep(ms(1_100)).await;
+    assert_eq!(
+        w.begin(&handle, 1),
+        Err(DenyReason::LeaseUnavailable),
+        "no second manager on the slot while the first winds down"
+    );
+    assert_eq!(handle.report().leases.expect("no overflow").acquired, 1);
+
+    drop(held);
+    tokio::time::sleep(ms(500)).await;
+    assert_eq!(w.begin(&handle, 1), Ok(CostUnits(1)));
+    let leases = handle.report().leases.expect("no overflow");
+    assert_eq!((leases.acquired, leases.released), (2, 1));
+    let report = runtime.shutdown().await;
+    assert!(report.unfinished_accounts.is_empty());
+    assert_eq!(report.abandoned(), 0);
+    let view = w.store.account(w.account, w.clock.now()).unwrap();
+    assert_eq!(view.leased, CostUnits::ZERO);
+    assert_eq!(view.balance, CostUnits(9_999));
+    assert!(w.store.audit().unwrap().is_empty());
 }
 
 #[tokio::test(start_paused = true)]
@@ -847,6 +1009,99 @@ async fn the_longest_waits_a_configuration_accepts_run_and_shut_down() {
     let report = runtime.shutdown().await;
     assert!(report.unfinished_accounts.is_empty());
     assert_eq!(report.lost_events(), 0);
+}
+
+/// A snapshot source that answers from the store until its enumerations
+/// run out, and then panics: a bug in a custom source.
+struct PanickingSource {
+    store: Arc<MemoryStore>,
+    enumerations_left: std::sync::atomic::AtomicU32,
+}
+
+#[async_trait]
+impl SnapshotSource for PanickingSource {
+    async fn fetch(
+        &self,
+        principals: &[Principal],
+        now: Timestamp,
+    ) -> Result<Vec<PrincipalSnapshot>, StoreError> {
+        self.store.fetch(principals, now).await
+    }
+
+    async fn changed_since(
+        &self,
+        since: SnapshotCursor,
+        limit: usize,
+        now: Timestamp,
+    ) -> Result<SnapshotPage, StoreError> {
+        let left = self
+            .enumerations_left
+            .fetch_update(
+                std::sync::atomic::Ordering::Relaxed,
+                std::sync::atomic::Ordering::Relaxed,
+                |left| left.checked_sub(1),
+            )
+            .is_ok();
+        assert!(left, "a bug in the snapshot source");
+        self.store.changed_since(since, limit, now).await
+    }
+
+    async fn lookup_key(
+        &self,
+        hash: &KeyHash,
+        now: Timestamp,
+    ) -> Result<Option<PrincipalSnapshot>, StoreError> {
+        self.store.lookup_key(hash, now).await
+    }
+}
+
+/// I25: with the snapshot manager dead, the supervisor keeps going on its
+/// interval, and shutdown does not wait that interval out: however long
+/// it is, the usage drain and the lease release get their budgets, and
+/// nothing is lost or left. Before, the supervisor's wait after the
+/// bindings closed did not listen for shutdown, which then spent its whole
+/// deadline waiting for it.
+#[tokio::test(start_paused = true)]
+async fn shutdown_is_prompt_after_the_snapshot_manager_died() {
+    let w = world(10_000);
+    let mut config = config();
+    config.supervisor_interval = Duration::from_secs(3_600);
+    let source = Arc::new(PanickingSource {
+        store: Arc::clone(&w.store),
+        enumerations_left: std::sync::atomic::AtomicU32::new(1),
+    });
+    let (runtime, handle) = InstanceRuntime::spawn(
+        source,
+        Arc::clone(&w.store) as _,
+        Arc::clone(&w.store) as _,
+        Arc::clone(&w.clock) as Arc<dyn Clock>,
+        config.clone(),
+    )
+    .unwrap();
+    tokio::time::sleep(ms(200)).await;
+    assert_eq!(w.begin(&handle, 5), Ok(CostUnits(5)));
+    // The next refresh's enumeration panics the snapshot manager.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(!handle.readiness(), "policy can no longer be refreshed");
+
+    let began = tokio::time::Instant::now();
+    let report = runtime.shutdown().await;
+    assert!(
+        began.elapsed() < config.shutdown_deadline,
+        "shutdown took {:?}",
+        began.elapsed()
+    );
+    assert_eq!(report.lost_events(), 0);
+    assert_eq!(report.abandoned(), 0);
+    assert!(report.unfinished_accounts.is_empty());
+    let billed: u64 = w
+        .store
+        .usage(w.account)
+        .unwrap()
+        .iter()
+        .map(|event| event.units.get())
+        .sum();
+    assert_eq!(billed, 5);
 }
 
 #[track_caller]

@@ -817,6 +817,12 @@ impl Shared {
         let linger = jiff::SignedDuration::try_from(self.config.account_linger)
             .unwrap_or(jiff::SignedDuration::MAX);
         let mut planes = self.lock_planes();
+        // Checked under the lock shutdown and `Drop` take the managers
+        // under: a pass that began before either must not start managers
+        // after they have emptied the books, where nothing would stop them.
+        if *self.shutdown.borrow() {
+            return;
+        }
         let planes = &mut *planes;
         let mut known = std::collections::BTreeSet::new();
         for binding in bindings.accounts() {
@@ -826,11 +832,16 @@ impl Shared {
             // and for a linger after its last one went away.
             let in_use = binding.usable || now.duration_since(binding.last_seen_usable) < linger;
             if in_use {
+                // A manager still winding down (retired, or dead and
+                // reporting) works on the account's slot: it takes the
+                // serving lease out, so a new one must not install one
+                // until it is done.
+                let departing = planes.departing.contains_key(&account);
                 let managed = planes.accounts.entry(account).or_insert(ManagedAccount {
                     manager: None,
                     restart_at: None,
                 });
-                if let Some(dead) = self.keep_running(account, managed, instant) {
+                if let Some(dead) = self.keep_running(account, managed, instant, departing) {
                     self.depart(planes, account, dead, true);
                 }
             } else if let Some(manager) = planes
@@ -926,9 +937,12 @@ impl Shared {
         account: AccountId,
         managed: &mut ManagedAccount,
         now: Instant,
+        departing: bool,
     ) -> Option<LeaseManager> {
         if let Some(manager) = &managed.manager {
-            if manager.health() == LeaseHealth::Faulted {
+            // Before `is_finished`: a faulted manager whose task then died
+            // is not restarted into spending on the faulted books.
+            if manager.is_faulted() {
                 // I15: books that disagree with the store are no basis for
                 // spending; the instance is taken out of service for good.
                 self.faulted.store(true, Ordering::Release);
@@ -941,7 +955,7 @@ impl Shared {
             managed.restart_at = Some(after(now, self.config.manager_restart_backoff));
             return managed.manager.take();
         }
-        if managed.restart_at.is_some_and(|at| now < at) {
+        if departing || managed.restart_at.is_some_and(|at| now < at) {
             return None;
         }
         let slot = self.registry.ensure(account);
@@ -983,6 +997,10 @@ fn hottest_accounts(contention: impl Iterator<Item = (AccountId, u64)>) -> Vec<(
 /// The supervisor task.
 async fn supervise(shared: Arc<Shared>, mut bindings: watch::Receiver<Arc<AccountBindings>>) {
     let mut shutdown = shared.shutdown.subscribe();
+    // Cleared once the snapshot manager is gone: supervision goes on, on
+    // the interval, with the last bindings. Every wait stays raced against
+    // shutdown, which waits for this task.
+    let mut bindings_open = true;
     loop {
         if *shutdown.borrow() {
             return;
@@ -991,12 +1009,8 @@ async fn supervise(shared: Arc<Shared>, mut bindings: watch::Receiver<Arc<Accoun
         shared.supervise_once(&current);
         tokio::select! {
             () = sleep(shared.config.supervisor_interval) => {}
-            changed = bindings.changed() => {
-                if changed.is_err() {
-                    // The snapshot manager is gone; keep supervising on the
-                    // interval with the last bindings.
-                    sleep(shared.config.supervisor_interval).await;
-                }
+            changed = bindings.changed(), if bindings_open => {
+                bindings_open = changed.is_ok();
             }
             _ = shutdown.changed() => return,
         }

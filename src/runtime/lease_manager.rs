@@ -552,6 +552,12 @@ impl LeaseManager {
         self.task.as_ref().is_none_or(JoinHandle::is_finished)
     }
 
+    /// Whether the task saw an integrity fault (I15), whether or not it is
+    /// still running: a faulted manager that later died is still faulted.
+    pub(crate) fn is_faulted(&self) -> bool {
+        self.shared.is_faulted()
+    }
+
     /// Stops the task and reports what it returned and what it left to TTL
     /// reclaim.
     ///
