@@ -164,8 +164,13 @@ fn readiness(body: &str) -> serde_json::Value {
 async fn liveness_answers_ok_even_before_the_runtime_is_ready() {
     let w = world();
     let router = ops_router(w.handle.clone(), String::new);
+    assert!(!w.handle.readiness(), "nothing has loaded yet");
     let answer = get(&router, "/livez").await;
     assert_eq!(answer.status, StatusCode::OK);
+    assert!(
+        !w.handle.readiness(),
+        "still not ready when liveness answered"
+    );
     assert_eq!(answer.body, "ok");
     drop(w.runtime.shutdown().await);
 }

@@ -565,30 +565,41 @@ async fn a_lease_that_expires_between_admission_and_start_denies_without_running
     );
 }
 
+/// A service's clones (one per connection, under hyper) are one layer: the
+/// same pricing, the same policy revision on the events, and request ids
+/// that never repeat between them (I8).
 #[tokio::test(start_paused = true)]
-async fn two_clones_of_the_service_draw_down_one_lease() {
-    let w = world(INITIAL).await;
+async fn clones_of_the_service_price_alike_and_never_repeat_a_request_id() {
+    let mut w = world(INITIAL).await;
     let before = w.remaining();
     let service = w.layer().layer(service_fn(echo_admission));
-    let clone = service.clone();
-    assert_eq!(
-        answer(service.oneshot(w.bearer("/read")).await.unwrap())
-            .await
-            .status,
-        StatusCode::OK
+    let mut bodies = Vec::new();
+    for clone in [service.clone(), service.clone(), service] {
+        let answered = answer(clone.oneshot(w.bearer("/read")).await.unwrap()).await;
+        assert_eq!(answered.status, StatusCode::OK, "{}", answered.body);
+        bodies.push(answered.body);
+    }
+    let fields: Vec<Vec<&str>> = bodies
+        .iter()
+        .map(|body| body.split(' ').collect())
+        .collect();
+    assert!(
+        fields.iter().all(|f| f[0] == PRICE.to_string()),
+        "{bodies:?}"
     );
-    assert_eq!(
-        answer(clone.oneshot(w.bearer("/read")).await.unwrap())
-            .await
-            .status,
-        StatusCode::OK
-    );
-    assert_eq!(
-        w.remaining(),
-        before - 2 * PRICE,
-        "both clones spent from the same lease"
-    );
-    assert_eq!(w.handle.counters().admitted, 2);
+    let ids: std::collections::HashSet<&str> = fields.iter().map(|f| f[2]).collect();
+    assert_eq!(ids.len(), 3, "distinct request ids: {bodies:?}");
+    assert_eq!(w.remaining(), before - 3 * PRICE);
+    // `shutdown_and_usage` checks every event carries the layer's revision.
+    assert_eq!(w.shutdown_and_usage().await, vec![PRICE; 3]);
+    let billed: std::collections::HashSet<String> = w
+        .store
+        .usage(w.account)
+        .unwrap()
+        .iter()
+        .map(|event| tollgate::RequestId::get(event.request_id).to_string())
+        .collect();
+    assert_eq!(billed.len(), 3, "one event per request id");
 }
 
 #[tokio::test(start_paused = true)]
@@ -910,6 +921,41 @@ impl SnapshotSource for Gated {
     }
 }
 
+/// A revoked key is refused as such (401, `key_revoked`, never to be
+/// retried), charged nothing, and, not being an identified caller, gets no
+/// request id and no balance figure.
+#[tokio::test(start_paused = true)]
+async fn a_revoked_key_is_refused_without_a_request_id() {
+    let mut w = world(INITIAL).await;
+    let now = w.clock.now();
+    let issued = w.store.issue_key(w.account, READ, now).unwrap();
+    let bearer = format!("Bearer {}", issued.key.expose());
+    let with_key = || request("/read", &[(AUTHORIZATION, bearer.as_bytes())]);
+    // The next refresh brings the key.
+    tokio::time::sleep(ms(1_100)).await;
+    assert_eq!(send(&w, with_key()).await.status, StatusCode::OK);
+    w.store.revoke_key(issued.key_id, now).unwrap();
+    tokio::time::sleep(ms(1_100)).await;
+    let before = w.remaining();
+
+    let answer = send(&w, with_key()).await;
+    check_denial(&answer, StatusCode::UNAUTHORIZED, "key_revoked");
+    assert!(!answer.headers.contains_key(REQUEST_ID_HEADER));
+    assert!(!answer.headers.contains_key(RATE_LIMIT));
+    assert!(
+        !answer.headers.contains_key(RETRY_AFTER),
+        "never to be retried"
+    );
+    assert_eq!(w.remaining(), before, "nothing charged");
+    assert_eq!(
+        w.handle
+            .counters()
+            .denied_for(tollgate::DenyReason::KeyRevoked),
+        1
+    );
+    assert_eq!(w.shutdown_and_usage().await, vec![PRICE]);
+}
+
 /// I24: before the first complete load of policy, a key the instance has
 /// not heard of may be a valid one: it is refused as not loaded yet (503,
 /// retry), never as unknown (401, which tells a client its key is bad).
@@ -934,6 +980,10 @@ async fn a_valid_key_before_policy_is_loaded_gets_503_not_401() {
         );
         assert!(answer.headers.contains_key(RETRY_AFTER));
         assert!(!answer.headers.contains_key(WWW_AUTHENTICATE));
+        assert!(
+            !answer.headers.contains_key(REQUEST_ID_HEADER),
+            "the key was not identified"
+        );
     }
     assert_eq!(
         w.handle

@@ -155,7 +155,6 @@ async fn a_request_that_times_out_while_queued_inside_the_layer_pays_nothing() {
     let response = TestServer::read(slow).await;
     assert!(response.starts_with("HTTP/1.1 200"), "{response}");
     assert!(response.ends_with("slow"), "{response}");
-    assert!(slow_started.try_recv().is_err(), "no other handler started");
 
     assert_eq!(
         server.finish().await,

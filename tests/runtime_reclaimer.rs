@@ -511,10 +511,14 @@ async fn storage_errors_and_hangs_are_counted_and_never_fatal() {
     );
 }
 
-/// I19: two reclaimers on one store settle each lease exactly once: their
-/// counts add up to the leases that expired, and the ledger balances.
+/// I19: two reclaimers taking turns on one store settle each lease exactly
+/// once: their counts add up to the leases that expired, and the ledger
+/// balances. On paused time and one thread they interleave between batches,
+/// never with calls in flight together; the store's own answer to that race
+/// is `concurrent_reclaimers_settle_each_lease_once` in the store tests,
+/// on four threads against both stores.
 #[tokio::test(start_paused = true)]
-async fn two_reclaimers_on_one_store_settle_each_lease_once() {
+async fn two_reclaimers_taking_turns_on_one_store_settle_each_lease_once() {
     let store = store();
     let clock = Arc::new(ManualClock::new(start()));
     let accounts = [open_account(&store, 1_000), open_account(&store, 1_000)];
