@@ -2088,6 +2088,34 @@ async fn readiness_falls_as_a_lease_closes_after_its_replacement_failed() {
     assert!(h.allocator.calls().len() >= 4, "{:?}", h.allocator.calls());
 }
 
+/// A lease's early wake-ups come once each: with a clock that reads behind
+/// tokio's time (here, one that stands still), a lease inside its last
+/// store call before the close whose replacement keeps failing is retried
+/// at the poll, not every time the stale reading says the close is near.
+#[tokio::test(start_paused = true)]
+async fn a_clock_that_reads_behind_does_not_turn_early_wake_ups_into_a_loop() {
+    let allocator = Scripted::new();
+    allocator.plan_acquires(
+        std::iter::once(Reply::Grant(TARGET))
+            .chain(std::iter::repeat_n(Reply::Refuse(storage_error()), 64)),
+    );
+    let h = Harness::started(allocator).await;
+    // 0.4 s of the window left, less than one store call; the clock then
+    // stands still while a minute of tokio time passes.
+    h.clock
+        .advance(TTL - MARGIN - SignedDuration::from_millis(400));
+    sleep(secs(60)).await;
+    let acquires = h
+        .allocator
+        .calls()
+        .iter()
+        .filter(|call| matches!(call, Call::Acquire { .. }))
+        .count();
+    // The cold start, a poll every 10 s, and at most two early wake-ups.
+    assert!(acquires <= 1 + 6 + 2, "{acquires} acquires in a minute");
+    assert!(acquires > 5, "the cold start and the polls' retries: {acquires}");
+}
+
 /// A clock that reads tokio's (paused) time, so the store, the manager and
 /// the test see time pass together.
 #[derive(Debug)]

@@ -15,7 +15,10 @@
 //! two atomic operations on the request path (I28). The poll is the backstop
 //! for what no debit announces: a cold start with no lease, a lease reaching
 //! the end of its usability window, and an attempt that failed and must be
-//! made again.
+//! made again. A lease whose window would close before the next poll gets up
+//! to two wake-ups of its own: one store call before the close, to replace
+//! it, and at the close, to retire it, so the account is not left unserved,
+//! nor reported ready, until the poll.
 //!
 //! # One inspection
 //!
@@ -118,7 +121,8 @@ use tracing::Instrument as _;
 use super::after;
 use crate::admission::LeaseSlot;
 use crate::model::{
-    AccountId, BalanceShortfall, CostUnits, LeaseGrant, LocalLease, RefillSignal, RefillVerdict,
+    AccountId, BalanceShortfall, CostUnits, LeaseGrant, LeaseId, LocalLease, RefillSignal,
+    RefillVerdict,
 };
 use crate::store::{AllocateError, Allocation, Clock, LeaseAllocator, Released};
 
@@ -494,6 +498,7 @@ impl LeaseManager {
             withheld: Vec::new(),
             rotation_fell_short: false,
             warned_short_window: false,
+            early_wakes: EarlyWakes::default(),
         };
         let span = tracing::info_span!("lease_manager", account = %config.account);
         Ok(Self {
@@ -540,9 +545,11 @@ impl LeaseManager {
     }
 
     /// `true` while the slot holds a usable lease and no integrity fault has
-    /// been seen; updated by the task after every inspection, so a lease that
-    /// expires shows here by the next poll. `false` for good after a fault,
-    /// and once the task ends however it ends.
+    /// been seen; updated by the task after every inspection, one of which
+    /// comes as the lease's window closes, so a lease that expires shows here
+    /// then (or, with a clock that reads behind, by its staleness bound).
+    /// `false` for good after a fault, and once the task ends however it
+    /// ends.
     pub fn readiness(&self) -> watch::Receiver<bool> {
         self.shared.readiness.subscribe()
     }
@@ -903,6 +910,43 @@ struct Task {
     /// Whether a grant too short-lived to outlast the replacement lead has
     /// been reported; once per task, as every later grant is the same.
     warned_short_window: bool,
+    /// The wake-ups before the next poll already spent on the serving lease
+    /// (see [`Task::early_wake`]).
+    early_wakes: EarlyWakes,
+}
+
+/// Which of its early wake-ups a lease has had: each at most once, so a
+/// clock that reads behind tokio's time (a coarse clock between ticks, a
+/// manual one in tests) cannot turn them into a loop of store calls.
+#[derive(Debug, Clone, Copy, Default)]
+struct EarlyWakes {
+    lease: Option<LeaseId>,
+    /// Whether the lease's window, when first seen, was longer than one
+    /// store call. A shorter one is unusable in practice (the allocator's
+    /// `max_ttl` barely exceeds the margin); it is replaced at polls and
+    /// rings as before, rather than churned once per window.
+    eligible: bool,
+    replace: bool,
+    close: bool,
+}
+
+impl EarlyWakes {
+    fn spend(&mut self, kind: EarlyWake) {
+        match kind {
+            EarlyWake::Replace => self.replace = true,
+            EarlyWake::Close => self.close = true,
+        }
+    }
+}
+
+/// An early wake-up the serve loop may schedule.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum EarlyWake {
+    /// One store call before the window closes: replace the lease.
+    Replace,
+    /// At the close (plus the clock's staleness bound): retire it, so
+    /// readiness stops saying it serves.
+    Close,
 }
 
 /// Shutdown was requested; the deadline it set.
@@ -977,45 +1021,64 @@ impl Task {
             self.note_holdings();
             self.publish_readiness();
             let next_poll = after(Instant::now(), self.config.poll_interval);
-            let wake = self
-                .replacement_due()
-                .map_or(next_poll, |due| due.min(next_poll));
+            let early = self.early_wake().filter(|(at, _)| *at < next_poll);
+            let wake = early.map_or(next_poll, |(at, _)| at);
             tokio::select! {
                 biased;
                 deadline = stop_requested(&mut self.stop) => return Stopped(deadline),
                 // I28: a ring is answered at once; the poll is the backstop.
                 () = self.doorbell.answer() => {}
-                () = sleep_until(wake) => {}
+                () = sleep_until(wake) => {
+                    if let Some((_, kind)) = early {
+                        self.early_wakes.spend(kind);
+                    }
+                }
             }
         }
     }
 
-    /// When the serving lease needs an inspection before the next poll:
-    /// one store call before its window closes, to replace it (I28), and,
-    /// once that is past, at the close, to retire it.
+    /// When the serving lease needs an inspection before the next poll, and
+    /// why: one store call before its window closes, to replace it (I28),
+    /// and at the close, to retire it, each at most once per lease.
     ///
     /// Expiry rings no doorbell. A lease usable for less than the
     /// replacement lead (a store whose `max_ttl` is shorter than
     /// `lease_ttl`) would otherwise close between two polls and leave the
     /// account denied until the next one; and a lease whose replacement
     /// failed would close with the readiness published at the last
-    /// inspection still saying it serves (I29). `None` when there is no
-    /// lease, or its window has closed.
-    fn replacement_due(&self) -> Option<Instant> {
-        let usable_until = self
-            .slot
-            .with_lease(|lease| lease.map(LocalLease::usable_until))?;
-        let left = usable_until.duration_since(self.clock.now());
-        let left = Duration::try_from(left)
-            .ok()
-            .filter(|left| !left.is_zero())?;
-        let before_close = left.saturating_sub(self.config.store_call_timeout);
-        let wait = if before_close.is_zero() {
-            left
+    /// inspection still saying it serves (I29). The close is awaited for the
+    /// clock's staleness bound past it, so a clock that reads behind still
+    /// shows it closed. `None` when there is no lease, or nothing is left to
+    /// wake for.
+    fn early_wake(&mut self) -> Option<(Instant, EarlyWake)> {
+        let (lease, usable_until) = self.slot.with_lease(|lease| {
+            lease.map(|lease| (lease.grant().lease_id, lease.usable_until()))
+        })?;
+        let left = Duration::try_from(usable_until.duration_since(self.clock.now())).ok()?;
+        let call = self.config.store_call_timeout;
+        if self.early_wakes.lease != Some(lease) {
+            self.early_wakes = EarlyWakes {
+                lease: Some(lease),
+                eligible: left > call,
+                replace: false,
+                close: false,
+            };
+        }
+        let wakes = self.early_wakes;
+        if !wakes.eligible {
+            return None;
+        }
+        let (wait, kind) = if left > call && !wakes.replace {
+            (left.saturating_sub(call), EarlyWake::Replace)
+        } else if !wakes.close {
+            (
+                left.saturating_add(self.clock.staleness_bound()),
+                EarlyWake::Close,
+            )
         } else {
-            before_close
+            return None;
         };
-        Some(after(Instant::now(), wait))
+        Some((after(Instant::now(), wait), kind))
     }
 
     async fn inspect(&mut self) -> Result<(), Stopped> {
