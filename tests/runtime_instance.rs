@@ -1128,29 +1128,37 @@ fn validate_names_the_first_broken_rule() {
         |c| c.snapshots.max_staleness = SignedDuration::from_secs(31),
         Some("instance runtime: snapshots.max_staleness must equal snapshot_map.max_staleness"),
     );
-    // 5 s of margin: a flush, a failed 200 ms call, a 50 ms backoff and a
-    // 200 ms retry must fit.
-    let outlasts = "instance runtime: usage.flush_interval plus usage.retry_backoff plus twice \
-                    usage.ingest_timeout must be shorter than leases.expiry_safety_margin (a \
-                    charge must reach the store before its lease expires, even after one failed \
-                    delivery)";
+    // 5 s of margin: a failed 200 ms call, a 50 ms backoff and a 200 ms
+    // retry of the batch ahead, then a flush interval and a 200 ms call.
+    let outlasts = "instance runtime: usage.flush_interval plus usage.retry_backoff plus three \
+                    times usage.ingest_timeout must be shorter than \
+                    leases.expiry_safety_margin (a charge must reach the store before its lease \
+                    expires, even after one failed delivery)";
     check(
         |c| {
-            c.usage.flush_interval = Duration::from_millis(4_550);
+            c.usage.flush_interval = Duration::from_millis(4_350);
             c.supervisor_interval = Duration::ZERO;
         },
         Some(outlasts),
     );
     check(
-        |c| c.usage.flush_interval = Duration::from_millis(4_549),
+        |c| c.usage.flush_interval = Duration::from_millis(4_349),
         None,
     );
     check(
-        |c| c.usage.retry_backoff = Duration::from_millis(4_550),
+        |c| c.usage.retry_backoff = Duration::from_millis(4_350),
         Some(outlasts),
     );
     check(
-        |c| c.usage.retry_backoff = Duration::from_millis(4_549),
+        |c| c.usage.retry_backoff = Duration::from_millis(4_349),
+        None,
+    );
+    check(
+        |c| c.usage.ingest_timeout = Duration::from_millis(1_634),
+        Some(outlasts),
+    );
+    check(
+        |c| c.usage.ingest_timeout = Duration::from_millis(1_633),
         None,
     );
     check(|c| c.usage.retry_backoff = Duration::MAX, Some(outlasts));

@@ -89,13 +89,15 @@ pub enum InstanceRuntimeConfigError {
     Usage(UsageWriterConfigError),
     /// The reclaimer's configuration.
     Reclaimer(ReclaimerConfigError),
-    /// `usage.flush_interval` plus `usage.retry_backoff` plus twice
+    /// `usage.flush_interval` plus `usage.retry_backoff` plus three times
     /// `usage.ingest_timeout` must be shorter than
     /// `leases.expiry_safety_margin`: a charge committed as its lease's
     /// window closes must reach the store before the lease expires, even
-    /// when its first delivery fails and the retry after it succeeds.
-    /// Otherwise, at low traffic, it can wait out the lease, be reclaimed
-    /// unbilled, and then be rejected as settled.
+    /// when one delivery fails. The worst case is a charge committed just
+    /// after a batch was taken: that batch's failed call, the backoff, its
+    /// retry, then the charge's own flush interval and call. Otherwise, at
+    /// low traffic, it can wait out the lease, be reclaimed unbilled, and
+    /// then be rejected as settled.
     UsageDeliveryOutlastsLeaseMargin,
     /// The snapshot manager's and the snapshot map's `max_staleness` must be
     /// the same limit: readiness and admission must agree on when policy is
@@ -128,7 +130,7 @@ impl fmt::Display for InstanceRuntimeConfigError {
                 "instance runtime: snapshots.max_staleness must equal snapshot_map.max_staleness",
             ),
             Self::UsageDeliveryOutlastsLeaseMargin => f.write_str(
-                "instance runtime: usage.flush_interval plus usage.retry_backoff plus twice \
+                "instance runtime: usage.flush_interval plus usage.retry_backoff plus three times \
                  usage.ingest_timeout must be shorter than leases.expiry_safety_margin (a charge \
                  must reach the store before its lease expires, even after one failed delivery)",
             ),
@@ -173,13 +175,14 @@ impl InstanceRuntimeConfig {
         if let Some(reclaimer) = &self.reclaimer {
             reclaimer.validate().map_err(E::Reclaimer)?;
         }
-        // The wait for a flush, a failed call, the backoff, the retry.
+        // The batch ahead's failed call, the backoff and its retry, then the
+        // charge's own flush interval and call.
         let usage = &self.usage;
         let delivery = usage
-            .flush_interval
-            .checked_add(usage.ingest_timeout)
-            .and_then(|wait| wait.checked_add(usage.retry_backoff))
-            .and_then(|wait| wait.checked_add(usage.ingest_timeout));
+            .ingest_timeout
+            .checked_mul(3)
+            .and_then(|calls| calls.checked_add(usage.retry_backoff))
+            .and_then(|wait| wait.checked_add(usage.flush_interval));
         let margin = Duration::try_from(self.leases.expiry_safety_margin).ok();
         if !matches!((delivery, margin), (Some(delivery), Some(margin)) if delivery < margin) {
             return Err(E::UsageDeliveryOutlastsLeaseMargin);
