@@ -1249,6 +1249,34 @@ async fn a_revocation_is_enumerated_and_a_refused_change_is_not<S: TestStore>() 
         )
         .await;
     assert!(matches!(opened, Err(AdminError::Invalid(_))), "{opened:?}");
+    // Both stores name the same first refusal of a spec broken three ways.
+    let broken = store
+        .create_account(
+            AccountSpec {
+                balance: CostUnits(u64::MAX),
+                mode: huge_cap,
+                status: AccountStatus::Active,
+                refill: Some(RefillSchedule {
+                    amount: CostUnits(1),
+                    interval: SignedDuration::ZERO,
+                }),
+            },
+            at(2),
+        )
+        .await;
+    assert_eq!(broken, Err(AdminError::InvalidRefill));
+    let broken = store
+        .create_account(
+            AccountSpec {
+                balance: CostUnits(u64::MAX),
+                mode: huge_cap,
+                status: AccountStatus::Active,
+                refill: None,
+            },
+            at(2),
+        )
+        .await;
+    assert_eq!(broken, Err(AdminError::BalanceOverflow));
     let quiet = store.changed_since(revoked.next, 10, at(2)).await.unwrap();
     assert!(quiet.snapshots.is_empty() && quiet.complete, "{quiet:?}");
     assert_eq!(

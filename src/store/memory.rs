@@ -376,22 +376,26 @@ impl MemoryStore {
     ///
     /// # Errors
     ///
-    /// [`AdminError::InvalidRefill`] for a bad refill schedule.
+    /// The first of: [`AdminError::InvalidRefill`] for a bad refill
+    /// schedule, [`AdminError::BalanceOverflow`] for an opening balance above
+    /// `i64::MAX`, [`AdminError::Invalid`] for an overage cap above it.
     pub fn create_account(
         &self,
         spec: AccountSpec,
         now: Timestamp,
     ) -> Result<AccountId, AdminError> {
+        // In the PostgreSQL store's order, so both name the same refusal:
+        // the refill schedule, the balance, the mode.
+        let refill = match spec.refill {
+            Some(schedule) => Some((schedule, first_period_end(schedule, now)?)),
+            None => None,
+        };
         // The ledger's range, as every later movement checks it: a balance
         // above it could be spent but never credited back.
         if spec.balance.get() > UNITS_MAX {
             return Err(AdminError::BalanceOverflow);
         }
         check_mode(spec.mode)?;
-        let refill = match spec.refill {
-            Some(schedule) => Some((schedule, first_period_end(schedule, now)?)),
-            None => None,
-        };
         let mut ledger = self.lock()?;
         ledger.last_account += 1;
         let id = AccountId(ledger.last_account);
