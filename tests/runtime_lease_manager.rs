@@ -2113,7 +2113,10 @@ async fn a_clock_that_reads_behind_does_not_turn_early_wake_ups_into_a_loop() {
         .count();
     // The cold start, a poll every 10 s, and at most two early wake-ups.
     assert!(acquires <= 1 + 6 + 2, "{acquires} acquires in a minute");
-    assert!(acquires > 5, "the cold start and the polls' retries: {acquires}");
+    assert!(
+        acquires > 5,
+        "the cold start and the polls' retries: {acquires}"
+    );
 }
 
 /// A clock that reads tokio's (paused) time, so the store, the manager and

@@ -1043,6 +1043,48 @@ async fn ids_and_units_past_the_bigint_range_are_answered_as_the_memory_store_an
     audited(&store).await;
 }
 
+/// An instant before `PostgreSQL`'s earliest (4714 BC) would fail the whole
+/// statement, and the usage writer retries a failed batch unchanged: one
+/// such event would hold up every event behind it for good. It is answered
+/// malformed, and the rest of its batch is recorded.
+#[tokio::test]
+async fn an_instant_postgres_cannot_store_is_malformed_and_holds_up_nothing() {
+    let Some(store) = store("ingest_instant", 1).await else {
+        return;
+    };
+    let acct = account(&store, 1_000).await;
+    let a = store
+        .acquire(acct, CostUnits(100), TTL, at(0))
+        .await
+        .unwrap();
+    let ancient = UsageEvent {
+        at: Timestamp::MIN,
+        ..leased(1, acct, &a, 5)
+    };
+    let earliest = UsageEvent {
+        at: Timestamp::from_second(-210_866_803_200).unwrap(),
+        ..leased(2, acct, &a, 3)
+    };
+    let batch = [ancient, earliest, leased(3, acct, &a, 4)];
+    assert_eq!(
+        store.ingest(&batch).await.unwrap(),
+        [
+            IngestOutcome::Rejected(RejectReason::Malformed),
+            IngestOutcome::Accepted,
+            IngestOutcome::Accepted,
+        ]
+    );
+    let billed: Vec<u64> = store
+        .usage(acct, None, None)
+        .await
+        .unwrap()
+        .iter()
+        .map(|event| event.units.get())
+        .collect();
+    assert_eq!(billed, [3, 4]);
+    audited(&store).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_same_batch_from_two_instances_at_once_is_recorded_once() {
     let Some(store) = store("ingest_race", 1).await else {

@@ -270,9 +270,10 @@ pub enum RejectReason {
     ConflictingDuplicate,
     /// The event is malformed: a value the ledger cannot hold (units above
     /// `i64::MAX`, or overage debt that would pass it; the `PostgreSQL`
-    /// store, whose columns are `bigint`, also a policy revision or key id
-    /// above it). A zero-unit event (a request priced at nothing) is well
-    /// formed and accepted.
+    /// store, whose columns are `bigint` and `timestamptz`, also a policy
+    /// revision or key id above it, or an instant before 4714 BC). A
+    /// zero-unit event (a request priced at nothing) is well formed and
+    /// accepted.
     Malformed,
 }
 

@@ -8,6 +8,7 @@
 //! function gives exactly the answer the memory store would.
 
 use async_trait::async_trait;
+use jiff::Timestamp;
 use sqlx::types::time::OffsetDateTime;
 
 use crate::model::UsageEvent;
@@ -19,9 +20,16 @@ use crate::store::{IngestOutcome, RejectReason, StoreError, UsageSink};
 /// are positive, so no stored row has it, and the function answers as the
 /// memory store would for an id it does not know.
 const UNREPRESENTABLE_ID: i64 = -1;
-/// Marks an event whose units, key id or policy revision `PostgreSQL` cannot
-/// hold: the function answers `malformed` unless the request id was seen.
+/// Marks an event whose units, key id, policy revision or instant
+/// `PostgreSQL` cannot hold: the function answers `malformed` unless the
+/// request id was seen.
 const UNREPRESENTABLE_UNITS: i64 = -1;
+
+/// `PostgreSQL`'s earliest `timestamptz`, 4714-11-24 BC, in seconds since
+/// the epoch. An earlier instant fails the whole statement, and a batch
+/// that always fails would hold up every event behind it; it is answered
+/// `malformed` instead, and sent as this instant.
+const EARLIEST_SECOND: i64 = -210_866_803_200;
 
 /// The batch as columns, ready to bind.
 #[derive(Debug, Default)]
@@ -43,7 +51,8 @@ impl Columns {
             let id = |value: u64| to_i64(value).unwrap_or(UNREPRESENTABLE_ID);
             let revision = to_i64(event.policy_revision.get());
             let key_id = event.key_id.map(|key| to_i64(key.get()));
-            let representable = revision.is_some() && !matches!(key_id, Some(None));
+            let storable_at = event.at.as_second() >= EARLIEST_SECOND;
+            let representable = revision.is_some() && !matches!(key_id, Some(None)) && storable_at;
             let units = to_i64(event.units.get())
                 .filter(|_| representable)
                 .unwrap_or(UNREPRESENTABLE_UNITS);
@@ -56,7 +65,14 @@ impl Columns {
                 .fencing_tokens
                 .push(event.source.fencing_token().map(|token| id(token.get())));
             columns.units.push(units);
-            columns.ats.push(to_pg(micros(event.at))?);
+            let at = if storable_at {
+                micros(event.at)
+            } else {
+                Timestamp::from_second(EARLIEST_SECOND).map_err(|_| {
+                    StoreError::new("postgres: the earliest instant is out of jiff's range")
+                })?
+            };
+            columns.ats.push(to_pg(at)?);
             columns.revisions.push(revision.unwrap_or(0));
             columns.key_ids.push(key_id.map(|key| key.unwrap_or(0)));
         }
