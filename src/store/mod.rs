@@ -257,8 +257,9 @@ pub enum RejectReason {
     FencingMismatch,
     /// The lease was settled and what its settlement credited back leaves no
     /// room for these units: they would count twice (a reclaimed lease
-    /// accepts no more usage; a released one accepts only the charges
-    /// committed before its release).
+    /// accepts no more units; a released one accepts only the charges
+    /// committed before its release). An event of zero units takes no room
+    /// and is accepted.
     LeaseSettled,
     /// The lease cannot hold this much more usage.
     ExceedsLease,

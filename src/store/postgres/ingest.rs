@@ -5,7 +5,11 @@
 //! the accounts its overage events name (by id), and judges the events in
 //! order with the memory store's rules. Fields `PostgreSQL` cannot hold are
 //! settled here first, by mapping them to values no stored row has, so the
-//! function gives exactly the answer the memory store would.
+//! function gives the answer the memory store would, with two documented
+//! exceptions: a value the memory store can hold but a column cannot (see
+//! [`RejectReason::Malformed`]) is malformed here, and instants are kept to
+//! the microsecond, so two events under one request id whose instants
+//! differ by less than one are duplicates here and conflicting in memory.
 
 use async_trait::async_trait;
 use jiff::Timestamp;
