@@ -246,6 +246,43 @@ async fn a_full_batch_is_delivered_without_waiting_for_the_flush_interval() {
     assert_accounted(&h.stats(), h.recorded);
 }
 
+/// I20: a queue taken up by permits of requests in flight and a few
+/// events, less than a batch, refuses admission; the refusal wakes the
+/// writer, which delivers those few at once rather than at the flush
+/// interval, and the places they held come back.
+#[tokio::test(start_paused = true)]
+async fn a_full_queue_with_less_than_a_batch_is_drained_at_once() {
+    let mut h = Harness::with_config(
+        ScriptedSink::new([]),
+        UsageWriterConfig {
+            queue_capacity: MAX_BATCH,
+            ..config()
+        },
+    );
+    // The writer is waiting before the queue fills: taking a place wakes
+    // nobody, and two events are no batch.
+    sleep(ms(1)).await;
+    h.record(0..2);
+    let in_flight: Vec<_> = (0..MAX_BATCH - 2)
+        .map(|_| h.recorder.try_permit().expect("a free place"))
+        .collect();
+    sleep(ms(1)).await;
+    assert!(h.sink.received().is_empty(), "nothing woke the writer yet");
+    assert_eq!(
+        h.recorder.try_permit().unwrap_err(),
+        DenyReason::AccountingBackpressure
+    );
+    sleep(ms(1)).await;
+    assert_eq!(
+        h.sink.received(),
+        vec![ids(0..2)],
+        "delivered on the refusal, well before the flush interval"
+    );
+    assert_eq!(h.recorder.available(), 2, "their places came back");
+    drop(in_flight);
+    assert_accounted(&h.stats(), h.recorded);
+}
+
 /// I21: a partial batch waits for the flush interval, and no longer.
 #[tokio::test(start_paused = true)]
 async fn a_partial_batch_waits_for_the_flush_interval_and_no_longer() {

@@ -477,13 +477,20 @@ impl UsageQueue {
         self.hub.waker.register(waker);
     }
 
-    /// Whether some stripe holds a batch's worth, or is full; once the queue
-    /// is closed, whether any event waits.
+    /// Whether some stripe holds a batch's worth, or has no free place left
+    /// and an event to free one; once the queue is closed, whether any
+    /// event waits.
     pub(crate) fn batch_ready(&self) -> bool {
         self.stripes.iter().any(|stripe| {
             let waiting = stripe.events.len();
-            waiting >= stripe.wake_at
-                || (waiting > 0 && stripe.available.load(Ordering::Acquire) & CLOSED != 0)
+            if waiting >= stripe.wake_at {
+                return true;
+            }
+            let available = stripe.available.load(Ordering::Acquire);
+            // A stripe taken up by permits and a few events holds less
+            // than a batch, yet admission on it is refused: delivering
+            // those few is what gives places back (see `full`).
+            waiting > 0 && (available & CLOSED != 0 || available & PLACES == 0)
         })
     }
 
