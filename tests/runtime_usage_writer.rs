@@ -675,6 +675,11 @@ async fn a_writer_whose_sink_panics_stops_admission_and_reports_its_loss() {
     let report = h.writer.shutdown().await;
     assert!(report.task_died);
     assert_eq!(report.lost, MAX_BATCH as u64, "the batch it was delivering");
+    assert_eq!(
+        report.stats.lost, report.lost,
+        "the statistics count it too"
+    );
+    assert_accounted(&report.stats, h.recorded);
     assert_eq!(report.outstanding_permits, 0);
 }
 

@@ -173,9 +173,10 @@ pub struct WriterReport {
     /// writer has ended (`queued` and `in_flight` are zero): what was is
     /// counted in `lost`.
     pub stats: WriterStats,
-    /// Events given up: `stats.lost` (the in-flight batch and everything
-    /// still queued at the deadline), plus any event recorded after the
-    /// writer gave up by a commit that raced it, which nobody will write.
+    /// Events given up, the same as `stats.lost`: the in-flight batch and
+    /// everything still queued at the deadline (or when the task died),
+    /// plus any event recorded after the writer gave up by a commit that
+    /// raced it, which nobody will write.
     pub lost: u64,
     /// Places still held at the end by permits whose requests had not
     /// committed. Once the writer has given up, a commit is refused (the
@@ -382,34 +383,30 @@ impl UsageWriter {
         // permits still out will be refused at commit.
         let undelivered = self.queue.undelivered() as u64;
         let outstanding_permits = (self.queue.in_use() as u64).saturating_sub(undelivered);
-        // What is still queued or in flight is lost, and counted there.
+        // What is still queued or in flight is lost, and counted there: the
+        // final statistics add up to every event recorded (I21). A task
+        // that gave up released everything it held, so what is found now
+        // was recorded after it did; one that died released nothing.
+        let lost = stats.lost.saturating_add(undelivered);
         let stats = WriterStats {
             queued: 0,
             in_flight: 0,
+            lost,
             ..stats
         };
-        match ending {
-            // The task gave up and released everything it held; events
-            // found now were recorded after it did.
-            Ok(()) => WriterReport {
-                stats,
-                lost: stats.lost + undelivered,
-                outstanding_permits,
-                task_died: false,
-            },
-            Err(error) => {
-                tracing::error!(
-                    %error,
-                    lost = undelivered,
-                    "usage writer: the task died before draining; its undelivered events are lost"
-                );
-                WriterReport {
-                    stats,
-                    lost: undelivered,
-                    outstanding_permits,
-                    task_died: true,
-                }
-            }
+        let task_died = ending.is_err();
+        if let Err(error) = ending {
+            tracing::error!(
+                %error,
+                lost = undelivered,
+                "usage writer: the task died before draining; its undelivered events are lost"
+            );
+        }
+        WriterReport {
+            stats,
+            lost,
+            outstanding_permits,
+            task_died,
         }
     }
 }
