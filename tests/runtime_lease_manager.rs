@@ -1871,8 +1871,17 @@ async fn spawn_refuses_an_invalid_config_and_calls_nothing() {
 // ------------------------------------------------------- the memory store
 
 fn memory_store(balance: u64, now: Timestamp) -> (Arc<MemoryStore>, AccountId) {
+    memory_store_with(SignedDuration::from_hours(1), balance, now)
+}
+
+/// [`memory_store`], granting leases for at most `max_ttl`.
+fn memory_store_with(
+    max_ttl: SignedDuration,
+    balance: u64,
+    now: Timestamp,
+) -> (Arc<MemoryStore>, AccountId) {
     let store = MemoryStore::new(GrantPolicy {
-        max_ttl: SignedDuration::from_hours(1),
+        max_ttl,
         reclaim_grace: SignedDuration::from_mins(1),
         tail: TailSharing {
             instances: 1,
@@ -2013,30 +2022,9 @@ async fn on_a_memory_store_spending_rotation_and_shutdown_leave_the_ledger_balan
 #[tokio::test(start_paused = true)]
 async fn a_grant_too_short_to_outlast_the_replacement_lead_is_reported_once() {
     let (logs, _guard) = support::logs::Logs::capture();
-    let store = Arc::new(
-        MemoryStore::new(GrantPolicy {
-            // Usable for 15 s − the 5 s margin = 10 s: within the 10.5 s
-            // replacement lead (poll + store call).
-            max_ttl: SignedDuration::from_secs(15),
-            reclaim_grace: SignedDuration::from_mins(1),
-            tail: TailSharing {
-                instances: 1,
-                min_grant: CostUnits(1),
-            },
-        })
-        .expect("the test policy is valid"),
-    );
-    let account = store
-        .create_account(
-            AccountSpec {
-                balance: CostUnits(100_000),
-                mode: EnforcementMode::Strict,
-                status: AccountStatus::Active,
-                refill: None,
-            },
-            start(),
-        )
-        .expect("the account opens");
+    // Usable for 15 s − the 5 s margin = 10 s: within the 10.5 s replacement
+    // lead (poll + store call).
+    let (store, account) = memory_store_with(SignedDuration::from_secs(15), 100_000, start());
     let (manager, slot) = spawn_on(&store, account);
     settle().await;
     let first = slot
@@ -2143,29 +2131,8 @@ async fn a_lease_shorter_than_the_poll_is_replaced_as_its_window_closes() {
     let clock = Arc::new(TokioClock {
         base: Instant::now(),
     });
-    let store = Arc::new(
-        MemoryStore::new(GrantPolicy {
-            // Usable for 10 s − the 5 s margin = 5 s; the poll is 10 s.
-            max_ttl: SignedDuration::from_secs(10),
-            reclaim_grace: SignedDuration::from_mins(1),
-            tail: TailSharing {
-                instances: 1,
-                min_grant: CostUnits(1),
-            },
-        })
-        .expect("the test policy is valid"),
-    );
-    let account = store
-        .create_account(
-            AccountSpec {
-                balance: CostUnits(100_000),
-                mode: EnforcementMode::Strict,
-                status: AccountStatus::Active,
-                refill: None,
-            },
-            clock.now(),
-        )
-        .expect("the account opens");
+    // Usable for 10 s − the 5 s margin = 5 s; the poll is 10 s.
+    let (store, account) = memory_store_with(SignedDuration::from_secs(10), 100_000, clock.now());
     let slot = Arc::new(LeaseSlot::new(account, LocalSharding::Single));
     let manager = LeaseManager::spawn(
         Arc::clone(&store) as Arc<dyn LeaseAllocator>,
