@@ -845,6 +845,49 @@ async fn a_lingering_account_refused_a_lease_does_not_make_the_instance_unready(
     runtime.shutdown().await;
 }
 
+/// The report's totals never go down, through a shutdown and after it:
+/// the planes the shutdown takes off the books keep what they counted, and
+/// what they count while they stop. (Metrics scraped during a shutdown
+/// would otherwise see every counter reset.)
+#[tokio::test(start_paused = true)]
+async fn report_totals_never_go_down_through_shutdown() {
+    let w = world(10_000);
+    let mut config = config();
+    config.reclaimer = Some(tollgate::runtime::ReclaimerConfig {
+        interval: ms(500),
+        batch_limit: 10,
+        store_call_timeout: ms(200),
+    });
+    let (runtime, handle) = w.spawn_with(Arc::clone(&w.store) as _, config);
+    tokio::time::sleep(ms(200)).await;
+    for _ in 0..5 {
+        assert_eq!(w.begin(&handle, 2), Ok(CostUnits(2)));
+    }
+    tokio::time::sleep(ms(1_000)).await;
+    let before = handle.report();
+    assert_eq!(before.writer.accepted, 5);
+    let leases = before.leases.expect("no overflow");
+    assert_eq!((leases.acquired, leases.released), (1, 0));
+    assert!(before.snapshots.refreshes > 0);
+    assert!(before.reclaimer.is_some_and(|stats| stats.passes > 0));
+
+    let report = runtime.shutdown().await;
+    assert_eq!(report.lost_events(), 0);
+    let after = handle.report();
+    assert_eq!(after.writer.accepted, 5, "{after:?}");
+    let leases = after.leases.expect("no overflow");
+    assert_eq!(
+        (leases.acquired, leases.released),
+        (1, 1),
+        "the lease returned at shutdown is counted too"
+    );
+    assert!(after.snapshots.refreshes >= before.snapshots.refreshes);
+    assert!(
+        after.reclaimer.map(|stats| stats.passes) >= before.reclaimer.map(|stats| stats.passes)
+    );
+    assert!(!after.ready);
+}
+
 /// I29: an account that comes back while its retired manager is still
 /// winding down (here, waiting for a request that holds the old lease) gets
 /// a new manager only once the old one is done with the slot: the old one

@@ -263,6 +263,17 @@ struct Planes {
     departures: JoinSet<()>,
     /// How many of those are still running, by account.
     departing: BTreeMap<AccountId, usize>,
+    /// What the planes shutdown takes off the books had counted, so the
+    /// report's totals never go down while and after it runs.
+    stopped: StoppedPlanes,
+}
+
+/// The last counts of the planes a shutdown has taken.
+#[derive(Default)]
+struct StoppedPlanes {
+    writer: WriterStats,
+    snapshots: SnapshotStats,
+    reclaimer: Option<ReclaimStats>,
 }
 
 struct ManagedAccount {
@@ -440,6 +451,7 @@ impl InstanceRuntime {
                 retired: Some(LeaseStats::default()),
                 departures: JoinSet::new(),
                 departing: BTreeMap::new(),
+                stopped: StoppedPlanes::default(),
             }),
         });
         let supervisor = tokio::spawn(supervise(Arc::clone(&shared), bindings));
@@ -477,10 +489,25 @@ impl InstanceRuntime {
         }
         let (writer, snapshots, reclaimer, managers, mut departures) = {
             let mut planes = self.shared.lock_planes();
-            let managers: Vec<(AccountId, LeaseManager)> = std::mem::take(&mut planes.accounts)
-                .into_iter()
-                .filter_map(|(account, managed)| managed.manager.map(|m| (account, m)))
-                .collect();
+            let planes = &mut *planes;
+            // What each plane has counted stays in the report's totals as
+            // it leaves the books, as a retired manager's does.
+            let mut managers = Vec::new();
+            for (account, managed) in std::mem::take(&mut planes.accounts) {
+                if let Some(manager) = managed.manager {
+                    let counted = manager.stats();
+                    planes.retired = planes.retired.and_then(|sum| sum.checked_add(&counted));
+                    managers.push((account, manager, counted));
+                }
+            }
+            let stopped = &mut planes.stopped;
+            if let Some(writer) = &planes.writer {
+                stopped.writer = writer.stats();
+            }
+            if let Some(snapshots) = &planes.snapshots {
+                stopped.snapshots = snapshots.stats();
+            }
+            stopped.reclaimer = planes.reclaimer.as_ref().map(Reclaimer::stats);
             (
                 planes.writer.take(),
                 planes.snapshots.take(),
@@ -494,7 +521,9 @@ impl InstanceRuntime {
             Some(writer) => {
                 let drain = self.shared.config.usage.shutdown_drain_deadline;
                 writer.stop_at(after(Instant::now(), drain).min(deadline));
-                Some(writer.shutdown().await)
+                let report = writer.shutdown().await;
+                self.shared.lock_planes().stopped.writer = report.stats;
+                Some(report)
             }
             None => None,
         };
@@ -502,14 +531,19 @@ impl InstanceRuntime {
         // while managers that left before shutdown finish theirs.
         let mut releases = JoinSet::new();
         let mut unfinished: std::collections::BTreeSet<AccountId> =
-            managers.iter().map(|(account, _)| *account).collect();
-        for (account, manager) in managers {
-            releases.spawn(async move { (account, manager.shutdown().await) });
+            managers.iter().map(|(account, _, _)| *account).collect();
+        for (account, manager, counted) in managers {
+            releases.spawn(async move { (account, manager.shutdown().await, counted) });
         }
         let mut leases = Vec::new();
         while let Ok(Some(joined)) = tokio::time::timeout_at(deadline, releases.join_next()).await {
-            if let Ok((account, report)) = joined {
+            if let Ok((account, report, counted)) = joined {
                 unfinished.remove(&account);
+                let mut planes = self.shared.lock_planes();
+                planes.retired = planes
+                    .retired
+                    .and_then(|sum| sum.checked_add(&report.stats.since(&counted)));
+                drop(planes);
                 leases.push((account, report));
             }
         }
@@ -525,11 +559,16 @@ impl InstanceRuntime {
             );
         }
         let snapshots = match snapshots {
-            Some(manager) => Some(manager.shutdown().await.stats),
+            Some(manager) => {
+                let stats = manager.shutdown().await.stats;
+                self.shared.lock_planes().stopped.snapshots = stats;
+                Some(stats)
+            }
             None => None,
         };
         if let Some(reclaimer) = reclaimer {
-            reclaimer.shutdown().await;
+            let stats = reclaimer.shutdown().await;
+            self.shared.lock_planes().stopped.reclaimer = Some(stats);
         }
         RuntimeShutdownReport {
             usage,
@@ -773,16 +812,18 @@ impl RuntimeHandle {
             writer: planes
                 .writer
                 .as_ref()
-                .map(UsageWriter::stats)
-                .unwrap_or_default(),
+                .map_or(planes.stopped.writer, UsageWriter::stats),
             writer_health,
             snapshots: planes
                 .snapshots
                 .as_ref()
-                .map(SnapshotManager::stats)
-                .unwrap_or_default(),
+                .map_or(planes.stopped.snapshots, SnapshotManager::stats),
             leases,
-            reclaimer: planes.reclaimer.as_ref().map(Reclaimer::stats),
+            reclaimer: planes
+                .reclaimer
+                .as_ref()
+                .map(Reclaimer::stats)
+                .or(planes.stopped.reclaimer),
             accounts: planes.accounts.len(),
             manager_restarts: shared.restarts.load(Ordering::Relaxed),
             unrecovered_grants: shared.unrecovered.load(Ordering::Relaxed),
