@@ -1065,13 +1065,20 @@ async fn an_instant_postgres_cannot_store_is_malformed_and_holds_up_nothing() {
         at: Timestamp::from_second(-210_866_803_200).unwrap(),
         ..leased(2, acct, &a, 3)
     };
-    let batch = [ancient, earliest, leased(3, acct, &a, 4)];
+    // A nanosecond before the earliest: its seconds, rounded toward zero,
+    // are the earliest's.
+    let just_before = UsageEvent {
+        at: earliest.at - SignedDuration::from_nanos(1),
+        ..leased(4, acct, &a, 6)
+    };
+    let batch = [ancient, earliest, leased(3, acct, &a, 4), just_before];
     assert_eq!(
         store.ingest(&batch).await.unwrap(),
         [
             IngestOutcome::Rejected(RejectReason::Malformed),
             IngestOutcome::Accepted,
             IngestOutcome::Accepted,
+            IngestOutcome::Rejected(RejectReason::Malformed),
         ]
     );
     let billed: Vec<u64> = store

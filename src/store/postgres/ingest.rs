@@ -50,12 +50,17 @@ struct Columns {
 
 impl Columns {
     fn of(batch: &[UsageEvent]) -> Result<Self, StoreError> {
+        let earliest = Timestamp::from_second(EARLIEST_SECOND).map_err(|_| {
+            StoreError::new("postgres: the earliest instant is out of jiff's range")
+        })?;
         let mut columns = Self::default();
         for event in batch {
             let id = |value: u64| to_i64(value).unwrap_or(UNREPRESENTABLE_ID);
             let revision = to_i64(event.policy_revision.get());
             let key_id = event.key_id.map(|key| to_i64(key.get()));
-            let storable_at = event.at.as_second() >= EARLIEST_SECOND;
+            // The whole instant, not its seconds, which round toward zero
+            // and would pass one up to a second before the earliest.
+            let storable_at = event.at >= earliest;
             let representable = revision.is_some() && !matches!(key_id, Some(None)) && storable_at;
             let units = to_i64(event.units.get())
                 .filter(|_| representable)
@@ -72,9 +77,7 @@ impl Columns {
             let at = if storable_at {
                 micros(event.at)
             } else {
-                Timestamp::from_second(EARLIEST_SECOND).map_err(|_| {
-                    StoreError::new("postgres: the earliest instant is out of jiff's range")
-                })?
+                earliest
             };
             columns.ats.push(to_pg(at)?);
             columns.revisions.push(revision.unwrap_or(0));
