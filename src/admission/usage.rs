@@ -477,21 +477,25 @@ impl UsageQueue {
         self.hub.waker.register(waker);
     }
 
-    /// Whether some stripe holds a batch's worth, or has no free place left
-    /// and an event to free one; once the queue is closed, whether any
-    /// event waits.
+    /// Whether some stripe holds a batch's worth, or no stripe has a free
+    /// place left and some event could free one; once the queue is closed,
+    /// whether any event waits.
     pub(crate) fn batch_ready(&self) -> bool {
-        self.stripes.iter().any(|stripe| {
+        let (mut waiting_anywhere, mut all_full) = (false, true);
+        for stripe in &self.stripes[..] {
             let waiting = stripe.events.len();
-            if waiting >= stripe.wake_at {
+            let available = stripe.available.load(Ordering::Acquire);
+            if waiting >= stripe.wake_at || (waiting > 0 && available & CLOSED != 0) {
                 return true;
             }
-            let available = stripe.available.load(Ordering::Acquire);
-            // A stripe taken up by permits and a few events holds less
-            // than a batch, yet admission on it is refused: delivering
-            // those few is what gives places back (see `full`).
-            waiting > 0 && (available & CLOSED != 0 || available & PLACES == 0)
-        })
+            waiting_anywhere |= waiting > 0;
+            all_full &= available & PLACES == 0;
+        }
+        // Permits of requests in flight and a few events, less than a
+        // batch, can take every place: admission is then refused (see
+        // `full`), and delivering those few is what gives places back. One
+        // full stripe alone is not that: admission borrows from the others.
+        waiting_anywhere && all_full
     }
 
     /// Denies a permit because every place is taken, and wakes the writer:
@@ -712,6 +716,25 @@ mod tests {
             }
         }
         assert_eq!(taken, vec![0, 10, 1, 11], "the stripes alternate");
+    }
+
+    /// A few events with every place taken make the queue ready to drain;
+    /// one full stripe alone does not, as admission borrows from the others.
+    #[test]
+    fn a_full_queue_is_ready_to_drain_and_one_full_stripe_is_not() {
+        let recorder = UsageRecorder::striped(4, 4, LocalSharding::shards(2).unwrap());
+        let at = Locality::new;
+        // Stripe 0: one event and one permit, full.
+        recorder.try_permit_at(at(0)).unwrap().record(event(1));
+        let _held = recorder.try_permit_at(at(0)).unwrap();
+        assert_eq!(free_by_stripe(&recorder), vec![0, 2]);
+        assert!(!recorder.queue().batch_ready(), "stripe 1 still has room");
+        // Stripe 1 fills with permits: nothing is free anywhere.
+        let _more = [
+            recorder.try_permit_at(at(1)).unwrap(),
+            recorder.try_permit_at(at(1)).unwrap(),
+        ];
+        assert!(recorder.queue().batch_ready());
     }
 
     /// A queue full of events and permits may hold less than a batch's worth
