@@ -18,7 +18,10 @@
 //! made again. A lease whose window would close before the next poll gets up
 //! to two wake-ups of its own: one store call before the close, to replace
 //! it, and at the close, to retire it, so the account is not left unserved,
-//! nor reported ready, until the poll.
+//! nor reported ready, until the poll. A grant usable for no longer than one
+//! store call (an allocator `max_ttl` barely above the margin) gets neither:
+//! it is replaced at polls and rings, as a misconfiguration the task warns
+//! about, rather than churned once per window.
 //!
 //! # One inspection
 //!
@@ -547,7 +550,8 @@ impl LeaseManager {
     /// `true` while the slot holds a usable lease and no integrity fault has
     /// been seen; updated by the task after every inspection, one of which
     /// comes as the lease's window closes, so a lease that expires shows here
-    /// then (or, with a clock that reads behind, by its staleness bound).
+    /// then (or, with a clock that reads behind, by its staleness bound; for
+    /// a grant usable no longer than one store call, by the next poll).
     /// `false` for good after a fault, and once the task ends however it
     /// ends.
     pub fn readiness(&self) -> watch::Receiver<bool> {

@@ -132,7 +132,8 @@ pub struct WriterStats {
     pub duplicate: u64,
     /// Events the sink refused; never retried.
     pub rejected: u64,
-    /// Events given up at the shutdown deadline.
+    /// Events given up: at the shutdown deadline, or undelivered when the
+    /// task died.
     pub lost: u64,
     /// Events waiting in the queue.
     pub queued: u64,
