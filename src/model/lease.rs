@@ -45,8 +45,9 @@ pub trait RefillSignal: Send + Sync {
 pub enum RefillVerdict {
     /// Nothing to do; any premature doorbell has been re-armed.
     Idle,
-    /// The lease is at or below its low-water mark: acquire a replacement
-    /// while it keeps serving.
+    /// The lease is at or below its low-water mark, or one of its shards
+    /// is below its share of the mark (I7): acquire a replacement while it
+    /// keeps serving.
     Draining,
     /// The lease refused a debit. Fold its unspent units and the largest
     /// refused quote into one new grant, so a quote the account can fund is
@@ -399,6 +400,11 @@ impl LocalLease {
     /// work with a same-sized one would refuse the same quote again. When
     /// neither applies, any shard that rang early (its own share ran low while
     /// the lease as a whole did not) is re-armed so it can ring again (I7).
+    ///
+    /// A sharded lease is also draining when any shard holds less than its
+    /// share of the mark, however much the others hold: such a shard has
+    /// rung already and may never be debited again, so the lease could fall
+    /// to its mark with no shard left to cross its share and ring (I7).
     pub fn refill_due_or_rearm(&self) -> RefillVerdict {
         let refused = self.refused.load(Ordering::Acquire) > 0;
         if self.remaining() <= self.low_water {
@@ -420,15 +426,21 @@ impl LocalLease {
         // each one reads the latest count, so either it sees that debit, or
         // the debit's compare-exchange read from it, acquired the cleared
         // flag and rang.
-        let settled = self
-            .shards
-            .iter()
-            .map(|shard| shard.remaining.fetch_add(0, Ordering::AcqRel))
-            .fold(0, u64::saturating_add);
+        let mut settled = 0_u64;
+        let mut below_share = false;
+        for shard in &self.shards[..] {
+            let left = shard.remaining.fetch_add(0, Ordering::AcqRel);
+            settled = settled.saturating_add(left);
+            below_share |= left < shard.low_water;
+        }
         if refused {
             return RefillVerdict::Refused;
         }
-        if settled <= self.low_water.get() {
+        // I7: idle only if every shard holds at least its share and the
+        // lease more than its mark. Then a later fall to the mark takes some
+        // shard to its share by a debit or gather made after this read, and
+        // that one rings.
+        if below_share || settled <= self.low_water.get() {
             return RefillVerdict::Draining;
         }
         RefillVerdict::Idle
@@ -437,19 +449,25 @@ impl LocalLease {
     #[allow(clippy::inline_always, reason = "part of the inlined debit fast path")]
     #[inline(always)]
     fn debited(&self, index: usize, left: u64, units: CostUnits) -> LeaseDebit {
+        self.ring_if_low(index, left);
+        LeaseDebit {
+            shard: Arc::clone(&self.shards[index]),
+            units,
+        }
+    }
+
+    /// I7: rings once when a debit or gather leaves shard `index` holding
+    /// `left`, at or below its share of the mark. The plain load keeps the
+    /// common below-water case off the read-modify-write.
+    #[allow(clippy::inline_always, reason = "part of the inlined debit fast path")]
+    #[inline(always)]
+    fn ring_if_low(&self, index: usize, left: u64) {
         let shard = &self.shards[index];
-        // I7: ring once when this debit leaves the shard at or below its
-        // share. The plain load keeps the common below-water case off the
-        // read-modify-write.
         if left <= shard.low_water
             && !shard.rung.load(Ordering::Acquire)
             && !shard.rung.swap(true, Ordering::AcqRel)
         {
             self.ring();
-        }
-        LeaseDebit {
-            shard: Arc::clone(shard),
-            units,
         }
     }
 
@@ -490,8 +508,14 @@ impl LocalLease {
         let count = self.shards.len();
         let mut gathered = 0;
         for offset in 0..count {
-            let shard = &self.shards[(home + offset) % count];
-            gathered += shard.take_up_to(units - gathered);
+            let index = (home + offset) % count;
+            let (taken, left) = self.shards[index].take_up_to(units - gathered);
+            if taken > 0 {
+                // A shard a gather empties rings like one a debit empties:
+                // the units it held may never come back to it (I7).
+                self.ring_if_low(index, left);
+            }
+            gathered += taken;
             if gathered == units {
                 return Some(self.shards[home].remaining.load(Ordering::Acquire));
             }
@@ -555,13 +579,14 @@ impl Shard {
         }
     }
 
-    /// Takes as much as it can, up to `units`; returns how much it took.
-    fn take_up_to(&self, units: u64) -> u64 {
+    /// Takes as much as it can, up to `units`; returns how much it took
+    /// and what it left.
+    fn take_up_to(&self, units: u64) -> (u64, u64) {
         let mut current = self.remaining.load(Ordering::Acquire);
         loop {
             let taken = current.min(units);
             if taken == 0 {
-                return 0;
+                return (0, current);
             }
             match self.remaining.compare_exchange_weak(
                 current,
@@ -569,7 +594,7 @@ impl Shard {
                 Ordering::AcqRel,
                 Ordering::Acquire,
             ) {
-                Ok(_) => return taken,
+                Ok(_) => return (taken, current - taken),
                 Err(actual) => current = actual,
             }
         }
@@ -765,15 +790,59 @@ mod tests {
         // Shard 0 holds 50 with a share of 10 of the mark.
         let _a = lease.try_reserve_at(CostUnits(40), at(0), zero).unwrap();
         assert_eq!(bell.rings(), 1, "shard 0 reached its share");
-        let _b = lease.try_reserve_at(CostUnits(5), at(0), zero).unwrap();
+        let b = lease.try_reserve_at(CostUnits(5), at(0), zero).unwrap();
         assert_eq!(bell.rings(), 1, "I7: shard 0 rang already");
-        // The lease as a whole holds 55: the early ring was premature.
+        lease.credit(b);
+        // The lease as a whole holds 60 and shard 0 its share: the early
+        // ring was premature.
         assert_eq!(lease.refill_due_or_rearm(), RefillVerdict::Idle);
         let _c = lease.try_reserve_at(CostUnits(1), at(0), zero).unwrap();
         assert_eq!(bell.rings(), 2, "re-armed, shard 0 rings again");
         let _d = lease.try_reserve_at(CostUnits(40), at(0), one).unwrap();
         assert_eq!(bell.rings(), 3, "shard 1 has its own flag");
-        assert_eq!(lease.remaining(), CostUnits(14));
+        assert_eq!(lease.remaining(), CostUnits(19));
+        assert_eq!(lease.refill_due_or_rearm(), RefillVerdict::Draining);
+    }
+
+    #[test]
+    fn a_shard_below_its_share_makes_the_lease_draining_before_the_others_run_low() {
+        let (lease, bell) = lease_with_doorbell(LocalLease::with_sharding(
+            grant(100),
+            CostUnits(40),
+            SignedDuration::ZERO,
+            LocalSharding::shards(2).unwrap(),
+        ));
+        let zero = Locality::new(0);
+        // Each shard holds 50 with a share of 20 of the mark.
+        let _a = lease.try_reserve_at(CostUnits(30), at(0), zero).unwrap();
+        assert_eq!(bell.rings(), 1);
+        assert_eq!(lease.refill_due_or_rearm(), RefillVerdict::Idle);
+        let _b = lease.try_reserve_at(CostUnits(20), at(0), zero).unwrap();
+        assert_eq!(bell.rings(), 2, "re-armed, shard 0 rings on emptying");
+        // I7: the lease holds 50, above its mark, but shard 0 is empty and
+        // will not ring again. Shard 1 would ring only at 20 of its own, so
+        // left idle the lease would fall to 25 without a sound.
+        assert_eq!(lease.refill_due_or_rearm(), RefillVerdict::Draining);
+    }
+
+    #[test]
+    fn a_gather_rings_for_each_shard_it_leaves_at_or_below_its_share() {
+        let (lease, bell) = lease_with_doorbell(LocalLease::with_sharding(
+            grant(30),
+            CostUnits(6),
+            SignedDuration::ZERO,
+            LocalSharding::shards(3).unwrap(),
+        ));
+        // Each shard holds 10 with a share of 2. Gathering 25 from home 1
+        // empties shards 1 and 2 and leaves shard 0 at 5.
+        let _gathered = lease
+            .try_reserve_at(CostUnits(25), at(0), Locality::new(1))
+            .unwrap();
+        assert_eq!(
+            bell.rings(),
+            2,
+            "I7: the emptied shard 2 rings as well as home, and home once"
+        );
         assert_eq!(lease.refill_due_or_rearm(), RefillVerdict::Draining);
     }
 

@@ -298,6 +298,56 @@ fn racing_debits_and_a_refill_check_conserve_units_and_leave_no_drained_lease_si
     });
 }
 
+/// I7 on a sharded lease: a debit empties one shard while the refill task
+/// checks the lease, and later debits take the lease to its mark from the
+/// other shard, which stays above its own share. Had the check answered
+/// `Idle`, the emptied shard could not ring again and the fall to the mark
+/// would go unheard; so a check that answers `Idle` must have been rung
+/// after it began.
+#[test]
+fn a_check_racing_a_debit_that_empties_a_shard_leaves_no_drained_lease_silent() {
+    const GRANTED: u64 = 6;
+    const LOW_WATER: CostUnits = CostUnits(2);
+    loom::model(|| {
+        let doorbell = CountingDoorbell::new();
+        let sharding = LocalSharding::shards(2).expect("two shards are allowed");
+        // Each shard holds 3 with a share of 1 of the mark.
+        let lease = Arc::new(
+            LocalLease::with_sharding(grant(GRANTED), LOW_WATER, SignedDuration::ZERO, sharding)
+                .with_refill(Arc::clone(&doorbell) as Arc<dyn RefillSignal>),
+        );
+        let emptier = {
+            let lease = Arc::clone(&lease);
+            thread::spawn(move || {
+                // Committed: dropped uncredited.
+                drop(
+                    lease
+                        .try_reserve_at(CostUnits(3), inside_window(), Locality::new(0))
+                        .expect("I6: shard 0 funds it"),
+                );
+            })
+        };
+        let rings_before_check = doorbell.rings();
+        let verdict = lease.refill_due_or_rearm();
+        join(emptier);
+        // Shard 1 falls from 3 to 2, above its share: the lease is at its
+        // mark with no shard crossing one.
+        drop(
+            lease
+                .try_reserve_at(ONE, inside_window(), Locality::new(1))
+                .expect("I6: shard 1 funds it"),
+        );
+        assert_eq!(lease.remaining(), LOW_WATER);
+        if verdict == RefillVerdict::Idle {
+            assert!(
+                doorbell.rings() > rings_before_check,
+                "I7: an Idle check left a lease at its mark silent"
+            );
+        }
+        assert_eq!(lease.refill_due_or_rearm(), RefillVerdict::Draining);
+    });
+}
+
 /// I7: with no re-arm in between, two racing debits that both leave the
 /// lease at or below its mark ring once between them, not once each.
 #[test]
