@@ -240,7 +240,10 @@ impl LocalLease {
     /// The home shard is tried first; if it is short, the other shards are
     /// tried in turn, and then the quote is gathered from all of them, so a
     /// quote the whole lease can fund is not refused because its units sit
-    /// in other shards. A refusal is recorded for
+    /// in other shards. Under contention that holds only in the end: two
+    /// gathers racing each other may each hold part of what the other needs
+    /// and both be refused, as a momentary shortage the refill task then
+    /// folds away. A refusal is recorded for
     /// [`largest_refused_quote`](Self::largest_refused_quote).
     ///
     /// # Errors
@@ -289,11 +292,31 @@ impl LocalLease {
         }
     }
 
-    /// Forgets the refusals recorded so far: the refill task's answer to a
-    /// quote the allocator has ruled out, so that the record does not hide
-    /// a smaller, fundable quote refused after it (I27).
-    pub(crate) fn forget_refusals(&self) {
-        self.refused.store(0, Ordering::Release);
+    /// Forgets the refused quote `seen`, the largest recorded when the
+    /// refill task read it: the task's answer to a quote the allocator has
+    /// ruled out, so that the record does not hide a smaller, fundable quote
+    /// refused after it (I27).
+    ///
+    /// A larger quote recorded since the read stays recorded, to be judged
+    /// on its own. A smaller one refused in between is forgotten with `seen`
+    /// (the record keeps only the largest); its request was denied as a
+    /// momentary shortage, and a retry records it afresh and rings.
+    pub(crate) fn forget_refusal(&self, seen: CostUnits) {
+        let _ = self
+            .refused
+            .compare_exchange(seen.get(), 0, Ordering::AcqRel, Ordering::Acquire);
+    }
+
+    /// Whether the refill task should replace this lease now: it is at or
+    /// below its mark, or a shard is below its share of it, and may never
+    /// ring again (I7). A momentary reading, for a lease still serving.
+    #[must_use]
+    pub(crate) fn is_draining(&self) -> bool {
+        self.remaining() <= self.low_water
+            || self
+                .shards
+                .iter()
+                .any(|shard| shard.remaining.load(Ordering::Acquire) < shard.low_water)
     }
 
     /// Records a quote this lease refused for want of units, so the refill
@@ -823,6 +846,41 @@ mod tests {
         // will not ring again. Shard 1 would ring only at 20 of its own, so
         // left idle the lease would fall to 25 without a sound.
         assert_eq!(lease.refill_due_or_rearm(), RefillVerdict::Draining);
+    }
+
+    #[test]
+    fn forgetting_a_refusal_keeps_a_larger_one_recorded_since() {
+        let lease = LocalLease::new(grant(10), CostUnits::ZERO);
+        assert!(lease.try_debit(CostUnits(20), at(0)).is_err());
+        let seen = lease.largest_refused_quote();
+        assert!(lease.try_debit(CostUnits(30), at(0)).is_err());
+        lease.forget_refusal(seen);
+        assert_eq!(
+            lease.largest_refused_quote(),
+            CostUnits(30),
+            "I27: only the quote the refill task judged is forgotten"
+        );
+        lease.forget_refusal(CostUnits(30));
+        assert_eq!(lease.largest_refused_quote(), CostUnits::ZERO);
+    }
+
+    #[test]
+    fn a_lease_with_a_shard_below_its_share_is_draining_above_its_mark() {
+        let lease = LocalLease::with_sharding(
+            grant(100),
+            CostUnits(40),
+            SignedDuration::ZERO,
+            LocalSharding::shards(2).unwrap(),
+        );
+        let _a = lease
+            .try_reserve_at(CostUnits(30), at(0), Locality::new(0))
+            .unwrap();
+        assert!(!lease.is_draining(), "shard 0 holds exactly its share");
+        let _b = lease
+            .try_reserve_at(CostUnits(1), at(0), Locality::new(0))
+            .unwrap();
+        assert_eq!(lease.remaining(), CostUnits(69));
+        assert!(lease.is_draining(), "I7: shard 0 is below its share");
     }
 
     #[test]

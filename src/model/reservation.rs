@@ -48,11 +48,14 @@ pub enum CancelOutcome {
 pub enum CommitError {
     /// The funding could not stand at execution start, so the reservation
     /// was released for zero. The reason keeps its own retry class: a lapsed
-    /// lease under Strict is
-    /// [`FundingExpiredAtStart`](DenyReason::FundingExpiredAtStart); under
-    /// Elastic the overage fallback's refusal is reported as it was given.
+    /// lease is [`FundingExpiredAtStart`](DenyReason::FundingExpiredAtStart)
+    /// under Strict, and under Elastic when the overage cap is spent too (a
+    /// retry is admitted on the replacement lease, I12); the overage
+    /// fallback's other refusals are reported as they were given.
     Denied(DenyReason),
-    /// A cancel (or drop of a split handle) released the reservation first.
+    /// A cancel ([`Reservation::cancel`], or [`CancelHandle::cancel`] on a
+    /// split charge) released the reservation first. Dropping a
+    /// [`CancelHandle`] does not cancel.
     AlreadyReleased,
     /// The reservation was committed before. Committing twice is a caller
     /// bug, reported rather than charged twice.

@@ -1363,13 +1363,13 @@ impl Task {
             bump(&self.shared.counters.consolidations_deferred, 1);
             let needed = live.largest_refused_quote();
             let chase = !self.rotation_fell_short && self.might_fund(needed);
-            let draining = live.remaining() <= live.low_water();
+            let draining = live.is_draining();
             if self.beyond_reach(needed, live.remaining()) {
                 // Admission no longer records this quote; the record made
                 // before the evidence came would hide a fundable one. A
                 // quote the lease and the balance together could fund is
                 // kept, and folded at the first quiet moment.
-                live.forget_refusals();
+                live.forget_refusal(needed);
             }
             self.reinstate(live);
             if chase {
@@ -1489,10 +1489,11 @@ impl Task {
                 // poll. If the lease is also low, replace it meanwhile, or one
                 // quote the account cannot fund would starve every smaller
                 // one until the lease runs dry.
-                if self.beyond_reach(live.largest_refused_quote(), live.remaining()) {
-                    live.forget_refusals();
+                let needed = live.largest_refused_quote();
+                if self.beyond_reach(needed, live.remaining()) {
+                    live.forget_refusal(needed);
                 }
-                let draining = live.remaining() <= live.low_water();
+                let draining = live.is_draining();
                 self.reinstate(live);
                 if draining {
                     return self.acquire().await;
