@@ -375,6 +375,11 @@ async fn a_commit_after_the_usage_writer_gave_up_is_refused_and_charges_nothing(
         late.commit(w.clock.now()),
         Err(CommitError::Denied(DenyReason::ShuttingDown))
     );
+    // Denied means released for zero now, not when the context drops.
+    assert_eq!(
+        late.commit(w.clock.now()),
+        Err(CommitError::AlreadyReleased)
+    );
     drop(late);
     let report = shutdown.await.expect("shutdown ran");
     assert_eq!(report.lost_events(), 0, "refused, so nothing was lost");

@@ -101,7 +101,7 @@ impl AdmissionEngine {
         // The admission is the tail, built where the caller receives it; the
         // pin is given back after.
         let pinned = self.snapshots.pin();
-        self.admit(&pinned, pinned.entry(principal), required, quote, now)
+        self.admit(&pinned, pinned.entry(principal, now), required, quote, now)
     }
 
     /// [`begin`](Self::begin) for the principal whose API key hashes to
@@ -247,13 +247,14 @@ fn fund(
     locality: Locality,
 ) -> Result<Reservation, DenyReason> {
     let leased = slot.with_lease(|lease| match lease {
-        Some(lease) => match Reservation::reserve_unrecorded(lease, quote, now, locality) {
-            Ok(reservation) => Ok(reservation),
-            Err(refusal) => Err(refused(slot, lease, refusal, quote, now)),
-        },
-        None => Err((DenyReason::LeaseUnavailable, CostUnits::ZERO)),
+        Some(lease) => Reservation::reserve_unrecorded(lease, quote, now, locality)
+            .map_err(|refusal| refused(slot, lease, refusal, quote, now)),
+        None => Err((
+            DenyReason::LeaseUnavailable,
+            shortfall_denial(slot, quote, CostUnits::ZERO, now),
+        )),
     });
-    let (refusal, held) = match leased {
+    let (refusal, shortfall) = match leased {
         Ok(reservation) => return Ok(reservation),
         Err(refused) => refused,
     };
@@ -265,22 +266,20 @@ fn fund(
             // lease. A quote the evidence rules out waits for the period's
             // refill, if one is due, and says when; without one, the spent
             // cap is final.
-            Err(spent @ DenyReason::OverageCapExhausted { .. }) => {
-                Err(match shortfall_denial(slot, quote, held, now) {
-                    Some(refill) if matches!(refill.retry(), Retry::At(_)) => refill,
-                    Some(_) => spent,
-                    None => unreachable_denial(slot, refusal),
-                })
-            }
+            Err(spent @ DenyReason::OverageCapExhausted { .. }) => Err(match shortfall {
+                Some(refill) if matches!(refill.retry(), Retry::At(_)) => refill,
+                Some(_) => spent,
+                None => unreachable_denial(slot, refusal),
+            }),
             funded_or_refused => funded_or_refused,
         };
     }
-    Err(shortfall_denial(slot, quote, held, now)
-        .unwrap_or_else(|| unreachable_denial(slot, refusal)))
+    Err(shortfall.unwrap_or_else(|| unreachable_denial(slot, refusal)))
 }
 
-/// A lease's refusal of `quote`, with the units the lease held when it
-/// refused.
+/// A lease's refusal of `quote`, with the exhaustion denial the allocator's
+/// evidence gives for it, if any: read once, so the refusal's record and
+/// the answer agree (I27).
 ///
 /// A refusal for want of units that the allocator's evidence does not rule
 /// out is recorded on the lease, so the refill task folds it into one that
@@ -294,12 +293,12 @@ fn refused(
     refusal: DenyReason,
     quote: CostUnits,
     now: Timestamp,
-) -> (DenyReason, CostUnits) {
-    let held = lease.remaining();
-    if refusal == DenyReason::LeaseExhausted && shortfall_denial(slot, quote, held, now).is_none() {
+) -> (DenyReason, Option<DenyReason>) {
+    let shortfall = shortfall_denial(slot, quote, lease.remaining(), now);
+    if refusal == DenyReason::LeaseExhausted && shortfall.is_none() {
         lease.note_refused(quote);
     }
-    (refusal, held)
+    (refusal, shortfall)
 }
 
 /// A lease that cannot fund the quote while the allocator cannot be
@@ -341,14 +340,15 @@ impl RequestContext {
     ///
     /// # Errors
     ///
-    /// See [`CommitError`]; on any error the handler must not run, and the
-    /// charge is zero.
+    /// See [`CommitError`]; on any error the handler must not run. After
+    /// [`CommitError::AlreadyCommitted`] the first commit's charge stands;
+    /// after any other error the charge is zero.
     #[inline]
     pub fn commit(&mut self, now: Timestamp) -> Result<CostUnits, CommitError> {
         // I21: with nothing left to deliver its event, the handler must not
-        // run; the charge stays pending and is released with the context.
+        // run, and the charge is released now, as `Denied` says.
         if self.permit.writer_gone() {
-            return Err(CommitError::Denied(DenyReason::ShuttingDown));
+            return Err(self.deny_for_lost_writer());
         }
         let funding = match &self.elastic {
             Some((overage, cap)) => CommitFunding::OverageFallback { overage, cap: *cap },
@@ -373,6 +373,21 @@ impl RequestContext {
             None => debug_assert!(false, "I8: a first successful commit has a place"),
         }
         Ok(units)
+    }
+
+    /// The commit's answer once the usage writer has given up: the charge
+    /// is released for zero, or, if it was resolved already, says how.
+    #[cold]
+    fn deny_for_lost_writer(&self) -> CommitError {
+        if self.reservation.is_committed() {
+            return CommitError::AlreadyCommitted;
+        }
+        if self.reservation.is_released() {
+            return CommitError::AlreadyReleased;
+        }
+        // Exclusive access: nothing else can resolve it in between.
+        let _ = self.reservation.cancel();
+        CommitError::Denied(DenyReason::ShuttingDown)
     }
 
     /// Stamps usage events with the pricing policy's revision instead of the
@@ -776,7 +791,13 @@ mod tests {
     fn an_unknown_principal_is_cached_negatively_within_its_capacity() {
         let f = fixture(4);
         f.map.mark_unknown([ALICE]);
+        // I24: before a complete refresh vouches for the map, the source may
+        // have created the principal since it said otherwise.
+        denied(f.begin(1, 0), DenyReason::SnapshotUnavailable);
+        f.map.mark_verified(at(0));
         denied(f.begin(1, 0), DenyReason::UnknownPrincipal);
+        // And only while that refresh is within the maximum staleness.
+        denied(f.begin(1, 601), DenyReason::SnapshotUnavailable);
         let mut asked = Vec::new();
         f.map.drain_lookups(&mut asked);
         assert!(

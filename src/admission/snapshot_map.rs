@@ -311,18 +311,23 @@ pub(crate) struct Pinned<'map> {
 impl Pinned<'_> {
     /// `principal`'s entry, or why there is none:
     /// [`DenyReason::UnknownPrincipal`] for a principal the source said does
-    /// not exist, and [`DenyReason::SnapshotUnavailable`] for one not loaded
-    /// yet (which is queued for the snapshot manager to look up).
+    /// not exist, while the map can vouch for what it holds (I24), and
+    /// [`DenyReason::SnapshotUnavailable`] otherwise: for one not loaded yet
+    /// (which is queued for the snapshot manager to look up), and for one
+    /// remembered as unknown before the first complete refresh or once the
+    /// map is stale, since the source may have created it meanwhile.
     #[allow(
         clippy::inline_always,
         reason = "inlined so the admitted context is built in place, not copied out of a call"
     )]
     #[inline(always)]
-    pub(crate) fn entry(&self, principal: Principal) -> Result<&Entry, DenyReason> {
+    pub(crate) fn entry(&self, principal: Principal, now: Timestamp) -> Result<&Entry, DenyReason> {
         let published = self.published()?;
         match published.entry(principal) {
             Some(entry) => Ok(entry),
-            None => Err(self.map.missing(published, principal)),
+            None => Err(self
+                .map
+                .missing(published, principal, self.verified_at, now)),
         }
     }
 
@@ -460,10 +465,22 @@ impl ArcSwapSnapshotMap {
         &self.registry
     }
 
+    /// Why a principal with no entry is refused (see [`Pinned::entry`]).
     #[cold]
-    fn missing(&self, published: &Published, principal: Principal) -> DenyReason {
+    fn missing(
+        &self,
+        published: &Published,
+        principal: Principal,
+        verified: i64,
+        now: Timestamp,
+    ) -> DenyReason {
         if published.unknown.contains(&principal) {
-            return DenyReason::UnknownPrincipal;
+            if self.vouches(verified, now) {
+                return DenyReason::UnknownPrincipal;
+            }
+            // Not looked up again: the snapshot manager asks the source
+            // about it at its next refresh anyway.
+            return DenyReason::SnapshotUnavailable;
         }
         // A hint for the snapshot manager; a full queue just means it
         // already has plenty to look up.
@@ -475,13 +492,18 @@ impl ArcSwapSnapshotMap {
     /// [`Pinned::entry_by_key`]).
     #[cold]
     fn missing_key(&self, verified: i64, now: Timestamp) -> DenyReason {
-        let vouched = verified != i64::MIN
-            && now.as_nanosecond() - i128::from(verified) <= self.config.max_staleness.as_nanos();
-        if vouched {
+        if self.vouches(verified, now) {
             DenyReason::UnknownPrincipal
         } else {
             DenyReason::SnapshotUnavailable
         }
+    }
+
+    /// I24: whether a complete refresh at `verified` still vouches at `now`
+    /// for what the map holds and lacks.
+    fn vouches(&self, verified: i64, now: Timestamp) -> bool {
+        verified != i64::MIN
+            && now.as_nanosecond() - i128::from(verified) <= self.config.max_staleness.as_nanos()
     }
 
     /// The principal whose API key hashes to `hash`, if one is published.
@@ -977,7 +999,7 @@ mod tests {
         }]);
         map.mark_verified(late);
         let stale = pinned
-            .entry(Principal(1))
+            .entry(Principal(1), late)
             .expect("pinned before the refresh");
         assert_eq!(stale.snapshot.policy_revision.get(), 1);
         assert_eq!(
@@ -986,7 +1008,7 @@ mod tests {
         );
         drop(pinned);
         let current = map.pin();
-        let entry = current.entry(Principal(1)).expect("published");
+        let entry = current.entry(Principal(1), late).expect("published");
         assert_eq!(entry.snapshot.policy_revision.get(), 2);
         assert_eq!(current.check_fresh(entry, late), Ok(()));
     }
@@ -1004,7 +1026,7 @@ mod tests {
             pinned.entry_by_key(&KeyHash::of(b"tg_none"), at(0)).err(),
             Some(DenyReason::SnapshotUnavailable)
         );
-        let entry = pinned.entry(Principal(1)).expect("published");
+        let entry = pinned.entry(Principal(1), at(1)).expect("published");
         assert_eq!(
             pinned.check_fresh(entry, at(3_600)),
             Err(DenyReason::SnapshotStale)
@@ -1048,7 +1070,7 @@ mod tests {
     fn entry(map: &ArcSwapSnapshotMap, principal: u64) -> Result<u64, DenyReason> {
         let pinned = map.pin();
         pinned
-            .entry(Principal(principal))
+            .entry(Principal(principal), at(1))
             .map(|entry| entry.snapshot.policy_revision.get())
     }
 
@@ -1061,6 +1083,7 @@ mod tests {
         map.mark_unknown([Principal(1), Principal(2), Principal(3)]);
         assert!(!map.is_known_unknown(Principal(1)), "the oldest went");
         assert!(map.is_known_unknown(Principal(2)) && map.is_known_unknown(Principal(3)));
+        map.mark_verified(at(0));
         assert_eq!(entry(&map, 3), Err(DenyReason::UnknownPrincipal));
         map.publish([snapshot(3, "tg_three", 1)]);
         assert!(!map.is_known_unknown(Principal(3)));
@@ -1218,7 +1241,7 @@ mod tests {
         };
         map.publish([renewed]);
         let pinned = map.pin();
-        let entry = pinned.entry(Principal(1)).expect("published");
+        let entry = pinned.entry(Principal(1), at(1)).expect("published");
         assert_eq!(
             pinned.check_fresh(entry, at(40)),
             Ok(()),
