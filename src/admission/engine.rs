@@ -472,8 +472,10 @@ const REASONS: usize = DenyReason::ALL.len();
 /// Admissions and denials, counted per thread stripe so that counting never
 /// contends, and summed when read.
 ///
-/// The first threads to admit (by their [`Locality`], which numbers threads
-/// once and never reuses a number) each own a stripe: only that thread ever
+/// The threads with the lowest [`Locality`] numbers each own a stripe.
+/// Localities are numbered once per thread, process-wide, in the order
+/// threads first ask for one for any reason (a lease debit, a usage place,
+/// another engine), and never reused. Only the owning thread ever
 /// writes it, so it counts an admission with a plain load and store rather
 /// than a read-modify-write. Later threads share the remaining stripes and
 /// count with read-modify-writes. Either way every count is exact.

@@ -9,9 +9,10 @@ use crate::model::RequestId;
 /// Mints request ids: a random 64-bit prefix per process, then a thread
 /// number and a per-thread counter (I8).
 ///
-/// Two processes collide only if their random prefixes do (one chance in
-/// 2⁶⁴ per pair). Within a process every thread numbers its own requests, so
-/// minting touches no shared memory.
+/// Two processes collide only if the prefixes they use do: with random
+/// prefixes, one chance in 2⁶⁴ per pair of eras in use (see below), and a
+/// process rarely leaves its first era. Within a process every thread
+/// numbers its own requests, so minting touches no shared memory.
 ///
 /// The low half has room for 2²⁴ thread numbers. A process that outlives
 /// them (a blocking pool that starts and retires threads for months) moves
@@ -73,8 +74,16 @@ impl RequestIds {
         Ok(Self::with_prefix(u64::from_le_bytes(bytes)))
     }
 
-    /// Ids under a given prefix, for tests and for deployments that assign
-    /// instance numbers themselves.
+    /// Ids under a given prefix, for tests and for deployments with a
+    /// source of prefixes that never repeats.
+    ///
+    /// A prefix must never be used by two processes, and that includes a
+    /// later run of the same instance: thread numbers and counters start
+    /// again from zero in every process, so a restarted instance with a
+    /// fixed prefix mints the ids of its previous run again. The store then
+    /// rejects their usage events as conflicting duplicates, and those
+    /// charges are never billed. An instance number alone is therefore not
+    /// a prefix; prefer [`random`](Self::random).
     #[must_use]
     pub const fn with_prefix(prefix: u64) -> Self {
         Self { prefix }

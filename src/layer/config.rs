@@ -180,7 +180,9 @@ impl TollgateBuilder {
     /// streamed), or a timeout outside the layer gave up.
     ///
     /// Off by default because the token is an allocation per admitted
-    /// request, which the request path otherwise does without.
+    /// request, which the default commit point otherwise does without.
+    /// [`commit_in_handler`](Self::commit_in_handler) allocates one shared
+    /// cell per admitted request in any case.
     pub fn track_cancellation(mut self) -> Self {
         self.track_cancellation = true;
         self

@@ -13,7 +13,10 @@ pub const MAX_KEY_BYTES: usize = 255;
 /// Finds the credential in a request's headers.
 ///
 /// The returned bytes are hashed with [`KeyHash::of`](crate::KeyHash::of)
-/// and looked up; they are never logged or stored.
+/// and looked up. They are never logged (a trace records at most the
+/// eleven-character visible prefix a store keeps anyway) and never written
+/// anywhere; the layer's per-thread memo of recently presented keys holds
+/// them in process memory, as the request's own buffers do (I16).
 pub trait KeyExtractor: Send + Sync + 'static {
     /// The key's bytes, borrowed from `headers`.
     ///

@@ -7,7 +7,8 @@
 //! 1. identifies the caller with a [`KeyExtractor`] (by default
 //!    [`BearerOrApiKey`]) and hashes the presented key with
 //!    [`KeyHash::of`](crate::KeyHash::of), exactly as the stores do; the
-//!    plaintext key is never logged or kept;
+//!    plaintext key is never logged or written anywhere, and is held only
+//!    in process memory by a per-thread memo of recent keys (I16);
 //! 2. prices the request from its [`http::request::Parts`] with the pricing
 //!    function given to [`TollgateBuilder::price`];
 //! 3. reserves the price through
@@ -99,7 +100,9 @@
 //! request's usage event (I8). A denial carries one too once the caller's
 //! key was identified (a 402, 403, 429 or 503 after lookup, or a refused
 //! commit), so the caller has something to quote; a caller whose key is
-//! missing, malformed, unknown or revoked gets none.
+//! missing, malformed, unknown or revoked gets none. Staleness is checked
+//! before key status (I23), so a revoked key whose policy has gone stale is
+//! answered `503 snapshot_stale`, with an id, like any other stale key.
 //!
 //! A 402 that states what the account's balance can still fund carries the
 //! IETF draft `RateLimit` field, `"balance";r=<units>`, with `;t=<seconds>`
