@@ -41,9 +41,15 @@ pub struct RequestContext {
     /// Not an `Option`: the permit has its own empty state, and a second
     /// one would add a word.
     permit: UsagePermit,
-    /// The account's overage counter and cap, held only for Elastic
-    /// accounts, whose commit may fall back to overage.
-    elastic: Option<(Arc<AccountOverage>, CostUnits)>,
+    /// The overage cap of an Elastic account, whose commit may fall back
+    /// to overage; meaningful when `flags` has [`ELASTIC`].
+    overage_cap: CostUnits,
+    /// The account's overage counter, held only for an Elastic charge that
+    /// cannot reach it through its own funding (see
+    /// [`LocalLease::with_overage`]): the counter is shared by every
+    /// request of the account, so its reference count is left alone when
+    /// it can be.
+    overage: Option<Arc<AccountOverage>>,
     account_id: AccountId,
     /// The request id's prefix and counter halves: two words rather than a
     /// `u128`, whose alignment would pad the context.
@@ -61,6 +67,8 @@ pub struct RequestContext {
 const HAS_KEY: u8 = 1;
 /// [`RequestContext::flags`]: admission funded the request from overage.
 const ADMITTED_AS_OVERAGE: u8 = 2;
+/// [`RequestContext::flags`]: the account is Elastic.
+const ELASTIC: u8 = 4;
 
 impl AdmissionEngine {
     /// An engine reading policy from `snapshots`, queueing usage through
@@ -167,8 +175,9 @@ impl AdmissionEngine {
             Ok(entry) => entry,
             Err(reason) => return Err(self.counters.denied_at(locality, reason)),
         };
-        // Read in place; what the request keeps is copied into its context,
-        // so no reference count is touched.
+        // Read in place; what the request keeps of the snapshot is copied
+        // into its context, so the snapshot's reference count is not
+        // touched.
         let snapshot = &*entry.snapshot;
         if let Err(reason) = Self::check_policy(pinned, entry, required, now) {
             return Err(self.counters.denied_at(locality, reason));
@@ -184,14 +193,21 @@ impl AdmissionEngine {
         };
         let admitted_as_overage = reservation.admitted_as_overage();
         self.counters.admitted(locality, admitted_as_overage);
-        let elastic = snapshot
-            .mode
-            .overage_cap()
-            .map(|cap| (Arc::clone(entry.slot.overage()), cap));
         let mut flags = 0;
         if admitted_as_overage {
             flags |= ADMITTED_AS_OVERAGE;
         }
+        let (overage_cap, overage) = match snapshot.mode.overage_cap() {
+            Some(cap) => {
+                flags |= ELASTIC;
+                let counter = entry.slot.overage();
+                (
+                    cap,
+                    (!reservation.reaches_overage(counter)).then(|| Arc::clone(counter)),
+                )
+            }
+            None => (CostUnits::ZERO, None),
+        };
         if snapshot.key_id.is_some() {
             flags |= HAS_KEY;
         }
@@ -200,7 +216,8 @@ impl AdmissionEngine {
             reservation,
             permit,
             request_id: self.ids.next_parts(),
-            elastic,
+            overage_cap,
+            overage,
             principal: snapshot.principal,
             key_id: snapshot.key_id.unwrap_or(KeyId(0)),
             policy_revision: snapshot.policy_revision,
@@ -350,9 +367,28 @@ impl RequestContext {
         if self.permit.writer_gone() {
             return Err(self.deny_for_lost_writer());
         }
-        let funding = match &self.elastic {
-            Some((overage, cap)) => CommitFunding::OverageFallback { overage, cap: *cap },
-            None => CommitFunding::LeaseOnly,
+        // Elastic: a lease whose window has closed falls back to the
+        // account's overage, reached through the lease when it carries the
+        // counter. The clone is taken only then, at a window's edge.
+        let lapsed;
+        let funding = match (self.flags & ELASTIC != 0, &self.overage) {
+            (false, _) => CommitFunding::LeaseOnly,
+            (true, Some(overage)) => CommitFunding::OverageFallback {
+                overage,
+                cap: self.overage_cap,
+            },
+            (true, None) => {
+                lapsed = self.reservation.lapsed_fallback(now).cloned();
+                match &lapsed {
+                    Some(overage) => CommitFunding::OverageFallback {
+                        overage,
+                        cap: self.overage_cap,
+                    },
+                    // Inside the window, or funded from overage: the commit
+                    // needs no fallback.
+                    None => CommitFunding::LeaseOnly,
+                }
+            }
         };
         // A second commit is refused by the reservation, committed and
         // handed on (I3).
@@ -1014,6 +1050,67 @@ mod tests {
         assert_eq!(events.len(), 1, "I8: one commit, one event");
         assert_eq!(events[0].source, UsageSource::Overage);
         assert_eq!(events[0].units, CostUnits(6));
+    }
+
+    /// An Elastic charge on a lease that carries the account's overage
+    /// counter (as the lease manager's leases do) takes no reference count
+    /// on the counter, which every request of the account shares, and still
+    /// falls back to it when the lease's window closes before the handler
+    /// starts. On a lease without it, the context holds the counter itself.
+    #[test]
+    fn an_elastic_charge_reaches_overage_through_a_lease_that_carries_it() {
+        let f = elastic(CostUnits(10));
+        let slot = f.slot();
+        let lease = Arc::new(
+            LocalLease::new(
+                LeaseGrant {
+                    lease_id: LeaseId(5),
+                    account_id: ACCOUNT,
+                    fencing_token: FencingToken(6),
+                    units: CostUnits(10),
+                    expires_at: at(100),
+                },
+                CostUnits::ZERO,
+            )
+            .with_overage(slot.overage()),
+        );
+        slot.replace(Arc::clone(&lease));
+        let shared = Arc::strong_count(slot.overage());
+        let mut on_time = f.begin(3, 0).expect("the lease funds it");
+        let mut late = f.begin(4, 99).expect("the lease funds it");
+        assert_eq!(
+            Arc::strong_count(slot.overage()),
+            shared,
+            "no reference count per request"
+        );
+        assert_eq!(on_time.commit(at(1)), Ok(CostUnits(3)));
+        assert_eq!(late.commit(at(100)), Ok(CostUnits(4)), "I12: the fallback");
+        assert_eq!(slot.overage().spent(), CostUnits(4));
+        drop((on_time, late));
+        assert_eq!(
+            lease.remaining(),
+            CostUnits(7),
+            "the lapsed charge went back"
+        );
+        let sources: Vec<_> = f.queued().iter().map(|e| (e.source, e.units)).collect();
+        assert_eq!(
+            sources,
+            vec![
+                (
+                    UsageSource::Leased {
+                        lease_id: LeaseId(5),
+                        fencing_token: FencingToken(6)
+                    },
+                    CostUnits(3)
+                ),
+                (UsageSource::Overage, CostUnits(4)),
+            ]
+        );
+        f.lease(10);
+        let bare = f.begin(1, 0).expect("the lease funds it");
+        assert_eq!(Arc::strong_count(slot.overage()), shared + 1);
+        drop(bare);
+        assert_eq!(Arc::strong_count(slot.overage()), shared);
     }
 
     /// An Elastic account falls back to overage whenever its lease cannot

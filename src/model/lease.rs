@@ -7,8 +7,8 @@ use jiff::{SignedDuration, Timestamp};
 
 use crate::model::sharding::{CachePadded, split_evenly};
 use crate::model::{
-    AccountId, CostUnits, DenyReason, FencingToken, LeaseId, LocalSharding, Locality,
-    ShardOccupancy,
+    AccountId, AccountOverage, CostUnits, DenyReason, FencingToken, LeaseId, LocalSharding,
+    Locality, ShardOccupancy,
 };
 use crate::sync::{AtomicBool, AtomicU64, Ordering};
 
@@ -123,6 +123,9 @@ struct Shard {
     rung: AtomicBool,
     contended: AtomicU64,
     terms: LeaseTerms,
+    /// The account's overage counter, for an Elastic charge whose window
+    /// lapses before it commits; see [`LocalLease::with_overage`].
+    overage: Option<Arc<AccountOverage>>,
 }
 
 impl LocalLease {
@@ -185,6 +188,7 @@ impl LocalLease {
                     rung: AtomicBool::new(false),
                     contended: AtomicU64::new(0),
                     terms,
+                    overage: None,
                 }))
             })
             .collect();
@@ -201,6 +205,32 @@ impl LocalLease {
     #[must_use]
     pub fn with_refill(mut self, signal: Arc<dyn RefillSignal>) -> Self {
         self.refill = Some(signal);
+        self
+    }
+
+    /// Attaches the account's overage counter, which an Elastic charge on
+    /// this lease falls back to if the lease's window closes before the
+    /// charge commits. Admission then reaches the counter through the
+    /// charge itself, rather than taking a reference count on the counter,
+    /// which every request of the account shares, for every request.
+    ///
+    /// # Panics
+    ///
+    /// When `overage` is another account's counter, or the lease has
+    /// already funded a debit.
+    #[must_use]
+    pub fn with_overage(mut self, overage: &Arc<AccountOverage>) -> Self {
+        assert_eq!(
+            overage.account_id(),
+            self.terms.grant.account_id,
+            "a lease falls back to its own account's overage"
+        );
+        for shard in &mut self.shards[..] {
+            Arc::get_mut(shard)
+                .expect("a lease gets its overage counter before it funds a debit")
+                .0
+                .overage = Some(Arc::clone(overage));
+        }
         self
     }
 
@@ -645,6 +675,12 @@ impl LeaseDebit {
 
     pub(crate) fn terms(&self) -> &LeaseTerms {
         &self.shard.terms
+    }
+
+    /// The overage counter attached to the lease, if any (see
+    /// [`LocalLease::with_overage`]).
+    pub(crate) fn overage(&self) -> Option<&Arc<AccountOverage>> {
+        self.shard.overage.as_ref()
     }
 
     /// Keeps only the view of the shard, for a charge that has committed.

@@ -240,6 +240,30 @@ impl Reservation {
         }
     }
 
+    /// Whether a commit that falls back to overage can find `counter`
+    /// through this reservation alone: it is funded by `counter`, or by a
+    /// lease that carries it (see [`LocalLease::with_overage`]).
+    pub(crate) fn reaches_overage(&self, counter: &Arc<AccountOverage>) -> bool {
+        match &self.funding {
+            Funding::Lease(debit) => debit
+                .overage()
+                .is_some_and(|attached| Arc::ptr_eq(attached, counter)),
+            Funding::Overage(funded) => Arc::ptr_eq(funded, counter),
+            Funding::HandedOn => false,
+        }
+    }
+
+    /// The overage counter a commit at `now` falls back to: the one the
+    /// funding lease carries, once its window has closed. `None` while the
+    /// window is open, for a lease without one, and for overage funding,
+    /// whose commit needs no fallback.
+    pub(crate) fn lapsed_fallback(&self, now: Timestamp) -> Option<&Arc<AccountOverage>> {
+        match &self.funding {
+            Funding::Lease(debit) if now >= debit.terms().usable_until => debit.overage(),
+            _ => None,
+        }
+    }
+
     /// Whether admission funded this reservation from overage. A leased
     /// reservation that fell back to overage at commit is still `false`
     /// here; [`usage_event`](Self::usage_event) says what paid.

@@ -1308,6 +1308,7 @@ impl Task {
             self.config.expiry_safety_margin,
             self.slot.sharding(),
         )
+        .with_overage(self.slot.overage())
         .with_refill(Arc::clone(&self.doorbell) as Arc<dyn RefillSignal>)
     }
 
