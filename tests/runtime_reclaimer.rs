@@ -79,19 +79,33 @@ enum Answer {
     Hang,
 }
 
-/// An allocator whose reclaim answers from a script (then: nothing due) and
-/// records each call's `now` (seconds after `start()`) and limit.
+/// An allocator whose reclaim answers from a script, then from a backlog
+/// of due leases (then: nothing due), and records each call's `now`
+/// (seconds after `start()`) and limit.
 #[derive(Debug, Default)]
 struct ScriptedAllocator {
     script: Mutex<VecDeque<Answer>>,
     calls: Mutex<Vec<(i64, usize)>>,
+    /// Due leases left after the script, each worth one unit.
+    backlog: Mutex<u64>,
+    /// How long settling each lease of a backlog batch takes, as a store's
+    /// transaction grows with its batch.
+    per_lease: Duration,
 }
 
 impl ScriptedAllocator {
     fn new(script: impl IntoIterator<Item = Answer>) -> Arc<Self> {
         Arc::new(Self {
             script: Mutex::new(script.into_iter().collect()),
-            calls: Mutex::new(Vec::new()),
+            ..Self::default()
+        })
+    }
+
+    fn with_backlog(leases: u64, per_lease: Duration) -> Arc<Self> {
+        Arc::new(Self {
+            backlog: Mutex::new(leases),
+            per_lease,
+            ..Self::default()
         })
     }
 
@@ -141,9 +155,11 @@ impl LeaseAllocator for ScriptedAllocator {
         limit: usize,
     ) -> Result<ReclaimBatch, StoreError> {
         lock(&self.calls).push((now.duration_since(start()).as_secs(), limit));
-        let answer = lock(&self.script)
-            .pop_front()
-            .unwrap_or(Answer::Batch(Vec::new(), false));
+        let scripted = lock(&self.script).pop_front();
+        let answer = match scripted {
+            Some(answer) => answer,
+            None => self.settle_backlog(limit).await,
+        };
         match answer {
             Answer::Batch(leases, more) => Ok(ReclaimBatch {
                 reclaimed: leases
@@ -176,6 +192,21 @@ impl LeaseAllocator for ScriptedAllocator {
             Answer::Fail => Err(StoreError::new("scripted outage")),
             Answer::Hang => std::future::pending().await,
         }
+    }
+}
+
+impl ScriptedAllocator {
+    /// Settles up to `limit` backlog leases, taking `per_lease` for each
+    /// before anything is settled: a call cut off settles nothing, as a
+    /// rolled-back transaction.
+    async fn settle_backlog(&self, limit: usize) -> Answer {
+        let due = *lock(&self.backlog);
+        let count = due.min(u64::try_from(limit).expect("fits"));
+        tokio::time::sleep(self.per_lease * u32::try_from(count).expect("fits")).await;
+        let mut backlog = lock(&self.backlog);
+        *backlog -= count;
+        let first = due - count;
+        Answer::Batch((first..due).map(|lease| (lease, 1)).collect(), *backlog > 0)
     }
 }
 
@@ -500,7 +531,8 @@ async fn storage_errors_and_hangs_are_counted_and_never_fatal() {
     );
 
     run_for(&clock, 5).await;
-    assert_eq!(allocator.calls(), vec![(0, 4), (5, 4), (10, 4), (15, 4)]);
+    // Halved after the timeout, then grown back by one lease per batch.
+    assert_eq!(allocator.calls(), vec![(0, 4), (5, 4), (10, 2), (15, 3)]);
     assert_eq!(
         reclaimer.shutdown().await,
         ReclaimStats {
@@ -509,6 +541,33 @@ async fn storage_errors_and_hangs_are_counted_and_never_fatal() {
             ..stats(1, 1, 9)
         }
     );
+}
+
+/// I19, I22: a batch too large to settle within the call's timeout would
+/// time out on every pass and nothing would ever be reclaimed. After a
+/// timeout the reclaimer asks for half as many, and grows back by an eighth
+/// per batch settled, so the backlog drains.
+#[tokio::test(start_paused = true)]
+async fn a_batch_too_large_for_the_timeout_shrinks_until_the_backlog_drains() {
+    // 150 ms a lease against a one-second timeout: six leases fit a call.
+    let allocator = ScriptedAllocator::with_backlog(40, Duration::from_millis(150));
+    let clock = Arc::new(ManualClock::new(start()));
+    let reclaimer = spawn(allocator.clone(), &clock, config(5, 64, 1));
+    run_for(&clock, 60).await;
+    let stats = reclaimer.shutdown().await;
+    assert_eq!(
+        (stats.reclaimed_leases, stats.reclaimed_units),
+        (40, 40),
+        "the whole backlog is settled"
+    );
+    let limits: Vec<usize> = allocator.calls().iter().map(|&(_, limit)| limit).collect();
+    assert_eq!(
+        &limits[..5],
+        [64, 32, 16, 8, 4],
+        "halved after each timeout until a batch fits"
+    );
+    assert!(stats.timeouts >= 4, "{stats:?}");
+    assert!(limits.iter().all(|&limit| limit <= 64));
 }
 
 /// I19: two reclaimers taking turns on one store settle each lease exactly

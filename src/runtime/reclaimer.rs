@@ -16,7 +16,12 @@
 //!
 //! Every call is bounded by `store_call_timeout` (I22). An error or a timeout
 //! ends the pass, is counted and logged, and the next pass comes at the next
-//! interval: the reclaimer never gives up. Every lease it settles is logged
+//! interval: the reclaimer never gives up. A store settles a batch in one
+//! transaction whose length grows with the batch, so a batch too large to
+//! settle within the timeout would time out on every pass and nothing would
+//! ever be reclaimed: after a timeout the reclaimer halves the batches it
+//! asks for, and grows them back by an eighth (at least one lease) after
+//! every batch that settles in time, up to `batch_limit`. Every lease it settles is logged
 //! at info level with its units, because a reclaim is the crash exposure of
 //! the ledger being settled (units a dead instance may have spent and never
 //! billed), which must be reported, never silent.
@@ -48,7 +53,8 @@ use crate::store::{Clock, LeaseAllocator, ReclaimBatch};
 pub struct ReclaimerConfig {
     /// The time between the starts of two passes. Must be positive.
     pub interval: Duration,
-    /// The most leases one call settles. Must be positive.
+    /// The most leases one call settles. Must be positive. Calls ask for
+    /// fewer after a timeout (see the [module docs](self)).
     pub batch_limit: usize,
     /// The bound on every reclaim call (I22). Must be positive.
     pub store_call_timeout: Duration,
@@ -161,6 +167,7 @@ impl Reclaimer {
             allocator,
             clock,
             config,
+            batch: config.batch_limit,
             counters: Arc::clone(&counters),
             stop: stop_rx,
         };
@@ -263,6 +270,9 @@ struct Task {
     allocator: Arc<dyn LeaseAllocator>,
     clock: Arc<dyn Clock>,
     config: ReclaimerConfig,
+    /// The batch the next call asks for: `batch_limit`, less after
+    /// timeouts.
+    batch: usize,
     counters: Arc<Counters>,
     stop: watch::Receiver<bool>,
 }
@@ -296,15 +306,17 @@ impl Task {
             // cancellable, and the store settles each lease once, I19).
             let answer = until_stopped(
                 &mut self.stop,
-                timeout(
-                    limit,
-                    self.allocator
-                        .reclaim_expired_batch(now, self.config.batch_limit),
-                ),
+                timeout(limit, self.allocator.reclaim_expired_batch(now, self.batch)),
             )
             .await?;
             let next = match answer {
-                Ok(Ok(batch)) => self.settle(&batch, &mut named),
+                Ok(Ok(batch)) => {
+                    self.batch = self
+                        .batch
+                        .saturating_add((self.batch / 8).max(1))
+                        .min(self.config.batch_limit);
+                    self.settle(&batch, &mut named)
+                }
                 Ok(Err(error)) => {
                     bump(&self.counters.errors, 1);
                     tracing::warn!(%error, "reclaimer: the store failed; trying again next interval");
@@ -312,9 +324,14 @@ impl Task {
                 }
                 Err(_) => {
                     bump(&self.counters.timeouts, 1);
+                    // The store may be slow for other reasons, but a batch
+                    // too long for one call would otherwise never settle.
+                    self.batch = (self.batch / 2).max(1);
                     tracing::warn!(
                         timeout = ?limit,
-                        "reclaimer: the store timed out; trying again next interval"
+                        next_batch = self.batch,
+                        "reclaimer: the store timed out; trying again next interval \
+                         with a smaller batch"
                     );
                     Next::Done
                 }
