@@ -483,6 +483,46 @@ async fn a_source_that_goes_back_in_revision_neither_unrevokes_nor_vouches() {
     assert_eq!(h.verdict(p(1)), DenyReason::LeaseUnavailable, "usable");
 }
 
+/// I24: under a fixed selection nothing asks the source again about a
+/// principal it once said does not exist, so that word stands for no longer
+/// than the maximum staleness. A principal created after its lookup is then
+/// looked up again and served, not refused as unknown for good.
+#[tokio::test(start_paused = true)]
+async fn a_principal_created_after_it_was_found_unknown_is_served_once_that_word_ages_out() {
+    let source = ScriptedSource::new([active(1, ALPHA)]);
+    let h = Harness::new(source.clone(), fixed([1]));
+    settle().await;
+    h.run_for(1).await;
+    assert_eq!(h.verdict(p(7)), DenyReason::SnapshotUnavailable);
+    h.run_for(10).await;
+    assert_eq!(
+        h.verdict(p(7)),
+        DenyReason::UnknownPrincipal,
+        "looked up at t=10"
+    );
+
+    source.set(active(7, ALPHA));
+    h.run_for(19).await;
+    assert_eq!(
+        h.verdict(p(7)),
+        DenyReason::UnknownPrincipal,
+        "the source's word at t=10 stands until t=35"
+    );
+    h.run_for(6).await;
+    assert_eq!(
+        h.verdict(p(7)),
+        DenyReason::SnapshotUnavailable,
+        "aged out: asked again"
+    );
+    h.run_for(4).await;
+    assert_eq!(h.verdict(p(7)), DenyReason::LeaseUnavailable, "served");
+    assert!(
+        source.calls().contains(&fetched([7], 40)),
+        "{:?}",
+        source.calls()
+    );
+}
+
 /// I23, I24: a listed principal the source does not return is marked
 /// unknown and denied as such; refreshing again keeps it (and every other
 /// unknown principal) in the bounded negative cache, and once the source

@@ -828,26 +828,31 @@ mod tests {
     #[test]
     fn an_unknown_principal_is_cached_negatively_within_its_capacity() {
         let f = fixture(4);
-        f.map.mark_unknown([ALICE]);
-        // I24: before a complete refresh vouches for the map, the source may
-        // have created the principal since it said otherwise.
-        denied(f.begin(1, 0), DenyReason::SnapshotUnavailable);
-        f.map.mark_verified(at(0));
-        denied(f.begin(1, 0), DenyReason::UnknownPrincipal);
-        // And only while that refresh is within the maximum staleness.
-        denied(f.begin(1, 601), DenyReason::SnapshotUnavailable);
+        f.map.mark_unknown([ALICE], at(0));
+        denied(f.begin(1, 600), DenyReason::UnknownPrincipal);
         let mut asked = Vec::new();
         f.map.drain_lookups(&mut asked);
         assert!(
             asked.is_empty(),
             "a known-unknown principal is not looked up again"
         );
+        // I24: past the maximum staleness the source's word no longer
+        // stands, however fresh the map: it may have created the principal
+        // since. The principal is looked up again.
+        f.map.mark_verified(at(601));
+        denied(f.begin(1, 601), DenyReason::SnapshotUnavailable);
+        f.map.drain_lookups(&mut asked);
+        assert_eq!(asked, vec![ALICE]);
+        assert!(f.map.is_known_unknown(ALICE) && !f.map.is_unknown_at(ALICE, at(601)));
+        // Said again, the record stands again.
+        f.map.mark_unknown([ALICE], at(601));
+        denied(f.begin(1, 601), DenyReason::UnknownPrincipal);
         // I24: two more unknowns push the oldest out of a capacity of two.
-        f.map.mark_unknown([Principal(2), Principal(3)]);
+        f.map.mark_unknown([Principal(2), Principal(3)], at(0));
         assert!(!f.map.is_known_unknown(ALICE));
         denied(f.begin(1, 0), DenyReason::SnapshotUnavailable);
         // Publishing a principal makes it known again.
-        f.map.mark_unknown([ALICE]);
+        f.map.mark_unknown([ALICE], at(0));
         f.map.publish([snapshot(EnforcementMode::Strict, READ)]);
         assert!(!f.map.is_known_unknown(ALICE));
         denied(f.begin(1, 0), DenyReason::LeaseUnavailable);
@@ -1380,7 +1385,7 @@ mod tests {
             DenyReason::KeyRevoked,
         );
         // A principal the source disowns takes its key with it.
-        f.map.mark_unknown([ALICE]);
+        f.map.mark_unknown([ALICE], at(0));
         assert_eq!(f.map.principal_for_key(&key), None);
         denied(
             f.engine.begin_by_key(&key, READ, CostUnits(1), at(0)),

@@ -22,7 +22,8 @@ pub struct SnapshotMapConfig {
     /// longer source outages; shorter bounds how long a revoked key works.
     pub max_staleness: SignedDuration,
     /// Principals remembered as unknown (I24). At least 1 and at most
-    /// [`MAX_NEGATIVE_CAPACITY`](Self::MAX_NEGATIVE_CAPACITY).
+    /// [`MAX_NEGATIVE_CAPACITY`](Self::MAX_NEGATIVE_CAPACITY). A record
+    /// answers for no longer than `max_staleness` after the source said so.
     pub negative_capacity: usize,
     /// Snapshots kept per principal for inspection, newest first (I24). At
     /// least 1 and at most [`MAX_HISTORY_DEPTH`](Self::MAX_HISTORY_DEPTH).
@@ -200,7 +201,9 @@ type KeyShard = HashMap<KeyHash, Principal, FxBuildHasher>;
 #[derive(Clone)]
 struct Published {
     entries: [Arc<EntryShard>; SHARDS],
-    unknown: Arc<HashSet<Principal, FxBuildHasher>>,
+    /// Principals remembered as unknown, with when the source said so
+    /// (nanoseconds since the epoch, saturated like `verified_at`).
+    unknown: Arc<HashMap<Principal, i64, FxBuildHasher>>,
     /// Principals by the hash of their API key. Keys are SHA-256 digests, so
     /// a caller cannot choose which bucket (or shard) its guesses land in.
     by_key: [Arc<KeyShard>; SHARDS],
@@ -325,9 +328,7 @@ impl Pinned<'_> {
         let published = self.published()?;
         match published.entry(principal) {
             Some(entry) => Ok(entry),
-            None => Err(self
-                .map
-                .missing(published, principal, self.verified_at, now)),
+            None => Err(self.map.missing(published, principal, now)),
         }
     }
 
@@ -401,6 +402,13 @@ impl Drop for Pinned<'_> {
     }
 }
 
+/// `at` in nanoseconds since the epoch, saturating toward the sentinel: an
+/// instant before 1677 reads as never said, not as said for ever.
+fn saturated_nanos(at: Timestamp) -> i64 {
+    let nanos = at.as_nanosecond();
+    i64::try_from(nanos).unwrap_or(if nanos < 0 { i64::MIN } else { i64::MAX })
+}
+
 /// Source of [`ArcSwapSnapshotMap::id`].
 static NEXT_MAP_ID: AtomicU64 = AtomicU64::new(0);
 
@@ -423,10 +431,11 @@ thread_local! {
 #[derive(Default)]
 struct Writer {
     /// The principals remembered as unknown, oldest first, and the same
-    /// principals as a set, so membership costs one lookup, not a scan of
-    /// up to the negative capacity.
+    /// principals as a map, so membership costs one lookup, not a scan of
+    /// up to the negative capacity. The map keeps the last policy revision
+    /// each was published at, if any: a floor for its return (I34).
     unknown_order: VecDeque<Principal>,
-    unknown_members: HashSet<Principal, FxBuildHasher>,
+    unknown_members: HashMap<Principal, Option<PolicyRevision>, FxBuildHasher>,
     history: HashMap<Principal, VecDeque<Arc<PrincipalSnapshot>>, FxBuildHasher>,
 }
 
@@ -467,23 +476,16 @@ impl ArcSwapSnapshotMap {
 
     /// Why a principal with no entry is refused (see [`Pinned::entry`]).
     #[cold]
-    fn missing(
-        &self,
-        published: &Published,
-        principal: Principal,
-        verified: i64,
-        now: Timestamp,
-    ) -> DenyReason {
-        if published.unknown.contains(&principal) {
-            if self.vouches(verified, now) {
-                return DenyReason::UnknownPrincipal;
-            }
-            // Not looked up again: the snapshot manager asks the source
-            // about it at its next refresh anyway.
-            return DenyReason::SnapshotUnavailable;
+    fn missing(&self, published: &Published, principal: Principal, now: Timestamp) -> DenyReason {
+        if let Some(&learned) = published.unknown.get(&principal)
+            && self.vouches(learned, now)
+        {
+            return DenyReason::UnknownPrincipal;
         }
-        // A hint for the snapshot manager; a full queue just means it
-        // already has plenty to look up.
+        // Not loaded, or the source's word that it does not exist is too
+        // old to stand: the source may have created it since (I24). A hint
+        // for the snapshot manager; a full queue just means it already has
+        // plenty to look up.
         let _ = self.lookups.push(principal);
         DenyReason::SnapshotUnavailable
     }
@@ -499,11 +501,11 @@ impl ArcSwapSnapshotMap {
         }
     }
 
-    /// I24: whether a complete refresh at `verified` still vouches at `now`
-    /// for what the map holds and lacks.
-    fn vouches(&self, verified: i64, now: Timestamp) -> bool {
-        verified != i64::MIN
-            && now.as_nanosecond() - i128::from(verified) <= self.config.max_staleness.as_nanos()
+    /// I24: whether the source's word at `said` (a complete refresh, or an
+    /// answer that a principal does not exist) still stands at `now`.
+    fn vouches(&self, said: i64, now: Timestamp) -> bool {
+        said != i64::MIN
+            && now.as_nanosecond() - i128::from(said) <= self.config.max_staleness.as_nanos()
     }
 
     /// The principal whose API key hashes to `hash`, if one is published.
@@ -589,10 +591,23 @@ impl ArcSwapSnapshotMap {
             .map(|entry| Arc::clone(&entry.snapshot))
     }
 
-    /// Whether `principal` is remembered as unknown.
+    /// Whether `principal` is remembered as unknown, however long ago the
+    /// source said so.
     #[must_use]
     pub fn is_known_unknown(&self, principal: Principal) -> bool {
-        self.published.load().unknown.contains(&principal)
+        self.published.load().unknown.contains_key(&principal)
+    }
+
+    /// Whether `principal` is remembered as unknown on the source's word of
+    /// no longer than the maximum staleness before `now`: what admission
+    /// answers as unknown rather than asking the source again (I24).
+    #[must_use]
+    pub fn is_unknown_at(&self, principal: Principal, now: Timestamp) -> bool {
+        self.published
+            .load()
+            .unknown
+            .get(&principal)
+            .is_some_and(|&learned| self.vouches(learned, now))
     }
 
     /// How many principals have snapshots.
@@ -636,25 +651,7 @@ impl ArcSwapSnapshotMap {
             return 0;
         }
         let mut writer = self.lock_writer();
-        // Only writers publish, under the writer lock: this is the map the
-        // new one is made from.
-        let published = self.published.load();
-        let mut newest: HashMap<Principal, PolicyRevision> = HashMap::new();
-        let offered = snapshots.len();
-        snapshots.retain(|snapshot| {
-            let (principal, revision) = (snapshot.principal, snapshot.policy_revision);
-            let seen = newest.get(&principal).copied().or_else(|| {
-                let held = published.entry(principal)?;
-                Some(held.snapshot.policy_revision)
-            });
-            if seen.is_some_and(|seen| revision < seen) {
-                return false;
-            }
-            newest.insert(principal, revision);
-            true
-        });
-        drop(published);
-        let stale = offered - snapshots.len();
+        let stale = self.drop_stale(&writer, &mut snapshots);
         if stale > 0 {
             tracing::warn!(
                 stale,
@@ -701,7 +698,7 @@ impl ArcSwapSnapshotMap {
         let known_again: HashSet<Principal> = fresh
             .iter()
             .map(|entry| entry.snapshot.principal)
-            .filter(|principal| writer.unknown_members.contains(principal))
+            .filter(|principal| writer.unknown_members.contains_key(principal))
             .collect();
         if !known_again.is_empty() {
             writer
@@ -709,14 +706,14 @@ impl ArcSwapSnapshotMap {
                 .retain(|principal| !known_again.contains(principal));
             writer
                 .unknown_members
-                .retain(|principal| !known_again.contains(principal));
+                .retain(|principal, _| !known_again.contains(principal));
         }
         self.publish_generation(|current| {
             // Shares every shard with `current` until one is written.
             let mut next = Published::clone(current);
             if fresh
                 .iter()
-                .any(|entry| next.unknown.contains(&entry.snapshot.principal))
+                .any(|entry| next.unknown.contains_key(&entry.snapshot.principal))
             {
                 let unknown = Arc::make_mut(&mut next.unknown);
                 for entry in &fresh {
@@ -746,24 +743,74 @@ impl ArcSwapSnapshotMap {
         stale
     }
 
-    /// Records that the source does not know these principals: their
-    /// snapshots are withdrawn and requests naming them are denied as
-    /// unknown. The oldest such records are forgotten past the negative
-    /// capacity (I24). Like [`publish`](Self::publish), for a map no
+    /// Drops the snapshots older than a revision already published or
+    /// offered before them for their principal (I34), and returns how many.
+    /// Called under the writer lock: the published map is the one the next
+    /// is made from.
+    fn drop_stale(&self, writer: &Writer, snapshots: &mut Vec<PrincipalSnapshot>) -> usize {
+        let published = self.published.load();
+        let mut newest: HashMap<Principal, PolicyRevision> = HashMap::new();
+        let offered = snapshots.len();
+        snapshots.retain(|snapshot| {
+            let (principal, revision) = (snapshot.principal, snapshot.policy_revision);
+            // The floor is the newest revision offered so far, else the one
+            // published, else the one a principal remembered as unknown was
+            // last published at: a lagging source that disowned it and
+            // then catches up part way must not bring back an older policy.
+            let seen = newest.get(&principal).copied().or_else(|| {
+                published
+                    .entry(principal)
+                    .map(|held| held.snapshot.policy_revision)
+                    .or_else(|| writer.unknown_members.get(&principal).copied().flatten())
+            });
+            if seen.is_some_and(|seen| revision < seen) {
+                return false;
+            }
+            newest.insert(principal, revision);
+            true
+        });
+        offered - snapshots.len()
+    }
+
+    /// Records that the source said at `learned_at` that it does not know
+    /// these principals: their snapshots are withdrawn, and requests naming
+    /// them are denied as unknown until the maximum staleness after
+    /// `learned_at`, then looked up again (I24). Marking a principal again
+    /// renews its record. The oldest records are forgotten past the
+    /// negative capacity. A record keeps the revision its principal was
+    /// last published at, and a later publication of an older revision is
+    /// dropped as stale (I34). Like [`publish`](Self::publish), for a map no
     /// running snapshot manager writes.
-    pub fn mark_unknown(&self, principals: impl IntoIterator<Item = Principal>) {
+    pub fn mark_unknown(
+        &self,
+        principals: impl IntoIterator<Item = Principal>,
+        learned_at: Timestamp,
+    ) {
         let mut writer = self.lock_writer();
         let capacity = self.config.negative_capacity;
+        let learned = saturated_nanos(learned_at);
+        let published = self.published.load();
         let mut added = Vec::new();
         for principal in principals {
             writer.history.remove(&principal);
+            let withdrawn = published
+                .entry(principal)
+                .map(|held| held.snapshot.policy_revision);
             // Once per principal, so eviction forgets the oldest record and
             // not a copy of a newer one.
-            if writer.unknown_members.insert(principal) {
-                writer.unknown_order.push_back(principal);
+            match writer.unknown_members.entry(principal) {
+                std::collections::hash_map::Entry::Occupied(mut record) => {
+                    let floor = (*record.get()).max(withdrawn);
+                    record.insert(floor);
+                }
+                std::collections::hash_map::Entry::Vacant(record) => {
+                    record.insert(withdrawn);
+                    writer.unknown_order.push_back(principal);
+                }
             }
             added.push(principal);
         }
+        drop(published);
         let mut evicted = Vec::new();
         while writer.unknown_order.len() > capacity {
             if let Some(oldest) = writer.unknown_order.pop_front() {
@@ -786,7 +833,7 @@ impl ArcSwapSnapshotMap {
             }
             let unknown = Arc::make_mut(&mut next.unknown);
             for principal in &added {
-                unknown.insert(*principal);
+                unknown.insert(*principal, learned);
             }
             for principal in &evicted {
                 unknown.remove(principal);
@@ -798,11 +845,8 @@ impl ArcSwapSnapshotMap {
     /// Records that the source confirmed every published snapshot current as
     /// of `now` (a complete refresh), which resets their staleness.
     pub fn mark_verified(&self, now: Timestamp) {
-        // Saturating toward the sentinel: an instant before 1677 reads as
-        // never verified, not as verified for ever.
-        let nanos = now.as_nanosecond();
-        let nanos = i64::try_from(nanos).unwrap_or(if nanos < 0 { i64::MIN } else { i64::MAX });
-        self.verified_at.fetch_max(nanos, Ordering::AcqRel);
+        self.verified_at
+            .fetch_max(saturated_nanos(now), Ordering::AcqRel);
     }
 
     /// Moves the principals requests asked about into `out`.
@@ -1080,7 +1124,7 @@ mod tests {
     #[test]
     fn the_negative_cache_forgets_its_oldest_records_past_its_capacity() {
         let map = map(2, 8);
-        map.mark_unknown([Principal(1), Principal(2), Principal(3)]);
+        map.mark_unknown([Principal(1), Principal(2), Principal(3)], at(0));
         assert!(!map.is_known_unknown(Principal(1)), "the oldest went");
         assert!(map.is_known_unknown(Principal(2)) && map.is_known_unknown(Principal(3)));
         map.mark_verified(at(0));
@@ -1090,24 +1134,47 @@ mod tests {
         assert_eq!(entry(&map, 3), Ok(1));
     }
 
+    /// I34: a principal the source disowned keeps the revision it was last
+    /// published at. A lagging source that disowned it and then catches up
+    /// part way cannot bring back an older policy, such as an active key
+    /// that was since revoked.
+    #[test]
+    fn a_disowned_principal_cannot_come_back_at_an_older_revision() {
+        let map = map(2, 8);
+        map.publish([snapshot(1, "tg_one", 5)]);
+        map.mark_unknown([Principal(1)], at(0));
+        assert_eq!(
+            map.publish([snapshot(1, "tg_one", 3)]),
+            1,
+            "dropped as stale"
+        );
+        assert_eq!(entry(&map, 1), Err(DenyReason::UnknownPrincipal));
+        // Marked again, it keeps the floor.
+        map.mark_unknown([Principal(1)], at(1));
+        assert_eq!(map.publish([snapshot(1, "tg_one", 4)]), 1);
+        assert_eq!(map.publish([snapshot(1, "tg_one", 5)]), 0);
+        assert_eq!(entry(&map, 1), Ok(5));
+        assert!(!map.is_known_unknown(Principal(1)));
+    }
+
     /// A principal published again leaves the negative cache's order too,
     /// and one marked twice holds one place: eviction still takes the
     /// oldest remaining record.
     #[test]
     fn the_negative_cache_order_follows_publication_and_repeats() {
         let map = map(2, 8);
-        map.mark_unknown([Principal(1), Principal(2)]);
+        map.mark_unknown([Principal(1), Principal(2)], at(0));
         map.publish([snapshot(2, "tg_two", 1)]);
-        map.mark_unknown([Principal(3)]);
-        map.mark_unknown([Principal(1)]);
-        map.mark_unknown([Principal(4)]);
+        map.mark_unknown([Principal(3)], at(0));
+        map.mark_unknown([Principal(1)], at(0));
+        map.mark_unknown([Principal(4)], at(0));
         let unknown: Vec<bool> = (1..=4)
             .map(|p| map.is_known_unknown(Principal(p)))
             .collect();
         assert_eq!(unknown, [false, false, true, true], "1 was the oldest");
         assert_eq!(entry(&map, 2), Ok(1));
         // 2, withdrawn after its publication, is the newest record again.
-        map.mark_unknown([Principal(2)]);
+        map.mark_unknown([Principal(2)], at(0));
         let unknown: Vec<bool> = (1..=4)
             .map(|p| map.is_known_unknown(Principal(p)))
             .collect();
@@ -1188,7 +1255,7 @@ mod tests {
         map.publish([snapshot(1, "tg_one", 1), snapshot(2, "tg_two", 1)]);
         let first = map.snapshots();
         map.publish([snapshot(1, "tg_one", 2)]);
-        map.mark_unknown([Principal(2)]);
+        map.mark_unknown([Principal(2)], at(0));
         let revision = |s: &Snapshots, p: u64| s.get(Principal(p)).map(|s| s.policy_revision.get());
         assert_eq!(
             (revision(&first, 1), revision(&first, 2)),
@@ -1257,7 +1324,7 @@ mod tests {
         let map = map(2, 8);
         map.publish([snapshot(1, "tg_shared", 1)]);
         map.publish([snapshot(2, "tg_shared", 2)]);
-        map.mark_unknown([Principal(1)]);
+        map.mark_unknown([Principal(1)], at(0));
         assert_eq!(
             map.principal_for_key(&KeyHash::of(b"tg_shared")),
             Some(Principal(2))
@@ -1276,7 +1343,7 @@ mod tests {
             map.principal_for_key(&KeyHash::of(b"tg_new")),
             Some(Principal(1))
         );
-        map.mark_unknown([Principal(1)]);
+        map.mark_unknown([Principal(1)], at(0));
         assert_eq!(map.principal_for_key(&KeyHash::of(b"tg_new")), None);
         assert!(map.history(Principal(1)).is_empty());
     }

@@ -714,7 +714,7 @@ impl Task {
                 return Ok(false);
             }
         };
-        let missing = self.publish_answer(&asked, snapshots);
+        let missing = self.publish_answer(&asked, snapshots, now);
         if let Plan::Fixed { adopted, .. } = &mut self.plan {
             adopted.retain(|principal| !missing.contains(principal));
         }
@@ -791,11 +791,14 @@ impl Task {
         self.map.drain_lookups(&mut self.pending_lookups);
         self.pending_lookups.sort_unstable();
         self.pending_lookups.dedup();
+        let now = self.vigil.clock.now();
         let map = &self.map;
-        // A principal published or found unknown since it was queued needs
-        // no lookup.
-        self.pending_lookups
-            .retain(|principal| map.get(*principal).is_none() && !map.is_known_unknown(*principal));
+        // A principal published since it was queued, or found unknown on
+        // the source's recent word, needs no lookup; one whose record has
+        // aged out is asked about again (I24).
+        self.pending_lookups.retain(|principal| {
+            map.get(*principal).is_none() && !map.is_unknown_at(*principal, now)
+        });
         if self.pending_lookups.is_empty() {
             return Ok(true);
         }
@@ -804,7 +807,6 @@ impl Task {
         self.pending_lookups.truncate(self.lookup_capacity);
         let asked = std::mem::take(&mut self.pending_lookups);
         bump(&self.counters.lookups, asked.len());
-        let now = self.vigil.clock.now();
         let limit = self.config.fetch_timeout;
         let answer = self
             .vigil
@@ -824,7 +826,7 @@ impl Task {
                             .filter(|principal| !listed.contains(principal)),
                     );
                 }
-                self.publish_answer(&asked, snapshots);
+                self.publish_answer(&asked, snapshots, now);
                 Ok(true)
             }
             Err(failure) => {
@@ -841,6 +843,7 @@ impl Task {
         &mut self,
         asked: &[Principal],
         mut snapshots: Vec<PrincipalSnapshot>,
+        now: Timestamp,
     ) -> HashSet<Principal> {
         // A principal the source volunteered was not asked for, so no later
         // refresh reads it; published, it would stay vouched for by every
@@ -865,7 +868,7 @@ impl Task {
             .copied()
             .filter(|principal| !returned.contains(principal))
             .collect();
-        self.withdraw(&missing);
+        self.withdraw(&missing, now);
         missing
     }
 
@@ -926,28 +929,35 @@ impl Task {
         }
     }
 
-    fn withdraw(&mut self, principals: &HashSet<Principal>) {
+    /// Withdraws the principals a fetch issued at `now` left out.
+    fn withdraw(&mut self, principals: &HashSet<Principal>, now: Timestamp) {
         for principal in principals {
             self.retrack(*principal, None);
         }
-        // A principal already remembered as unknown is not marked again, so
-        // `unknown` counts what the source newly disowned and a refresh that
-        // learns nothing new leaves the map's generation alone.
+        // A principal remembered as unknown on the source's recent word is
+        // not marked again, so a refresh that learns nothing new leaves the
+        // map's generation alone; one whose record has aged out is marked
+        // again, renewing it (I24). `unknown` counts what the source newly
+        // disowned.
         let map = &self.map;
-        let fresh: Vec<Principal> = principals
+        let mut newly = 0;
+        let marked: Vec<Principal> = principals
             .iter()
             .copied()
-            .filter(|principal| !map.is_known_unknown(*principal))
+            .filter(|principal| !map.is_unknown_at(*principal, now))
+            .inspect(|principal| newly += usize::from(!map.is_known_unknown(*principal)))
             .collect();
-        if fresh.is_empty() {
+        if marked.is_empty() {
             return;
         }
-        bump(&self.counters.unknown, fresh.len());
-        tracing::debug!(
-            count = fresh.len(),
-            "snapshot manager: principals the source does not know are now denied as unknown"
-        );
-        self.map.mark_unknown(fresh);
+        bump(&self.counters.unknown, newly);
+        if newly > 0 {
+            tracing::debug!(
+                count = newly,
+                "snapshot manager: principals the source does not know are now denied as unknown"
+            );
+        }
+        self.map.mark_unknown(marked, now);
     }
 
     /// Records a complete refresh that started at `now`.
