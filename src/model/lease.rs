@@ -460,7 +460,10 @@ impl LocalLease {
     /// to its mark with no shard left to cross its share and ring (I7).
     pub fn refill_due_or_rearm(&self) -> RefillVerdict {
         let refused = self.refused.load(Ordering::Acquire) > 0;
-        if self.remaining() <= self.low_water {
+        // Draining is answered without re-arming: a shard that rang stays
+        // quiet while the replacement is sought, so a failing grant call is
+        // retried at the poll, not at every debit.
+        if self.is_draining() {
             return if refused {
                 RefillVerdict::Refused
             } else {
@@ -920,6 +923,27 @@ mod tests {
     }
 
     #[test]
+    fn a_draining_answer_leaves_the_shard_that_rang_quiet() {
+        let (lease, bell) = lease_with_doorbell(LocalLease::with_sharding(
+            grant(100),
+            CostUnits(40),
+            SignedDuration::ZERO,
+            LocalSharding::shards(2).unwrap(),
+        ));
+        let zero = Locality::new(0);
+        let _a = lease.try_reserve_at(CostUnits(31), at(0), zero).unwrap();
+        assert_eq!(bell.rings(), 1);
+        assert_eq!(lease.refill_due_or_rearm(), RefillVerdict::Draining);
+        // Not re-armed: while the replacement is sought (and perhaps
+        // refused), further debits do not wake the refill task each time.
+        for _ in 0..5 {
+            let _more = lease.try_reserve_at(CostUnits(1), at(0), zero).unwrap();
+        }
+        assert_eq!(bell.rings(), 1, "I7: the poll retries, not every debit");
+        assert_eq!(lease.refill_due_or_rearm(), RefillVerdict::Draining);
+    }
+
+    #[test]
     fn a_gather_rings_for_each_shard_it_leaves_at_or_below_its_share() {
         let (lease, bell) = lease_with_doorbell(LocalLease::with_sharding(
             grant(30),
@@ -983,7 +1007,7 @@ mod tests {
         ));
         let home = Locality::new(0);
         // Shard 0 (50) falls to its share of the mark (10) and rings.
-        let first = lease.try_reserve_at(CostUnits(45), at(0), home).unwrap();
+        let first = lease.try_reserve_at(CostUnits(40), at(0), home).unwrap();
         assert_eq!(bell.rings(), 1);
         // A quote larger than the whole lease is refused, and rings.
         assert!(lease.try_reserve_at(CostUnits(500), at(0), home).is_err());
@@ -992,7 +1016,7 @@ mod tests {
         // The first request is released, and the next takes shard 0 down
         // to its share again.
         lease.credit(first);
-        let _second = lease.try_reserve_at(CostUnits(45), at(0), home).unwrap();
+        let _second = lease.try_reserve_at(CostUnits(40), at(0), home).unwrap();
         assert_eq!(bell.rings(), 3, "I7: the re-armed shard rang again");
     }
 
