@@ -108,6 +108,8 @@ enum Reply {
     Grant(u64),
     /// Grant with funding evidence attached.
     GrantShort(u64, BalanceShortfall),
+    /// Grant a lease of another account: a store bug.
+    GrantElsewhere(u64),
     Refuse(AllocateError),
     /// Never answer: a wedged backend.
     Hang,
@@ -213,6 +215,13 @@ impl Scripted {
             Reply::GrantShort(units, funding) => Ok(Allocation {
                 grant: self.grant(units, ttl, now),
                 funding: Some(funding),
+            }),
+            Reply::GrantElsewhere(units) => Ok(Allocation {
+                grant: LeaseGrant {
+                    account_id: AccountId(ACCOUNT.get() + 1),
+                    ..self.grant(units, ttl, now)
+                },
+                funding: None,
             }),
             Reply::Refuse(error) => Err(error),
             other => unreachable!("resolved replies are answers, not {other:?}"),
@@ -1151,6 +1160,28 @@ async fn a_consolidation_refused_as_an_over_claim_faults_and_stops_spending() {
     assert_eq!(report.stats.refused_for(&AllocateError::InvalidRelease), 1);
 }
 
+/// I15, I29: a grant of another account is an integrity fault, not a
+/// panic: the manager stops spending, withdraws readiness for good, and
+/// hands the grant back rather than serve it.
+#[tokio::test(start_paused = true)]
+async fn a_grant_of_another_account_faults_and_is_never_served() {
+    let allocator = Scripted::new();
+    allocator.plan_acquires([Reply::GrantElsewhere(TARGET)]);
+    let mut h = Harness::started(allocator).await;
+    settle().await;
+    assert_eq!(h.manager().health(), LeaseHealth::Faulted);
+    assert!(!h.ready());
+    assert_eq!(h.serving(), None);
+    sleep(POLL * 3).await;
+    let report = h.shutdown().await;
+    assert!(report.faulted);
+    assert_eq!(
+        (report.stats.released, report.stats.released_units),
+        (1, TARGET),
+        "the grant went straight back"
+    );
+}
+
 // ------------------------------------------------------ release refusals
 
 /// I26: a release answered "settled already" drops the lease: it is not
@@ -1613,6 +1644,33 @@ async fn a_stop_that_arrives_with_a_release_answer_starts_no_grant() {
     assert_eq!(report.stats.released, 1, "the release's answer counted");
     assert_eq!(report.stats.acquired, 1, "only the cold start");
     assert_eq!((report.abandoned, report.stats.uncertain_acquires), (0, 0));
+    assert_eq!(h.serving(), None);
+}
+
+/// The same holds for the grant call that follows a fold in one inspection:
+/// a fold answered "the lease is gone" together with the stop leaves the
+/// slot empty rather than start an acquire.
+#[tokio::test(start_paused = true)]
+async fn a_stop_that_arrives_with_a_fold_answer_starts_no_grant() {
+    let allocator = Scripted::new();
+    let gate = Arc::new(Notify::new());
+    allocator.plan_consolidations([Reply::Gated(
+        Arc::clone(&gate),
+        Box::new(Reply::Refuse(AllocateError::LeaseNotActive)),
+    )]);
+    let mut h = Harness::started(allocator).await;
+    h.spend(70);
+    h.refused(50);
+    h.allocator.calls_reach(2).await;
+    settle().await;
+    assert!(matches!(h.allocator.calls()[1], Call::Consolidate { .. }));
+
+    gate.notify_one();
+    let report = h.shutdown().await;
+
+    assert_eq!(h.allocator.calls().len(), 2, "no grant call after the stop");
+    assert_eq!(report.stats.acquired, 1, "only the cold start");
+    assert_eq!(report.stats.uncertain_acquires, 0);
     assert_eq!(h.serving(), None);
 }
 

@@ -1093,13 +1093,7 @@ impl Task {
         if self.shared.is_faulted() {
             return Ok(());
         }
-        // No grant call starts once shutdown is asked for: one cut off
-        // after it was sent may have granted a lease nobody holds, stranded
-        // until reclaim. (A stop that arrives while a call runs still cuts
-        // it off, and the call is then counted uncertain.)
-        if let Some(deadline) = *self.stop.borrow() {
-            return Err(Stopped(deadline));
-        }
+        self.no_grant_call_after_stop()?;
         match self.next_step() {
             Step::Idle => Ok(()),
             Step::Acquire => self.acquire().await,
@@ -1168,7 +1162,20 @@ impl Task {
     /// Acquires a lease of `requested` units and installs it, parking what
     /// it replaces. Returns the units granted, which may be fewer than
     /// requested, or `None` when nothing was.
+    /// No grant call starts once shutdown is asked for: one cut off after
+    /// it was sent may have granted a lease nobody holds, stranded until
+    /// reclaim. (A stop that arrives while a call runs still cuts it off,
+    /// and the call is then counted uncertain.) Checked before every grant
+    /// call, including a second one in the same inspection.
+    fn no_grant_call_after_stop(&self) -> Result<(), Stopped> {
+        match *self.stop.borrow() {
+            Some(deadline) => Err(Stopped(deadline)),
+            None => Ok(()),
+        }
+    }
+
     async fn acquire_sized(&mut self, requested: CostUnits) -> Result<Option<CostUnits>, Stopped> {
+        self.no_grant_call_after_stop()?;
         let config = &self.config;
         let call = self.allocator.acquire(
             config.account,
@@ -1236,7 +1243,7 @@ impl Task {
         let grant = allocation.grant;
         self.shared.counters.granted(&grant);
         let lease = Arc::new(self.local_lease(grant));
-        if grant.account_id != self.config.account || grant.account_id != self.slot.account() {
+        if !self.serves(&grant) {
             // The allocator answered for another account, or the slot serves
             // one this manager does not ask for. Releasing the grant is safe
             // (the store checks every claim); spending it here is not.
@@ -1295,6 +1302,12 @@ impl Task {
         );
     }
 
+    /// Whether `grant` is of the account this manager asks for and its slot
+    /// serves.
+    fn serves(&self, grant: &LeaseGrant) -> bool {
+        grant.account_id == self.config.account && grant.account_id == self.slot.account()
+    }
+
     fn local_lease(&self, grant: LeaseGrant) -> LocalLease {
         // On a grant the allocator shrank, the mark sits below the grant so
         // a fresh lease does not ask for its own replacement at once.
@@ -1302,14 +1315,20 @@ impl Task {
             .config
             .low_water
             .min(grant.units.saturating_sub(CostUnits(1)));
-        LocalLease::with_sharding(
+        let lease = LocalLease::with_sharding(
             grant,
             low_water,
             self.config.expiry_safety_margin,
             self.slot.sharding(),
         )
-        .with_overage(self.slot.overage())
-        .with_refill(Arc::clone(&self.doorbell) as Arc<dyn RefillSignal>)
+        .with_refill(Arc::clone(&self.doorbell) as Arc<dyn RefillSignal>);
+        // A grant of another account is only ever released, never spent:
+        // it gets no overage counter, whose account would not match.
+        if self.serves(&grant) {
+            lease.with_overage(self.slot.overage())
+        } else {
+            lease
+        }
     }
 
     /// Whether a grant of `needed` units might be had now: yes unless the
