@@ -94,6 +94,22 @@ impl LeaseSlot {
         previous
     }
 
+    /// Puts back a lease [`take`](Self::take) took out, returning what it
+    /// replaces. Its lost debit races were counted as retired when it was
+    /// taken; they are uncounted again, so they are not counted twice when
+    /// it is retired for good. (Races it lost while out of the slot, with
+    /// requests that had loaded it before, are then counted once, when it
+    /// is retired.)
+    pub(crate) fn reinstate(&self, lease: Arc<LocalLease>) -> Option<Arc<LocalLease>> {
+        let counted = lease.contended_debits();
+        let _ =
+            self.retired_contention
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |retired| {
+                    Some(retired.saturating_sub(counted))
+                });
+        self.replace(lease)
+    }
+
     /// The account's overage counter on this instance.
     #[must_use]
     pub fn overage(&self) -> &Arc<AccountOverage> {
@@ -388,13 +404,20 @@ mod tests {
         let second = race_until_contended(&slot);
         assert_eq!(slot.contended_exchanges(), first + second);
 
-        slot.take().expect("the second lease was serving");
+        let taken = slot.take().expect("the second lease was serving");
         assert_eq!(
             slot.contended_exchanges(),
             first + second,
             "kept past the take"
         );
         assert!(slot.with_lease(|lease| lease.is_none()));
+
+        // Taken out to be folded, and put back when the fold is refused:
+        // still counted once, and once more after it is retired for good.
+        assert!(slot.reinstate(taken).is_none());
+        assert_eq!(slot.contended_exchanges(), first + second);
+        slot.take().expect("reinstated");
+        assert_eq!(slot.contended_exchanges(), first + second);
     }
 
     /// Subscribers hear of every slot added or removed, and of nothing

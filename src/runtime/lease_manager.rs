@@ -1559,7 +1559,7 @@ impl Task {
     /// Puts a lease that is still ours back into the slot. Anything that was
     /// published there meanwhile is parked, not dropped.
     fn reinstate(&mut self, lease: Arc<LocalLease>) {
-        if let Some(other) = self.slot.replace(lease) {
+        if let Some(other) = self.slot.reinstate(lease) {
             self.park(other);
         }
     }
