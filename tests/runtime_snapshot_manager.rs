@@ -4,7 +4,7 @@
 //! shutdown — against a scripted source and end to end on the memory store
 //! (I22, I23, I24).
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
@@ -136,6 +136,10 @@ struct ScriptedSource {
     fetches: Mutex<VecDeque<Fetch>>,
     pages: Mutex<VecDeque<Page>>,
     calls: Mutex<Vec<Call>>,
+    /// How long a fetch takes for each principal it has not answered for
+    /// before, as a source with a cache; zero by default.
+    cold_cost: Mutex<Duration>,
+    warm: Mutex<BTreeSet<Principal>>,
 }
 
 impl ScriptedSource {
@@ -154,6 +158,10 @@ impl ScriptedSource {
     /// The source stops knowing `principal`.
     fn remove(&self, principal: u64) {
         lock(&self.directory).remove(&Principal(principal));
+    }
+
+    fn cost_cold_principals(&self, each: Duration) {
+        *lock(&self.cold_cost) = each;
     }
 
     fn plan_fetches(&self, answers: impl IntoIterator<Item = Fetch>) {
@@ -197,6 +205,14 @@ impl SnapshotSource for ScriptedSource {
             at: seconds_since_start(now),
         });
         let answer = lock(&self.fetches).pop_front().unwrap_or(Fetch::Answer);
+        let cold = principals
+            .iter()
+            .filter(|principal| !lock(&self.warm).contains(principal))
+            .count();
+        let cost = *lock(&self.cold_cost) * u32::try_from(cold).expect("few");
+        tokio::time::sleep(cost).await;
+        // Only a fetch that finishes warms the cache.
+        lock(&self.warm).extend(principals.iter().copied());
         match answer {
             Fetch::Answer => Ok(self.snapshots(principals, now)),
             Fetch::Volunteer(extra) => {
@@ -779,6 +795,40 @@ async fn a_lookup_that_fails_is_retried_after_the_backoff_and_then_refreshed_wit
             ..stats(4, 6, Some(t(23)))
         }
     );
+}
+
+/// A lookup too large to answer within the fetch timeout would time out on
+/// every tick, and no principal admission asks about would ever be
+/// published. After a timeout the lookups ask for half as many, and grow
+/// back as they are answered, until every principal asked about is served.
+#[tokio::test(start_paused = true)]
+async fn a_lookup_too_large_for_the_timeout_shrinks_until_it_is_answered() {
+    let source = ScriptedSource::new((1..=9).map(|principal| active(principal, ALPHA)));
+    // 600 ms for each principal the source has not answered for before,
+    // against a fetch timeout of 2 s: at most three new ones fit.
+    source.cost_cold_principals(Duration::from_millis(600));
+    let h = Harness::new(source.clone(), fixed([1]));
+    h.run_for(3).await;
+    for principal in 2..=9 {
+        assert_eq!(h.verdict(p(principal)), DenyReason::SnapshotUnavailable);
+    }
+    h.run_for(60).await;
+    for principal in 2..=9 {
+        assert_eq!(
+            h.verdict(p(principal)),
+            DenyReason::LeaseUnavailable,
+            "principal {principal} is served"
+        );
+    }
+    let lookups: Vec<usize> = source
+        .calls()
+        .iter()
+        .filter_map(|call| match call {
+            Call::Fetch { principals, .. } if !principals.contains(&1) => Some(principals.len()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(&lookups[..3], [8, 4, 2], "halved after each timeout");
 }
 
 /// I24: a failed lookup does not put off the next refresh, even with a

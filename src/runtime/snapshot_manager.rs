@@ -33,6 +33,14 @@
 //! source knows are adopted, so they are bounded by the source's principals,
 //! as the map is.
 //!
+//! A principal marked unknown is denied as unknown only while the source's
+//! word is no older than the maximum staleness; then admission queues it
+//! again and the next lookup renews or overturns that word (I24). A lookup
+//! that times out is retried with half as many principals, growing back by
+//! an eighth as lookups are answered, so a queue too long to fetch within
+//! `fetch_timeout` still drains; principals left for a later batch are
+//! asked at the retry backoff.
+//!
 //! # Failure
 //!
 //! A refresh whose answers go back in policy revision (I34) vouches for
@@ -457,6 +465,7 @@ impl SnapshotManager {
         let task = Task {
             source,
             lookup_capacity: map.config().lookup_queue_capacity,
+            lookup_batch: map.config().lookup_queue_capacity,
             map,
             counters: Arc::clone(&counters),
             vigil: Vigil {
@@ -623,6 +632,11 @@ struct Task {
     usable_accounts: HashMap<AccountId, UsableAccount>,
     pending_lookups: Vec<Principal>,
     lookup_capacity: usize,
+    /// The most principals one lookup asks for: `lookup_capacity`, halved
+    /// after each lookup that timed out and grown back by an eighth (at
+    /// least one) after each that was answered, so a batch too large to
+    /// answer within `fetch_timeout` does not fail for ever.
+    lookup_batch: usize,
     verified_at: Option<Timestamp>,
     /// Snapshots the map dropped during the current refresh because they
     /// were older than what it had published (I34).
@@ -805,7 +819,10 @@ impl Task {
         // Invariant 3: admission queues a principal again when it asks about
         // it again, so what is cut here is not lost for good.
         self.pending_lookups.truncate(self.lookup_capacity);
-        let asked = std::mem::take(&mut self.pending_lookups);
+        let rest = self
+            .pending_lookups
+            .split_off(self.lookup_batch.min(self.pending_lookups.len()));
+        let asked = std::mem::replace(&mut self.pending_lookups, rest);
         bump(&self.counters.lookups, asked.len());
         let limit = self.config.fetch_timeout;
         let answer = self
@@ -827,11 +844,21 @@ impl Task {
                     );
                 }
                 self.publish_answer(&asked, snapshots, now);
-                Ok(true)
+                self.lookup_batch = self
+                    .lookup_batch
+                    .saturating_add((self.lookup_batch / 8).max(1))
+                    .min(self.lookup_capacity);
+                // Principals left for a later batch are asked at the retry
+                // cadence, not a whole refresh interval later.
+                Ok(self.pending_lookups.is_empty())
             }
             Err(failure) => {
+                if matches!(failure, Failure::TimedOut(_)) {
+                    self.lookup_batch = (self.lookup_batch / 2).max(1);
+                }
                 self.note_failure("lookup fetch", failure);
-                self.pending_lookups = asked;
+                let rest = std::mem::replace(&mut self.pending_lookups, asked);
+                self.pending_lookups.extend(rest);
                 Ok(false)
             }
         }
