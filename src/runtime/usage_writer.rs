@@ -10,8 +10,12 @@
 //!
 //! # Delivery
 //!
-//! The writer wakes when a batch's worth is queued, when the flush interval
-//! passes with at least one event queued, or when it is told to stop. Every
+//! The writer wakes when a batch's worth is queued in one stripe of the
+//! queue (or a stripe is full), when the flush interval passes with at
+//! least one event queued, or when it is told to stop. Events spread thinly
+//! over many stripes can therefore wait up to the flush interval even when
+//! they add up to several batches: with many stripes, size `flush_interval`
+//! for that, or the queue's capacity for what it holds meanwhile. Every
 //! ingest call is bounded by `ingest_timeout` (I22). A storage error, a
 //! timeout or an answer with the wrong number of outcomes is a failed attempt:
 //! the writer waits `retry_backoff` and delivers the *same* batch again, in
