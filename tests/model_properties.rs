@@ -39,6 +39,22 @@ fn at(second: i64) -> Timestamp {
     Timestamp::from_second(second).expect("test instants are in range")
 }
 
+/// A lease of `granted` units over `shards` shards, usable until `at(1_000)`.
+fn lease(granted: u64, low_water: CostUnits, shards: usize) -> LocalLease {
+    LocalLease::with_sharding(
+        LeaseGrant {
+            lease_id: LeaseId(1),
+            account_id: AccountId(1),
+            fencing_token: FencingToken(1),
+            units: CostUnits(granted),
+            expires_at: at(1_000),
+        },
+        low_water,
+        SignedDuration::ZERO,
+        LocalSharding::shards(shards).unwrap(),
+    )
+}
+
 proptest! {
     #[test]
     fn the_lease_always_holds_granted_minus_committed_minus_pending(
@@ -46,18 +62,7 @@ proptest! {
         shards in 1..6_usize,
         ops in proptest::collection::vec(op(), 0..120),
     ) {
-        let lease = LocalLease::with_sharding(
-            LeaseGrant {
-                lease_id: LeaseId(1),
-                account_id: AccountId(1),
-                fencing_token: FencingToken(1),
-                units: CostUnits(granted),
-                expires_at: at(1_000),
-            },
-            CostUnits(granted / 4),
-            SignedDuration::ZERO,
-            LocalSharding::shards(shards).unwrap(),
-        );
+        let lease = lease(granted, CostUnits(granted / 4), shards);
         let mut held: Vec<Reservation> = Vec::new();
         let mut committed = 0_u64;
         let mut largest_refused = 0_u64;
@@ -171,18 +176,7 @@ proptest! {
     ) {
         let bell = Arc::new(Doorbell::default());
         let low_water = CostUnits(granted * mark_per_mille / 1000);
-        let lease = LocalLease::with_sharding(
-            LeaseGrant {
-                lease_id: LeaseId(1),
-                account_id: AccountId(1),
-                fencing_token: FencingToken(1),
-                units: CostUnits(granted),
-                expires_at: at(1_000),
-            },
-            low_water,
-            SignedDuration::ZERO,
-            LocalSharding::shards(shards).unwrap(),
-        )
+        let lease = lease(granted, low_water, shards)
         .with_refill(Arc::clone(&bell) as Arc<dyn RefillSignal>);
         let mut held: Vec<Reservation> = Vec::new();
         // A fresh lease is armed: nothing has rung, and nothing needs to.
