@@ -337,18 +337,6 @@ impl LocalLease {
             .compare_exchange(seen.get(), 0, Ordering::AcqRel, Ordering::Acquire);
     }
 
-    /// Whether the refill task should replace this lease now: it is at or
-    /// below its mark, or a shard is below its share of it, and may never
-    /// ring again (I7). A momentary reading, for a lease still serving.
-    #[must_use]
-    pub(crate) fn is_draining(&self) -> bool {
-        self.remaining() <= self.low_water
-            || self
-                .shards
-                .iter()
-                .any(|shard| shard.remaining.load(Ordering::Acquire) < shard.low_water)
-    }
-
     /// Records a quote this lease refused for want of units, so the refill
     /// task folds the lease into one that funds it, and rings for the
     /// first one (I7).
@@ -454,21 +442,30 @@ impl LocalLease {
     /// neither applies, any shard that rang early (its own share ran low while
     /// the lease as a whole did not) is re-armed so it can ring again (I7).
     ///
-    /// A sharded lease is also draining when any shard holds less than its
-    /// share of the mark, however much the others hold: such a shard has
-    /// rung already and may never be debited again, so the lease could fall
-    /// to its mark with no shard left to cross its share and ring (I7).
+    /// A shard that holds less than its share of the mark has rung already
+    /// and may never be debited again (its thread moved on, or a gather
+    /// emptied it), so the lease could fall to its mark with no shard left
+    /// to cross its share and ring. Before re-arming, such a lease's units
+    /// are spread evenly over its shards again (I7).
     pub fn refill_due_or_rearm(&self) -> RefillVerdict {
         let refused = self.refused.load(Ordering::Acquire) > 0;
         // Draining is answered without re-arming: a shard that rang stays
         // quiet while the replacement is sought, so a failing grant call is
         // retried at the poll, not at every debit.
-        if self.is_draining() {
+        if self.remaining() <= self.low_water {
             return if refused {
                 RefillVerdict::Refused
             } else {
                 RefillVerdict::Draining
             };
+        }
+        if self.shards.len() > 1
+            && self
+                .shards
+                .iter()
+                .any(|shard| shard.remaining.load(Ordering::Acquire) < shard.low_water)
+        {
+            self.rebalance();
         }
         // A refused lease is re-armed too: its refusal may be one the refill
         // task does not act on (a quote the account cannot fund), and the
@@ -495,11 +492,43 @@ impl LocalLease {
         // I7: idle only if every shard holds at least its share and the
         // lease more than its mark. Then a later fall to the mark takes some
         // shard to its share by a debit or gather made after this read, and
-        // that one rings.
+        // that one rings. (A shard below its share here was drained while
+        // the units were being spread; the next check spreads them again.)
         if below_share || settled <= self.low_water.get() {
             return RefillVerdict::Draining;
         }
         RefillVerdict::Idle
+    }
+
+    /// Spreads the lease's units evenly over its shards, as a fresh lease
+    /// has them: what shards hold above their even part is taken and given
+    /// to those below theirs. Off the request path; units move as a
+    /// gather's do, each held by this task between its take and its give,
+    /// so a debit racing the move may find them briefly absent and be
+    /// refused as a momentary shortage. None is lost (I6): whatever cannot
+    /// be placed goes to the first shard.
+    fn rebalance(&self) {
+        let total = self.remaining().get();
+        let count = self.shards.len();
+        let even = |index| split_evenly(total, count, index);
+        let mut held = 0;
+        for (index, shard) in self.shards.iter().enumerate() {
+            let left = shard.remaining.load(Ordering::Acquire);
+            if left > even(index) {
+                held += shard.take_up_to(left - even(index)).0;
+            }
+        }
+        for (index, shard) in self.shards.iter().enumerate() {
+            let left = shard.remaining.load(Ordering::Acquire);
+            let given = even(index).saturating_sub(left).min(held);
+            if given > 0 {
+                shard.remaining.fetch_add(given, Ordering::AcqRel);
+                held -= given;
+            }
+        }
+        if held > 0 {
+            self.shards[0].remaining.fetch_add(held, Ordering::AcqRel);
+        }
     }
 
     #[allow(clippy::inline_always, reason = "part of the inlined debit fast path")]
@@ -867,7 +896,7 @@ mod tests {
     }
 
     #[test]
-    fn a_shard_below_its_share_makes_the_lease_draining_before_the_others_run_low() {
+    fn a_shard_below_its_share_is_evened_out_so_the_lease_still_rings_at_its_mark() {
         let (lease, bell) = lease_with_doorbell(LocalLease::with_sharding(
             grant(100),
             CostUnits(40),
@@ -881,9 +910,23 @@ mod tests {
         assert_eq!(lease.refill_due_or_rearm(), RefillVerdict::Idle);
         let _b = lease.try_reserve_at(CostUnits(20), at(0), zero).unwrap();
         assert_eq!(bell.rings(), 2, "re-armed, shard 0 rings on emptying");
-        // I7: the lease holds 50, above its mark, but shard 0 is empty and
-        // will not ring again. Shard 1 would ring only at 20 of its own, so
-        // left idle the lease would fall to 25 without a sound.
+        // The lease holds 50, above its mark, but shard 0 is empty and will
+        // not ring again; shard 1 would ring only at 20 of its own, with the
+        // lease at 20. The check spreads the 50 evenly instead of replacing
+        // a lease that is half full.
+        assert_eq!(lease.refill_due_or_rearm(), RefillVerdict::Idle);
+        let spread = lease.occupancy();
+        assert_eq!(
+            (spread.remaining_min, spread.remaining_max),
+            (CostUnits(25), CostUnits(25))
+        );
+        assert_eq!(lease.remaining(), CostUnits(50), "I6: moved, not lost");
+        // I7: the fall to the mark rings, wherever it happens.
+        let _c = lease
+            .try_reserve_at(CostUnits(10), at(0), Locality::new(1))
+            .unwrap();
+        assert_eq!(lease.remaining(), CostUnits(40));
+        assert_eq!(bell.rings(), 3);
         assert_eq!(lease.refill_due_or_rearm(), RefillVerdict::Draining);
     }
 
@@ -904,42 +947,29 @@ mod tests {
     }
 
     #[test]
-    fn a_lease_with_a_shard_below_its_share_is_draining_above_its_mark() {
-        let lease = LocalLease::with_sharding(
-            grant(100),
-            CostUnits(40),
-            SignedDuration::ZERO,
-            LocalSharding::shards(2).unwrap(),
-        );
-        let _a = lease
-            .try_reserve_at(CostUnits(30), at(0), Locality::new(0))
-            .unwrap();
-        assert!(!lease.is_draining(), "shard 0 holds exactly its share");
-        let _b = lease
-            .try_reserve_at(CostUnits(1), at(0), Locality::new(0))
-            .unwrap();
-        assert_eq!(lease.remaining(), CostUnits(69));
-        assert!(lease.is_draining(), "I7: shard 0 is below its share");
-    }
-
-    #[test]
-    fn a_draining_answer_leaves_the_shard_that_rang_quiet() {
+    fn a_draining_answer_leaves_the_shards_that_rang_quiet() {
         let (lease, bell) = lease_with_doorbell(LocalLease::with_sharding(
             grant(100),
             CostUnits(40),
             SignedDuration::ZERO,
             LocalSharding::shards(2).unwrap(),
         ));
-        let zero = Locality::new(0);
-        let _a = lease.try_reserve_at(CostUnits(31), at(0), zero).unwrap();
-        assert_eq!(bell.rings(), 1);
+        let _a = lease
+            .try_reserve_at(CostUnits(30), at(0), Locality::new(0))
+            .unwrap();
+        let _b = lease
+            .try_reserve_at(CostUnits(30), at(0), Locality::new(1))
+            .unwrap();
+        assert_eq!(bell.rings(), 2);
         assert_eq!(lease.refill_due_or_rearm(), RefillVerdict::Draining);
         // Not re-armed: while the replacement is sought (and perhaps
         // refused), further debits do not wake the refill task each time.
-        for _ in 0..5 {
-            let _more = lease.try_reserve_at(CostUnits(1), at(0), zero).unwrap();
+        for locality in [0, 1, 0, 1, 0] {
+            let _more = lease
+                .try_reserve_at(CostUnits(1), at(0), Locality::new(locality))
+                .unwrap();
         }
-        assert_eq!(bell.rings(), 1, "I7: the poll retries, not every debit");
+        assert_eq!(bell.rings(), 2, "I7: the poll retries, not every debit");
         assert_eq!(lease.refill_due_or_rearm(), RefillVerdict::Draining);
     }
 

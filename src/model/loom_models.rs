@@ -348,6 +348,52 @@ fn a_check_racing_a_debit_that_empties_a_shard_leaves_no_drained_lease_silent() 
     });
 }
 
+/// I6: the refill check spreads a sharded lease's units evenly again while
+/// requests debit and release on both shards. Units are only moved, never
+/// lost or made: once quiescent the lease holds exactly what was not
+/// committed, whatever a racing debit saw while units were being moved.
+#[test]
+fn spreading_a_lease_evenly_while_requests_debit_and_release_conserves_units() {
+    const GRANTED: u64 = 4;
+    const LOW_WATER: CostUnits = CostUnits(2);
+    loom::model(|| {
+        let doorbell = CountingDoorbell::new();
+        let sharding = LocalSharding::shards(2).expect("two shards are allowed");
+        // Each shard holds 2 with a share of 1; shard 0 is emptied first,
+        // so the check has units to move.
+        let lease = Arc::new(
+            LocalLease::with_sharding(grant(GRANTED), LOW_WATER, SignedDuration::ZERO, sharding)
+                .with_refill(Arc::clone(&doorbell) as Arc<dyn RefillSignal>),
+        );
+        drop(
+            lease
+                .try_reserve_at(CostUnits(2), inside_window(), Locality::new(0))
+                .expect("I6: shard 0 funds it"),
+        );
+        let requests: Vec<_> = (0..2)
+            .map(|thread| {
+                let lease = Arc::clone(&lease);
+                thread::spawn(move || {
+                    // A debit racing the move may be refused; one that is
+                    // funded is released.
+                    if let Ok(debit) =
+                        lease.try_reserve_at(ONE, inside_window(), Locality::new(thread))
+                    {
+                        lease.credit(debit);
+                    }
+                })
+            })
+            .collect();
+        let verdict = lease.refill_due_or_rearm();
+        requests.into_iter().for_each(join);
+
+        assert_ne!(verdict, RefillVerdict::Refused);
+        assert_eq!(Arc::strong_count(&lease), 1);
+        assert!(lease.is_only_local_view(), "I6: the lease is quiescent");
+        assert_eq!(lease.remaining(), CostUnits(2), "I6: granted − committed");
+    });
+}
+
 /// I7: with no re-arm in between, two racing debits that both leave the
 /// lease at or below its mark ring once between them, not once each.
 #[test]

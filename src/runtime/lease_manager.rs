@@ -1383,7 +1383,7 @@ impl Task {
             bump(&self.shared.counters.consolidations_deferred, 1);
             let needed = live.largest_refused_quote();
             let chase = !self.rotation_fell_short && self.might_fund(needed);
-            let draining = live.is_draining();
+            let draining = live.remaining() <= live.low_water();
             if self.beyond_reach(needed, live.remaining()) {
                 // Admission no longer records this quote; the record made
                 // before the evidence came would hide a fundable one. A
@@ -1513,7 +1513,7 @@ impl Task {
                 if self.beyond_reach(needed, live.remaining()) {
                     live.forget_refusal(needed);
                 }
-                let draining = live.is_draining();
+                let draining = live.remaining() <= live.low_water();
                 self.reinstate(live);
                 if draining {
                     return self.acquire().await;
