@@ -76,9 +76,15 @@ impl LeaseSlot {
     /// Empties the slot and returns what it held. Requests deny until a
     /// lease is installed again.
     pub fn take(&self) -> Option<Arc<LocalLease>> {
-        let previous = self.lease.swap(None);
-        self.retire(previous.as_deref());
-        previous
+        self.take_counted().map(|(lease, _)| lease)
+    }
+
+    /// [`take`](Self::take), with the lost debit races it counted as
+    /// retired: what [`reinstate`](Self::reinstate) uncounts.
+    pub(crate) fn take_counted(&self) -> Option<(Arc<LocalLease>, u64)> {
+        let previous = self.lease.swap(None)?;
+        let counted = self.retire(Some(&previous));
+        Some((previous, counted))
     }
 
     /// Installs `lease` and returns the one it replaces, which may still be
@@ -94,20 +100,21 @@ impl LeaseSlot {
         previous
     }
 
-    /// Puts back a lease [`take`](Self::take) took out, returning what it
-    /// replaces. Its lost debit races were counted as retired when it was
-    /// taken; they are uncounted again, so they are not counted twice when
-    /// it is retired for good. (Races it lost while out of the slot, with
-    /// requests that had loaded it before, are then counted once, when it
-    /// is retired.)
-    pub(crate) fn reinstate(&self, lease: Arc<LocalLease>) -> Option<Arc<LocalLease>> {
-        let counted = lease.contended_debits();
-        let _ =
-            self.retired_contention
-                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |retired| {
-                    Some(retired.saturating_sub(counted))
-                });
-        self.replace(lease)
+    /// Puts back a lease [`take_counted`](Self::take_counted) took out,
+    /// returning what it replaces. `counted` (the lost debit races its take
+    /// counted as retired) is uncounted, so they are not counted twice when
+    /// it is retired for good. Installed first and uncounted after, so a
+    /// reading meanwhile counts them twice rather than not at all: the
+    /// total never reads lower than before.
+    pub(crate) fn reinstate(
+        &self,
+        lease: Arc<LocalLease>,
+        counted: u64,
+    ) -> Option<Arc<LocalLease>> {
+        let replaced = self.replace(lease);
+        self.retired_contention
+            .fetch_sub(counted, Ordering::Relaxed);
+        replaced
     }
 
     /// The account's overage counter on this instance.
@@ -162,11 +169,15 @@ impl LeaseSlot {
             .saturating_add(serving)
     }
 
-    fn retire(&self, lease: Option<&LocalLease>) {
-        if let Some(lease) = lease {
-            self.retired_contention
-                .fetch_add(lease.contended_debits(), Ordering::Relaxed);
-        }
+    /// Counts `lease`'s lost debit races as retired; returns how many.
+    fn retire(&self, lease: Option<&LocalLease>) -> u64 {
+        let Some(lease) = lease else {
+            return 0;
+        };
+        let counted = lease.contended_debits();
+        self.retired_contention
+            .fetch_add(counted, Ordering::Relaxed);
+        counted
     }
 }
 
@@ -404,7 +415,7 @@ mod tests {
         let second = race_until_contended(&slot);
         assert_eq!(slot.contended_exchanges(), first + second);
 
-        let taken = slot.take().expect("the second lease was serving");
+        let (taken, counted) = slot.take_counted().expect("the second lease was serving");
         assert_eq!(
             slot.contended_exchanges(),
             first + second,
@@ -414,7 +425,8 @@ mod tests {
 
         // Taken out to be folded, and put back when the fold is refused:
         // still counted once, and once more after it is retired for good.
-        assert!(slot.reinstate(taken).is_none());
+        assert_eq!(counted, second);
+        assert!(slot.reinstate(taken, counted).is_none());
         assert_eq!(slot.contended_exchanges(), first + second);
         slot.take().expect("reinstated");
         assert_eq!(slot.contended_exchanges(), first + second);

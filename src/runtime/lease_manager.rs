@@ -1363,7 +1363,7 @@ impl Task {
     /// Folds the serving lease, which refused a quote, into one grant large
     /// enough for that quote.
     async fn consolidate(&mut self) -> Result<(), Stopped> {
-        let Some(live) = self.slot.take() else {
+        let Some((live, counted)) = self.slot.take_counted() else {
             return self.acquire().await;
         };
         if !is_quiescent(&live) {
@@ -1391,7 +1391,7 @@ impl Task {
                 // kept, and folded at the first quiet moment.
                 live.forget_refusal(needed);
             }
-            self.reinstate(live);
+            self.reinstate(live, counted);
             if chase {
                 let granted = self
                     .acquire_sized(self.config.target_grant.max(needed))
@@ -1471,7 +1471,8 @@ impl Task {
             }
         };
         counters.grant_refused(&error);
-        self.after_refused_fold(live, unspent, &error).await
+        self.after_refused_fold(live, counted, unspent, &error)
+            .await
     }
 
     /// Acts on a refused consolidation of `live`, by what the refusal says
@@ -1479,6 +1480,7 @@ impl Task {
     async fn after_refused_fold(
         &mut self,
         live: Arc<LocalLease>,
+        counted: u64,
         unspent: CostUnits,
         error: &AllocateError,
     ) -> Result<(), Stopped> {
@@ -1514,7 +1516,7 @@ impl Task {
                     live.forget_refusal(needed);
                 }
                 let draining = live.remaining() <= live.low_water();
-                self.reinstate(live);
+                self.reinstate(live, counted);
                 if draining {
                     return self.acquire().await;
                 }
@@ -1556,10 +1558,11 @@ impl Task {
         Ok(())
     }
 
-    /// Puts a lease that is still ours back into the slot. Anything that was
+    /// Puts a lease that is still ours back into the slot, with what its
+    /// take counted (see [`LeaseSlot::reinstate`]). Anything that was
     /// published there meanwhile is parked, not dropped.
-    fn reinstate(&mut self, lease: Arc<LocalLease>) {
-        if let Some(other) = self.slot.reinstate(lease) {
+    fn reinstate(&mut self, lease: Arc<LocalLease>, counted: u64) {
+        if let Some(other) = self.slot.reinstate(lease, counted) {
             self.park(other);
         }
     }
