@@ -499,6 +499,24 @@ async fn a_source_that_goes_back_in_revision_neither_unrevokes_nor_vouches() {
     assert_eq!(h.verdict(p(1)), DenyReason::LeaseUnavailable, "usable");
 }
 
+/// I24: a listed principal the source keeps disowning stays unknown without
+/// a gap: its record is renewed by the refresh before the one it would age
+/// out after, not once it has.
+#[tokio::test(start_paused = true)]
+async fn a_listed_principal_the_source_keeps_disowning_stays_unknown_without_a_gap() {
+    let source = ScriptedSource::new([active(1, ALPHA)]);
+    let h = Harness::new(source.clone(), fixed([1, 2]));
+    settle().await;
+    for second in 0..60 {
+        assert_eq!(
+            h.verdict(p(2)),
+            DenyReason::UnknownPrincipal,
+            "at t={second}"
+        );
+        h.run_for(1).await;
+    }
+}
+
 /// I24: under a fixed selection nothing asks the source again about a
 /// principal it once said does not exist, so that word stands for no longer
 /// than the maximum staleness. A principal created after its lookup is then

@@ -266,14 +266,22 @@ fn fund(
     let leased = slot.with_lease(|lease| match lease {
         Some(lease) => Reservation::reserve_unrecorded(lease, quote, now, locality)
             .map_err(|refusal| refused(slot, lease, refusal, quote, now)),
-        None => Err((
-            DenyReason::LeaseUnavailable,
-            shortfall_denial(slot, quote, CostUnits::ZERO, now),
-        )),
+        None => Err(Refusal {
+            reason: DenyReason::LeaseUnavailable,
+            held: CostUnits::ZERO,
+            evidence: Evidence::Unread,
+        }),
     });
-    let (refusal, shortfall) = match leased {
+    let refusal = match leased {
         Ok(reservation) => return Ok(reservation),
-        Err(refused) => refused,
+        Err(refusal) => refusal,
+    };
+    // The allocator's evidence, read once: where the refusal's record was
+    // decided on it, that reading; otherwise read now, and only when the
+    // answer depends on it.
+    let shortfall = || match refusal.evidence {
+        Evidence::Read(shortfall) => shortfall,
+        Evidence::Unread => shortfall_denial(slot, quote, refusal.held, now),
     };
     if let Some(cap) = snapshot.mode.overage_cap() {
         return match Reservation::reserve_overage(slot.overage(), quote, cap) {
@@ -283,39 +291,63 @@ fn fund(
             // lease. A quote the evidence rules out waits for the period's
             // refill, if one is due, and says when; without one, the spent
             // cap is final.
-            Err(spent @ DenyReason::OverageCapExhausted { .. }) => Err(match shortfall {
+            Err(spent @ DenyReason::OverageCapExhausted { .. }) => Err(match shortfall() {
                 Some(refill) if matches!(refill.retry(), Retry::At(_)) => refill,
                 Some(_) => spent,
-                None => unreachable_denial(slot, refusal),
+                None => unreachable_denial(slot, refusal.reason),
             }),
             funded_or_refused => funded_or_refused,
         };
     }
-    Err(shortfall.unwrap_or_else(|| unreachable_denial(slot, refusal)))
+    Err(shortfall().unwrap_or_else(|| unreachable_denial(slot, refusal.reason)))
 }
 
-/// A lease's refusal of `quote`, with the exhaustion denial the allocator's
-/// evidence gives for it, if any: read once, so the refusal's record and
-/// the answer agree (I27).
+/// Why the lease did not fund a quote.
+struct Refusal {
+    reason: DenyReason,
+    /// The units the lease held when it refused.
+    held: CostUnits,
+    evidence: Evidence,
+}
+
+/// Whether the allocator's evidence was read to decide whether to record
+/// a refusal, and if so the exhaustion denial it gives for the quote.
+enum Evidence {
+    Unread,
+    Read(Option<DenyReason>),
+}
+
+/// A lease's refusal of `quote`.
 ///
 /// A refusal for want of units that the allocator's evidence does not rule
 /// out is recorded on the lease, so the refill task folds it into one that
 /// funds the quote (I7, I27). One the evidence rules out is not: chasing it
 /// would be refused, and its record would hide a smaller, fundable quote
-/// refused after it.
+/// refused after it. The evidence read to decide is kept, so the answer
+/// agrees with the record.
 #[cold]
 fn refused(
     slot: &LeaseSlot,
     lease: &LocalLease,
-    refusal: DenyReason,
+    reason: DenyReason,
     quote: CostUnits,
     now: Timestamp,
-) -> (DenyReason, Option<DenyReason>) {
-    let shortfall = shortfall_denial(slot, quote, lease.remaining(), now);
-    if refusal == DenyReason::LeaseExhausted && shortfall.is_none() {
-        lease.note_refused(quote);
+) -> Refusal {
+    let held = lease.remaining();
+    let evidence = if reason == DenyReason::LeaseExhausted {
+        let shortfall = shortfall_denial(slot, quote, held, now);
+        if shortfall.is_none() {
+            lease.note_refused(quote);
+        }
+        Evidence::Read(shortfall)
+    } else {
+        Evidence::Unread
+    };
+    Refusal {
+        reason,
+        held,
+        evidence,
     }
-    (refusal, shortfall)
 }
 
 /// A lease that cannot fund the quote while the allocator cannot be

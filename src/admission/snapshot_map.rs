@@ -314,11 +314,11 @@ pub(crate) struct Pinned<'map> {
 impl Pinned<'_> {
     /// `principal`'s entry, or why there is none:
     /// [`DenyReason::UnknownPrincipal`] for a principal the source said does
-    /// not exist, while the map can vouch for what it holds (I24), and
-    /// [`DenyReason::SnapshotUnavailable`] otherwise: for one not loaded yet
-    /// (which is queued for the snapshot manager to look up), and for one
-    /// remembered as unknown before the first complete refresh or once the
-    /// map is stale, since the source may have created it meanwhile.
+    /// not exist, no longer than the maximum staleness ago (I24), and
+    /// [`DenyReason::SnapshotUnavailable`] otherwise, queueing the principal
+    /// for the snapshot manager to look up: for one not loaded yet, and for
+    /// one whose record has aged out, since the source may have created it
+    /// meanwhile.
     #[allow(
         clippy::inline_always,
         reason = "inlined so the admitted context is built in place, not copied out of a call"
@@ -776,8 +776,8 @@ impl ArcSwapSnapshotMap {
     /// these principals: their snapshots are withdrawn, and requests naming
     /// them are denied as unknown until the maximum staleness after
     /// `learned_at`, then looked up again (I24). Marking a principal again
-    /// renews its record. The oldest records are forgotten past the
-    /// negative capacity. A record keeps the revision its principal was
+    /// renews its record but keeps its place in the eviction order: past
+    /// the negative capacity, the records first made are forgotten first. A record keeps the revision its principal was
     /// last published at, and a later publication of an older revision is
     /// dropped as stale (I34). Like [`publish`](Self::publish), for a map no
     /// running snapshot manager writes.

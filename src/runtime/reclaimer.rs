@@ -53,8 +53,10 @@ use crate::store::{Clock, LeaseAllocator, ReclaimBatch};
 pub struct ReclaimerConfig {
     /// The time between the starts of two passes. Must be positive.
     pub interval: Duration,
-    /// The most leases one call settles. Must be positive. Calls ask for
-    /// fewer after a timeout (see the [module docs](self)).
+    /// The most leases one call settles. Must be positive. After a call
+    /// times out, calls ask for half as many, growing back by an eighth per
+    /// batch settled up to this, so a batch too long to settle within
+    /// `store_call_timeout` does not stall reclaim for good.
     pub batch_limit: usize,
     /// The bound on every reclaim call (I22). Must be positive.
     pub store_call_timeout: Duration,

@@ -36,10 +36,10 @@
 //! A principal marked unknown is denied as unknown only while the source's
 //! word is no older than the maximum staleness; then admission queues it
 //! again and the next lookup renews or overturns that word (I24). A lookup
-//! that times out is retried with half as many principals, growing back by
-//! an eighth as lookups are answered, so a queue too long to fetch within
+//! that times out is retried with half as many principals, doubling again
+//! as lookups are answered, so a queue too long to fetch within
 //! `fetch_timeout` still drains; principals left for a later batch are
-//! asked at the retry backoff.
+//! asked at the retry backoff (with the refresh that every tick runs).
 //!
 //! # Failure
 //!
@@ -633,9 +633,10 @@ struct Task {
     pending_lookups: Vec<Principal>,
     lookup_capacity: usize,
     /// The most principals one lookup asks for: `lookup_capacity`, halved
-    /// after each lookup that timed out and grown back by an eighth (at
-    /// least one) after each that was answered, so a batch too large to
-    /// answer within `fetch_timeout` does not fail for ever.
+    /// after each lookup that timed out and doubled (up to the capacity)
+    /// after each that was answered, so a batch too large to answer within
+    /// `fetch_timeout` does not fail for ever, and a source that recovers
+    /// is soon asked for whole batches again.
     lookup_batch: usize,
     verified_at: Option<Timestamp>,
     /// Snapshots the map dropped during the current refresh because they
@@ -799,8 +800,9 @@ impl Task {
         self.plan = Plan::All { page_size, cursor };
     }
 
-    /// Fetches the principals admission asked about; true unless the fetch
-    /// failed (the principals are then kept for the next tick).
+    /// Fetches the principals admission asked about; true when none is left
+    /// waiting: false when the fetch failed (its principals are kept for
+    /// the next tick) or left some for a later batch.
     async fn answer_lookups(&mut self) -> Result<bool, Stopped> {
         self.map.drain_lookups(&mut self.pending_lookups);
         self.pending_lookups.sort_unstable();
@@ -846,7 +848,7 @@ impl Task {
                 self.publish_answer(&asked, snapshots, now);
                 self.lookup_batch = self
                     .lookup_batch
-                    .saturating_add((self.lookup_batch / 8).max(1))
+                    .saturating_mul(2)
                     .min(self.lookup_capacity);
                 // Principals left for a later batch are asked at the retry
                 // cadence, not a whole refresh interval later.
@@ -963,15 +965,24 @@ impl Task {
         }
         // A principal remembered as unknown on the source's recent word is
         // not marked again, so a refresh that learns nothing new leaves the
-        // map's generation alone; one whose record has aged out is marked
-        // again, renewing it (I24). `unknown` counts what the source newly
-        // disowned.
+        // map's generation alone; one whose record would age out before the
+        // next refresh could renew it is marked again now, so a listed
+        // principal the source keeps disowning stays unknown without a gap
+        // (I24). `unknown` counts what the source newly disowned.
+        let next_refresh = self
+            .config
+            .refresh_interval
+            .saturating_add(self.config.fetch_timeout);
+        let renew_by = SignedDuration::try_from(next_refresh)
+            .ok()
+            .and_then(|ahead| now.checked_add(ahead).ok())
+            .unwrap_or(Timestamp::MAX);
         let map = &self.map;
         let mut newly = 0;
         let marked: Vec<Principal> = principals
             .iter()
             .copied()
-            .filter(|principal| !map.is_unknown_at(*principal, now))
+            .filter(|principal| !map.is_unknown_at(*principal, renew_by))
             .inspect(|principal| newly += usize::from(!map.is_known_unknown(*principal)))
             .collect();
         if marked.is_empty() {
