@@ -104,8 +104,9 @@ impl LeaseSlot {
     /// returning what it replaces. `counted` (the lost debit races its take
     /// counted as retired) is uncounted, so they are not counted twice when
     /// it is retired for good. Installed first and uncounted after, so a
-    /// reading meanwhile counts them twice rather than not at all: the
-    /// total never reads lower than before.
+    /// reading between the two counts them twice rather than not at all.
+    /// (A reading that straddles a take or a put-back may still miss a
+    /// lease's races for a moment: the count is for diagnostics.)
     pub(crate) fn reinstate(
         &self,
         lease: Arc<LocalLease>,

@@ -459,33 +459,43 @@ impl LocalLease {
                 RefillVerdict::Draining
             };
         }
-        if self.shards.len() > 1
-            && self
-                .shards
-                .iter()
-                .any(|shard| shard.remaining.load(Ordering::Acquire) < shard.low_water)
-        {
-            self.rebalance();
-        }
-        // A refused lease is re-armed too: its refusal may be one the refill
-        // task does not act on (a quote the account cannot fund), and the
-        // lease must still ring when it runs low afterwards (I7).
-        for shard in &self.shards[..] {
-            shard.rung.store(false, Ordering::Release);
-        }
-        // A debit that reached the mark while the flags were being cleared
-        // may have seen its shard's flag still set and stayed silent. Reading
-        // the counters again with read-modify-writes closes that gap (I7):
-        // each one reads the latest count, so either it sees that debit, or
-        // the debit's compare-exchange read from it, acquired the cleared
-        // flag and rang.
-        let mut settled = 0_u64;
-        let mut below_share = false;
-        for shard in &self.shards[..] {
-            let left = shard.remaining.fetch_add(0, Ordering::AcqRel);
-            settled = settled.saturating_add(left);
-            below_share |= left < shard.low_water;
-        }
+        // A debit can drain a shard again while the units are spread; one
+        // more round settles that, so a lease far above its mark is not
+        // rotated over a race.
+        let mut rounds = 0;
+        let (settled, below_share) = loop {
+            rounds += 1;
+            if self.shards.len() > 1
+                && self
+                    .shards
+                    .iter()
+                    .any(|shard| shard.remaining.load(Ordering::Acquire) < shard.low_water)
+            {
+                self.rebalance();
+            }
+            // A refused lease is re-armed too: its refusal may be one the
+            // refill task does not act on (a quote the account cannot fund),
+            // and the lease must still ring when it runs low afterwards (I7).
+            for shard in &self.shards[..] {
+                shard.rung.store(false, Ordering::Release);
+            }
+            // A debit that reached the mark while the flags were being
+            // cleared may have seen its shard's flag still set and stayed
+            // silent. Reading the counters again with read-modify-writes
+            // closes that gap (I7): each one reads the latest count, so
+            // either it sees that debit, or the debit's compare-exchange read
+            // from it, acquired the cleared flag and rang.
+            let mut settled = 0_u64;
+            let mut below_share = false;
+            for shard in &self.shards[..] {
+                let left = shard.remaining.fetch_add(0, Ordering::AcqRel);
+                settled = settled.saturating_add(left);
+                below_share |= left < shard.low_water;
+            }
+            if !below_share || settled <= self.low_water.get() || rounds == 2 {
+                break (settled, below_share);
+            }
+        };
         if refused {
             return RefillVerdict::Refused;
         }
@@ -501,33 +511,34 @@ impl LocalLease {
     }
 
     /// Spreads the lease's units evenly over its shards, as a fresh lease
-    /// has them: what shards hold above their even part is taken and given
-    /// to those below theirs. Off the request path; units move as a
-    /// gather's do, each held by this task between its take and its give,
-    /// so a debit racing the move may find them briefly absent and be
-    /// refused as a momentary shortage. None is lost (I6): whatever cannot
-    /// be placed goes to the first shard.
+    /// has them: each shard below its even part is topped up from those
+    /// above theirs, one transfer at a time, each given on as soon as it is
+    /// taken. Off the request path. A transfer's units are out of every
+    /// shard for the moment between its two steps, as a gather's are, so a
+    /// debit or a reading racing it may miss them; none is lost or made
+    /// (I6).
     fn rebalance(&self) {
         let total = self.remaining().get();
         let count = self.shards.len();
         let even = |index| split_evenly(total, count, index);
-        let mut held = 0;
-        for (index, shard) in self.shards.iter().enumerate() {
-            let left = shard.remaining.load(Ordering::Acquire);
-            if left > even(index) {
-                held += shard.take_up_to(left - even(index)).0;
+        for (to, short) in self.shards.iter().enumerate() {
+            let mut wanted = even(to).saturating_sub(short.remaining.load(Ordering::Acquire));
+            for (from, rich) in self.shards.iter().enumerate() {
+                if wanted == 0 {
+                    break;
+                }
+                let surplus = rich
+                    .remaining
+                    .load(Ordering::Acquire)
+                    .saturating_sub(even(from));
+                let moving = surplus.min(wanted);
+                if moving == 0 {
+                    continue;
+                }
+                let (taken, _) = rich.take_up_to(moving);
+                short.remaining.fetch_add(taken, Ordering::AcqRel);
+                wanted -= taken;
             }
-        }
-        for (index, shard) in self.shards.iter().enumerate() {
-            let left = shard.remaining.load(Ordering::Acquire);
-            let given = even(index).saturating_sub(left).min(held);
-            if given > 0 {
-                shard.remaining.fetch_add(given, Ordering::AcqRel);
-                held -= given;
-            }
-        }
-        if held > 0 {
-            self.shards[0].remaining.fetch_add(held, Ordering::AcqRel);
         }
     }
 

@@ -969,10 +969,15 @@ impl Task {
         // next refresh could renew it is marked again now, so a listed
         // principal the source keeps disowning stays unknown without a gap
         // (I24). `unknown` counts what the source newly disowned.
+        // The next refresh starts a refresh interval after this one, or
+        // once this tick's fetch and lookup have each run to their timeout,
+        // and answers within one more.
+        let fetch = self.config.fetch_timeout;
         let next_refresh = self
             .config
             .refresh_interval
-            .saturating_add(self.config.fetch_timeout);
+            .max(fetch.saturating_mul(2))
+            .saturating_add(fetch);
         let renew_by = SignedDuration::try_from(next_refresh)
             .ok()
             .and_then(|ahead| now.checked_add(ahead).ok())
