@@ -83,6 +83,17 @@ impl RefillSignal for CountingDoorbell {
     }
 }
 
+/// A lease of `granted` units over two shards, ringing a counting doorbell.
+fn two_shard_lease(granted: u64, low_water: CostUnits) -> (Arc<LocalLease>, Arc<CountingDoorbell>) {
+    let doorbell = CountingDoorbell::new();
+    let sharding = LocalSharding::shards(2).expect("two shards are allowed");
+    let lease = Arc::new(
+        LocalLease::with_sharding(grant(granted), low_water, SignedDuration::ZERO, sharding)
+            .with_refill(Arc::clone(&doorbell) as Arc<dyn RefillSignal>),
+    );
+    (lease, doorbell)
+}
+
 /// Waits for a model thread, whose panic is the model's failure.
 fn join<T: 'static>(handle: thread::JoinHandle<T>) -> T {
     handle.join().expect("a model thread panicked")
@@ -309,13 +320,8 @@ fn a_check_racing_a_debit_that_empties_a_shard_leaves_no_drained_lease_silent() 
     const GRANTED: u64 = 6;
     const LOW_WATER: CostUnits = CostUnits(2);
     loom::model(|| {
-        let doorbell = CountingDoorbell::new();
-        let sharding = LocalSharding::shards(2).expect("two shards are allowed");
         // Each shard holds 3 with a share of 1 of the mark.
-        let lease = Arc::new(
-            LocalLease::with_sharding(grant(GRANTED), LOW_WATER, SignedDuration::ZERO, sharding)
-                .with_refill(Arc::clone(&doorbell) as Arc<dyn RefillSignal>),
-        );
+        let (lease, doorbell) = two_shard_lease(GRANTED, LOW_WATER);
         let emptier = {
             let lease = Arc::clone(&lease);
             thread::spawn(move || {
@@ -357,14 +363,9 @@ fn spreading_a_lease_evenly_while_requests_debit_and_release_conserves_units() {
     const GRANTED: u64 = 4;
     const LOW_WATER: CostUnits = CostUnits(2);
     loom::model(|| {
-        let doorbell = CountingDoorbell::new();
-        let sharding = LocalSharding::shards(2).expect("two shards are allowed");
         // Each shard holds 2 with a share of 1; shard 0 is emptied first,
         // so the check has units to move.
-        let lease = Arc::new(
-            LocalLease::with_sharding(grant(GRANTED), LOW_WATER, SignedDuration::ZERO, sharding)
-                .with_refill(Arc::clone(&doorbell) as Arc<dyn RefillSignal>),
-        );
+        let (lease, _doorbell) = two_shard_lease(GRANTED, LOW_WATER);
         drop(
             lease
                 .try_reserve_at(CostUnits(2), inside_window(), Locality::new(0))
@@ -435,12 +436,7 @@ fn a_debit_gathering_from_the_other_shard_conserves_units_and_rings_each_shard_o
     const LOW_WATER: CostUnits = CostUnits(2);
     const GATHERED: CostUnits = CostUnits(3);
     loom::model(|| {
-        let doorbell = CountingDoorbell::new();
-        let sharding = LocalSharding::shards(2).expect("two shards are allowed");
-        let lease = Arc::new(
-            LocalLease::with_sharding(grant(GRANTED), LOW_WATER, SignedDuration::ZERO, sharding)
-                .with_refill(Arc::clone(&doorbell) as Arc<dyn RefillSignal>),
-        );
+        let (lease, doorbell) = two_shard_lease(GRANTED, LOW_WATER);
 
         let gatherer = {
             let lease = Arc::clone(&lease);
