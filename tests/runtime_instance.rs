@@ -1218,3 +1218,203 @@ async fn a_clock_that_lags_more_than_the_safety_margin_is_refused() {
         Some(InstanceRuntimeConfigError::SafetyMarginBelowClockStaleness)
     );
 }
+
+/// I25: when the writer's drain and the lease release use up the shutdown
+/// deadline between them, a lease a request still holds is reported
+/// abandoned by its account, not lost with a manager cut off unheard.
+#[tokio::test(start_paused = true)]
+async fn a_lease_held_through_a_shutdown_that_uses_its_whole_budget_is_reported_abandoned() {
+    let w = world(10_000);
+    let mut config = config();
+    let budget = config.usage.shutdown_drain_deadline + config.leases.shutdown_release_deadline;
+    config.shutdown_deadline = budget;
+    let (runtime, handle) = w.spawn_with(Arc::clone(&w.store) as _, config);
+    tokio::time::sleep(ms(200)).await;
+    let held = handle
+        .begin(
+            w.principal,
+            PermissionBits::NONE,
+            CostUnits(5),
+            w.clock.now(),
+        )
+        .expect("admitted before shutdown");
+    let report = runtime.shutdown().await;
+    assert!(report.elapsed <= budget, "inside the one deadline");
+    assert_eq!(report.cut_off_requests(), 1, "the writer waited for it");
+    assert_eq!(
+        report.unfinished_accounts,
+        Vec::new(),
+        "every account reported inside the deadline"
+    );
+    assert_eq!(report.leases.len(), 1);
+    assert_eq!((report.released(), report.abandoned()), (0, 1));
+    let (_, lease) = &report.leases[0];
+    assert_eq!(lease.abandoned_units, 495, "the lease's remainder");
+    assert!(!lease.task_died);
+    assert_eq!(
+        handle.report().leases.expect("no overflow").abandoned,
+        1,
+        "counted where the metrics read it"
+    );
+    drop(held);
+}
+
+/// An allocator that counts the grants asked of it.
+struct CountingGrants {
+    store: Arc<MemoryStore>,
+    acquires: std::sync::atomic::AtomicU32,
+}
+
+impl CountingGrants {
+    fn acquires(&self) -> u32 {
+        self.acquires.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+#[async_trait]
+impl LeaseAllocator for CountingGrants {
+    async fn acquire(
+        &self,
+        account: AccountId,
+        requested: CostUnits,
+        ttl: SignedDuration,
+        now: Timestamp,
+    ) -> Result<Allocation, AllocateError> {
+        self.acquires
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        self.store.acquire(account, requested, ttl, now).await
+    }
+
+    async fn release(
+        &self,
+        lease_id: LeaseId,
+        fencing_token: FencingToken,
+        unspent: CostUnits,
+        now: Timestamp,
+    ) -> Result<Released, AllocateError> {
+        self.store
+            .release(lease_id, fencing_token, unspent, now)
+            .await
+    }
+
+    async fn consolidate(
+        &self,
+        lease_id: LeaseId,
+        fencing_token: FencingToken,
+        unspent: CostUnits,
+        requested: CostUnits,
+        needed: CostUnits,
+        ttl: SignedDuration,
+        now: Timestamp,
+    ) -> Result<Allocation, AllocateError> {
+        self.store
+            .consolidate(
+                lease_id,
+                fencing_token,
+                unspent,
+                requested,
+                needed,
+                ttl,
+                now,
+            )
+            .await
+    }
+
+    async fn reclaim_expired_batch(
+        &self,
+        now: Timestamp,
+        limit: usize,
+    ) -> Result<ReclaimBatch, StoreError> {
+        self.store.reclaim_expired_batch(now, limit).await
+    }
+}
+
+/// I25: once the instance stops admitting, no lease is asked for while the
+/// usage drains: nothing can spend it, and a grant call the release phase
+/// then cuts off could leave a lease nobody holds until reclaim. Here a
+/// second account has no funds, so its manager would otherwise keep asking
+/// on every poll for as long as a held request keeps the drain going.
+#[tokio::test(start_paused = true)]
+async fn no_grant_is_asked_for_once_shutdown_has_begun() {
+    let w = world(10_000);
+    let broke = w
+        .store
+        .create_account(
+            AccountSpec {
+                balance: CostUnits(0),
+                mode: EnforcementMode::Strict,
+                status: AccountStatus::Active,
+                refill: None,
+            },
+            w.clock.now(),
+        )
+        .unwrap();
+    w.store
+        .issue_key(broke, PermissionBits::ALL, w.clock.now())
+        .unwrap();
+    let allocator = Arc::new(CountingGrants {
+        store: Arc::clone(&w.store),
+        acquires: std::sync::atomic::AtomicU32::new(0),
+    });
+    let (runtime, handle) = w.spawn_with(Arc::clone(&allocator) as _, config());
+    tokio::time::sleep(ms(500)).await;
+    let asked = allocator.acquires();
+    tokio::time::sleep(ms(500)).await;
+    assert!(
+        allocator.acquires() > asked + 1,
+        "the unfunded account asks on every poll while serving"
+    );
+    let held = handle
+        .begin(
+            w.principal,
+            PermissionBits::NONE,
+            CostUnits(5),
+            w.clock.now(),
+        )
+        .expect("admitted before shutdown");
+    let asked = allocator.acquires();
+    let report = runtime.shutdown().await;
+    assert_eq!(
+        report.cut_off_requests(),
+        1,
+        "the drain waited its deadline"
+    );
+    assert_eq!(
+        allocator.acquires(),
+        asked,
+        "no grant asked for after shutdown began"
+    );
+    assert_eq!(
+        report
+            .leases
+            .iter()
+            .map(|(_, lease)| lease.stats.uncertain_acquires)
+            .sum::<u64>(),
+        0
+    );
+    drop(held);
+}
+
+/// I15: an accounting refusal met while returning leases at shutdown
+/// faults the instance as one met while serving does.
+#[tokio::test(start_paused = true)]
+async fn an_integrity_fault_found_at_shutdown_is_reported() {
+    let w = world(10_000);
+    let allocator = Arc::new(Misbehaving {
+        store: Arc::clone(&w.store),
+        calm_acquires: std::sync::atomic::AtomicU32::new(0),
+        panics_left: std::sync::atomic::AtomicU32::new(0),
+        releases: Releases::Refuse,
+        released: std::sync::atomic::AtomicU32::new(0),
+    });
+    let (runtime, handle) = w.spawn_with(allocator, config());
+    tokio::time::sleep(ms(200)).await;
+    assert_eq!(w.begin(&handle, 5), Ok(CostUnits(5)));
+    assert!(!handle.report().faulted);
+    let report = runtime.shutdown().await;
+    assert!(
+        report.leases.iter().any(|(_, lease)| lease.faulted),
+        "the release was refused as an accounting fault"
+    );
+    assert!(handle.report().faulted, "I15: and the instance says so");
+}

@@ -340,8 +340,11 @@ pub struct RuntimeShutdownReport {
     pub usage: Option<WriterReport>,
     /// Each account's lease release.
     pub leases: Vec<(AccountId, LeaseManagerReport)>,
-    /// Lease managers that did not finish inside the deadline; their leases
-    /// are left to TTL reclaim.
+    /// Accounts with no report in [`leases`](Self::leases): a manager
+    /// retired before the shutdown still returning leases at the deadline,
+    /// or one whose shutdown panicked. Their leases are left to TTL reclaim.
+    /// (A serving account's manager is cut off at the deadline and reports
+    /// what it abandoned there.)
     pub unfinished_accounts: Vec<AccountId>,
     /// The snapshot manager's counters at the end.
     pub snapshots: Option<SnapshotStats>,
@@ -528,17 +531,24 @@ impl InstanceRuntime {
             None => None,
         };
         // 3. Release leases, every account at once, inside what is left,
-        // while managers that left before shutdown finish theirs.
+        // while managers that left before shutdown finish theirs. Each
+        // manager is cut off at the deadline itself and reports what it
+        // abandoned then, so the join needs no deadline of its own.
         let mut releases = JoinSet::new();
         let mut unfinished: std::collections::BTreeSet<AccountId> =
             managers.iter().map(|(account, _, _)| *account).collect();
         for (account, manager, counted) in managers {
-            releases.spawn(async move { (account, manager.shutdown().await, counted) });
+            releases.spawn(async move { (account, manager.shutdown_by(deadline).await, counted) });
         }
         let mut leases = Vec::new();
-        while let Ok(Some(joined)) = tokio::time::timeout_at(deadline, releases.join_next()).await {
+        while let Some(joined) = releases.join_next().await {
             if let Ok((account, report, counted)) = joined {
                 unfinished.remove(&account);
+                if report.faulted {
+                    // I15: a fault found while returning leases counts as
+                    // much as one found while serving.
+                    self.shared.faulted.store(true, Ordering::Release);
+                }
                 let mut planes = self.shared.lock_planes();
                 planes.retired = planes
                     .retired
@@ -547,7 +557,6 @@ impl InstanceRuntime {
                 leases.push((account, report));
             }
         }
-        releases.abort_all();
         while let Ok(Some(_)) = tokio::time::timeout_at(deadline, departures.join_next()).await {}
         departures.abort_all();
         unfinished.extend(self.shared.lock_planes().departing.keys());
@@ -845,6 +854,17 @@ impl Shared {
         // I25: stop admitting first.
         self.admitting.store(false, Ordering::Release);
         self.shutdown.send_replace(true);
+        // Requests still in flight hold their reservations; no new lease is
+        // needed, and one being acquired when the release phase stops its
+        // manager could be left to reclaim.
+        for manager in self
+            .lock_planes()
+            .accounts
+            .values()
+            .filter_map(|managed| managed.manager.as_ref())
+        {
+            manager.hold_grants();
+        }
     }
 
     fn lock_planes(&self) -> MutexGuard<'_, Planes> {

@@ -488,6 +488,7 @@ impl LeaseManager {
             grant_call_in_flight: AtomicBool::new(false),
             held_leases: AtomicU64::new(0),
             held_units: AtomicU64::new(0),
+            grants_held: AtomicBool::new(false),
         });
         let task = Task {
             allocator,
@@ -580,8 +581,20 @@ impl LeaseManager {
     ///
     /// Dropping the returned future before it completes aborts the task, as
     /// dropping the handle does.
-    pub async fn shutdown(mut self) -> LeaseManagerReport {
+    pub async fn shutdown(self) -> LeaseManagerReport {
         let deadline = after(Instant::now(), self.shutdown_release_deadline);
+        self.shutdown_by(deadline).await
+    }
+
+    /// [`shutdown`](Self::shutdown) inside an enclosing budget that ends at
+    /// `latest`: the release deadline is brought forward to it if it falls
+    /// earlier, and a task still running then is cut off, what it held
+    /// reported abandoned (I25). The instance's shutdown gives every account
+    /// what is left of its one deadline this way, so an account's report is
+    /// in hand when the deadline passes rather than lost with the task.
+    pub(crate) async fn shutdown_by(mut self, latest: Instant) -> LeaseManagerReport {
+        let deadline = after(Instant::now(), self.shutdown_release_deadline).min(latest);
+        let before = self.shared.counters.stats();
         self.stop.send_if_modified(|requested| {
             let first = requested.is_none();
             if first {
@@ -589,9 +602,23 @@ impl LeaseManager {
             }
             first
         });
-        let ending = match self.task.as_mut() {
-            Some(task) => task.await,
-            None => return self.report_death(None),
+        let Some(task) = self.task.as_mut() else {
+            return self.report_death(None);
+        };
+        let ending = if let Ok(ending) = tokio::time::timeout_at(deadline, &mut *task).await {
+            ending
+        } else {
+            // Past its deadline the task only abandons what it holds; one
+            // that has not returned yet is stopped where it is, and its
+            // holdings are what it leaves.
+            task.abort();
+            match task.await {
+                Err(error) if error.is_cancelled() => {
+                    self.task = None;
+                    return self.report_cut_off(&before);
+                }
+                ending => ending,
+            }
         };
         self.task = None;
         match ending {
@@ -600,19 +627,59 @@ impl LeaseManager {
         }
     }
 
+    /// Stops new grant calls, leaving the serving lease in place: the
+    /// instance's shutdown asks this as it stops admitting, so no lease is
+    /// acquired or folded for requests that can no longer come, and none is
+    /// left stranded by the stop that follows (I25).
+    pub(crate) fn hold_grants(&self) {
+        self.shared.grants_held.store(true, Ordering::Release);
+    }
+
+    /// The report of a task cut off at its shutdown deadline: it returned
+    /// what [`before`] does not count, and abandons the leases it held.
+    fn report_cut_off(&self, before: &LeaseStats) -> LeaseManagerReport {
+        let (abandoned, abandoned_units) = self.leftovers();
+        bump(&self.shared.counters.abandoned, abandoned);
+        let stats = self.shared.counters.stats();
+        tracing::warn!(
+            account = %self.account,
+            abandoned,
+            abandoned_units,
+            "lease manager: cut off at the shutdown deadline; its leases settle at TTL reclaim"
+        );
+        LeaseManagerReport {
+            released: stats.released.saturating_sub(before.released),
+            released_units: stats.released_units.saturating_sub(before.released_units),
+            abandoned,
+            abandoned_units,
+            task_died: false,
+            faulted: self.shared.is_faulted(),
+            stats,
+        }
+    }
+
+    /// What an ended task leaves behind: the leases it held outside the
+    /// slot as of its last count, and the serving lease, taken out of the
+    /// slot so requests stop spending on an account nobody manages any
+    /// more. Counted as leases and units.
+    fn leftovers(&self) -> (u64, u64) {
+        let stranded = self.slot.take();
+        let serving_units = stranded.as_ref().map_or(0, |lease| lease.remaining().get());
+        let held = self.shared.held_leases.load(Ordering::Relaxed);
+        (
+            held.saturating_add(u64::from(stranded.is_some())),
+            self.shared
+                .held_units
+                .load(Ordering::Relaxed)
+                .saturating_add(serving_units),
+        )
+    }
+
     /// The report of a task that did not finish its own shutdown. What it
     /// held is lost with it; the serving lease is taken out of the slot so
     /// requests stop spending on an account nobody manages any more.
     fn report_death(&self, error: Option<&JoinError>) -> LeaseManagerReport {
-        let stranded = self.slot.take();
-        let serving_units = stranded.as_ref().map_or(0, |lease| lease.remaining().get());
-        let held = self.shared.held_leases.load(Ordering::Relaxed);
-        let abandoned = held.saturating_add(u64::from(stranded.is_some()));
-        let abandoned_units = self
-            .shared
-            .held_units
-            .load(Ordering::Relaxed)
-            .saturating_add(serving_units);
+        let (abandoned, abandoned_units) = self.leftovers();
         let mut stats = self.shared.counters.stats();
         // A grant request the task was awaiting when it died may have
         // created a lease nobody holds.
@@ -818,6 +885,9 @@ struct Shared {
     /// of its last inspection: what a dead task leaves to TTL reclaim.
     held_leases: AtomicU64,
     held_units: AtomicU64,
+    /// Set when the instance stops admitting: no grant call starts from
+    /// then on (see [`LeaseManager::hold_grants`]).
+    grants_held: AtomicBool,
 }
 
 impl Shared {
@@ -908,8 +978,9 @@ struct Task {
     withheld: Vec<Arc<LocalLease>>,
     /// A replacement acquired for a refused quote came back smaller than
     /// the quote (the allocator shares a low balance between instances).
-    /// Until a fold succeeds, a deferred fold no longer chases the quote, so
-    /// one quote cannot split the account's funds into ever smaller leases.
+    /// Until a fold succeeds or a grant shows no shortfall, a deferred fold
+    /// no longer chases the quote, so one quote cannot split the account's
+    /// funds into ever smaller leases.
     rotation_fell_short: bool,
     /// Whether a grant too short-lived to outlast the replacement lead has
     /// been reported; once per task, as every later grant is the same.
@@ -1094,6 +1165,9 @@ impl Task {
             return Ok(());
         }
         self.no_grant_call_after_stop()?;
+        if self.grants_held() {
+            return Ok(());
+        }
         match self.next_step() {
             Step::Idle => Ok(()),
             Step::Acquire => self.acquire().await,
@@ -1174,8 +1248,18 @@ impl Task {
         }
     }
 
+    /// Whether the instance has stopped admitting (see
+    /// [`LeaseManager::hold_grants`]): the serving lease is all the
+    /// requests still in flight need.
+    fn grants_held(&self) -> bool {
+        self.shared.grants_held.load(Ordering::Acquire)
+    }
+
     async fn acquire_sized(&mut self, requested: CostUnits) -> Result<Option<CostUnits>, Stopped> {
         self.no_grant_call_after_stop()?;
+        if self.grants_held() {
+            return Ok(None);
+        }
         let config = &self.config;
         let call = self.allocator.acquire(
             config.account,
@@ -1757,6 +1841,8 @@ impl Task {
                 .release_pass(deadline, false)
                 .await
                 .is_ok_and(|pass| pass.store_failed);
+            // What a cut-off at the deadline reports as abandoned.
+            self.note_holdings();
             let now = Instant::now();
             if self.parked.is_empty() || now >= deadline {
                 break;
@@ -1963,6 +2049,67 @@ mod tests {
                 .is_err(),
             "the answered ring is consumed; waiting again blocks"
         );
+    }
+
+    /// I25: a task still running when the enclosing deadline passes is cut
+    /// off, and the report names what it held as abandoned, counted where
+    /// the metrics read it, rather than losing it with the task.
+    #[tokio::test(start_paused = true)]
+    async fn a_manager_cut_off_at_the_deadline_reports_what_it_held() {
+        use crate::model::{AccountStatus, EnforcementMode, LocalSharding};
+        use crate::store::{AccountSpec, GrantPolicy, ManualClock, MemoryStore, TailSharing};
+        use jiff::Timestamp;
+        let now = Timestamp::from_second(1_700_000_000).expect("in range");
+        let store = Arc::new(
+            MemoryStore::new(GrantPolicy {
+                max_ttl: SignedDuration::from_secs(60),
+                reclaim_grace: SignedDuration::from_secs(10),
+                tail: TailSharing {
+                    instances: 1,
+                    min_grant: CostUnits(1),
+                },
+            })
+            .expect("a valid policy"),
+        );
+        let account = store
+            .create_account(
+                AccountSpec {
+                    balance: CostUnits(1_000),
+                    mode: EnforcementMode::Strict,
+                    status: AccountStatus::Active,
+                    refill: None,
+                },
+                now,
+            )
+            .expect("created");
+        let slot = Arc::new(LeaseSlot::new(account, LocalSharding::Single));
+        let manager = LeaseManager::spawn(
+            Arc::clone(&store) as Arc<dyn LeaseAllocator>,
+            Arc::clone(&slot),
+            Arc::new(ManualClock::new(now)),
+            LeaseManagerConfig {
+                account,
+                target_grant: CostUnits(300),
+                low_water: CostUnits(50),
+                lease_ttl: SignedDuration::from_secs(60),
+                expiry_safety_margin: SignedDuration::from_secs(5),
+                poll_interval: Duration::from_millis(100),
+                store_call_timeout: Duration::from_millis(200),
+                shutdown_release_deadline: Duration::from_secs(1),
+            },
+        )
+        .expect("a valid configuration");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(slot.load_observed().is_some(), "a lease serves");
+        // The enclosing budget is already spent: the task gets no turn.
+        let report = manager.shutdown_by(Instant::now()).await;
+        assert_eq!((report.released, report.abandoned), (0, 1));
+        assert_eq!(report.abandoned_units, 300);
+        assert!(!report.task_died, "cut off, not dead");
+        assert_eq!(report.stats.abandoned, 1);
+        assert!(slot.load_observed().is_none(), "no one serves from it now");
+        let view = store.account(account, now).expect("known");
+        assert_eq!(view.leased, CostUnits(300), "left for TTL reclaim");
     }
 
     #[test]
