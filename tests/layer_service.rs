@@ -1228,3 +1228,36 @@ async fn an_axum_handler_reads_its_admission_and_a_route_outside_the_layer_is_a_
     let body = response.into_body().collect().await.unwrap().to_bytes();
     assert!(String::from_utf8_lossy(&body).contains("not behind a TollgateLayer"));
 }
+
+/// I9: a route priced at nothing serves a key whose account has no funds and
+/// no lease; the same key on a priced route is told the truth, 402.
+#[tokio::test(start_paused = true)]
+async fn a_free_route_serves_an_account_with_no_funds() {
+    let w = world(0).await;
+    let layer = TollgateLayer::builder(w.handle.clone())
+        .price(|parts: &http::request::Parts| Price {
+            units: CostUnits(u64::from(parts.uri.path() != "/free")),
+            required: READ,
+        })
+        .build()
+        .unwrap();
+    let free = answer(
+        layer
+            .layer(service_fn(echo_admission))
+            .oneshot(w.bearer("/free"))
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(free.status, StatusCode::OK, "{}", free.body);
+    assert!(free.body.starts_with("0 "), "{}", free.body);
+    let priced = answer(
+        layer
+            .layer(service_fn(echo_admission))
+            .oneshot(w.bearer("/paid"))
+            .await
+            .unwrap(),
+    )
+    .await;
+    check_denial(&priced, StatusCode::PAYMENT_REQUIRED, "balance_exhausted");
+}

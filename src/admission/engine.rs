@@ -191,7 +191,8 @@ impl AdmissionEngine {
             Ok(permit) => permit,
             Err(reason) => return Err(self.counters.denied_at(locality, reason)),
         };
-        let admitted_as_overage = reservation.admitted_as_overage();
+        // A free request funded by the overage counter spent no overage.
+        let admitted_as_overage = reservation.admitted_as_overage() && !quote.is_zero();
         self.counters.admitted(locality, admitted_as_overage);
         let mut flags = 0;
         if admitted_as_overage {
@@ -276,6 +277,15 @@ fn fund(
         Ok(reservation) => return Ok(reservation),
         Err(refusal) => refusal,
     };
+    // A quote of nothing spends nothing, so it is admitted whatever the
+    // lease, the allocator or the balance says (I9). The overage counter
+    // funds it: a debit of zero units changes nothing under any cap, and its
+    // event records zero units of overage.
+    if quote.is_zero()
+        && let Ok(free) = Reservation::reserve_overage(slot.overage(), quote, CostUnits::MAX)
+    {
+        return Ok(free);
+    }
     // The allocator's evidence, read once: where the refusal's record was
     // decided on it, that reading; otherwise read now, and only when the
     // answer depends on it.
@@ -1040,6 +1050,48 @@ mod tests {
         f.slot().publish_funding(None);
         denied(f.begin(1, 0), DenyReason::LeaseUnavailable);
         assert_eq!(lease.remaining(), CostUnits(3), "no denial took a unit");
+    }
+
+    /// I9: a request priced at nothing needs no funds. It is admitted with
+    /// no lease, with the allocator out of reach, with the balance spent and
+    /// with an Elastic cap full, where a priced one is refused; and it
+    /// records zero units, as overage, counted as no overage admission.
+    #[test]
+    fn a_free_request_is_admitted_whatever_funds_the_account_has() {
+        let f = fixture(8);
+        f.map.publish([snapshot(EnforcementMode::Strict, READ)]);
+        f.slot().publish_allocator_reachable(false);
+        denied(f.begin(1, 0), DenyReason::LeaseUnavailable);
+        let mut free = f.begin(0, 0).expect("no lease, nothing to fund");
+        assert!(!free.admitted_as_overage());
+        assert_eq!(free.commit(at(1)), Ok(CostUnits::ZERO));
+        f.slot().publish_funding(Some(BalanceShortfall {
+            remaining: CostUnits::ZERO,
+            period_end: None,
+        }));
+        denied(
+            f.begin(1, 0),
+            DenyReason::BalanceExhausted { period_end: None },
+        );
+        let lease = f.lease(5);
+        let expired = f.begin(0, 100).expect("the lease's window closed");
+        assert_eq!(expired.account_id(), ACCOUNT);
+        drop(expired);
+        assert_eq!(lease.remaining(), CostUnits(5));
+        let stats = f.engine.counters().read();
+        assert_eq!((stats.admitted, stats.admitted_overage), (2, 0));
+        let events = f.queued();
+        assert_eq!(events.len(), 1, "I8: one commit, one event");
+        assert_eq!(
+            (events[0].source, events[0].units),
+            (UsageSource::Overage, CostUnits::ZERO)
+        );
+
+        let elastic = elastic(CostUnits(4));
+        let mut spent = elastic.begin(4, 0).expect("overage funds it");
+        spent.commit(at(1)).unwrap();
+        let mut free = elastic.begin(0, 0).expect("a full cap holds nothing back");
+        assert_eq!(free.commit(at(1)), Ok(CostUnits::ZERO));
     }
 
     #[test]
