@@ -1189,7 +1189,8 @@ fn validate_names_the_first_broken_rule() {
 
 /// A clock that admits to reading up to ten seconds behind.
 #[derive(Debug)]
-struct LaggingClock(ManualClock);
+/// A clock that may read up to its bound behind the true time.
+struct LaggingClock(ManualClock, Duration);
 
 impl Clock for LaggingClock {
     fn now(&self) -> Timestamp {
@@ -1197,26 +1198,48 @@ impl Clock for LaggingClock {
     }
 
     fn staleness_bound(&self) -> Duration {
-        Duration::from_secs(10)
+        self.1
     }
+}
+
+/// What `InstanceRuntime::spawn` says of `config` over a clock that lags by
+/// up to `lag`.
+fn spawned_with_lag(
+    w: &World,
+    lag: Duration,
+    config: InstanceRuntimeConfig,
+) -> Option<InstanceRuntimeConfigError> {
+    let lagging = Arc::new(LaggingClock(ManualClock::new(w.clock.now()), lag));
+    InstanceRuntime::spawn(
+        Arc::clone(&w.store) as _,
+        Arc::clone(&w.store) as _,
+        Arc::clone(&w.store) as _,
+        lagging as Arc<dyn Clock>,
+        config,
+    )
+    .err()
 }
 
 #[tokio::test(start_paused = true)]
 async fn a_clock_that_lags_more_than_the_safety_margin_is_refused() {
     let w = world(100);
-    let lagging = Arc::new(LaggingClock(ManualClock::new(w.clock.now())));
-    let refused = InstanceRuntime::spawn(
-        Arc::clone(&w.store) as _,
-        Arc::clone(&w.store) as _,
-        Arc::clone(&w.store) as _,
-        lagging as Arc<dyn Clock>,
-        config(),
-    );
-    // I2: a five-second margin cannot cover a clock ten seconds behind.
+    let refused = Some(InstanceRuntimeConfigError::SafetyMarginBelowClockStaleness);
+    // I2: a five-second margin cannot cover a clock ten seconds behind, nor
+    // one exactly five seconds behind.
+    assert_eq!(spawned_with_lag(&w, ms(10_000), config()), refused);
+    assert_eq!(spawned_with_lag(&w, ms(5_000), config()), refused);
+    // Nor one 4.5 s behind, once the charge's 0.7 s delivery is added: a
+    // charge committed as the window closes by that clock is 4.5 s late,
+    // and would reach the store after its lease expired.
+    let delivery = 3 * 200 + 50 + 50;
+    assert_eq!(spawned_with_lag(&w, ms(4_500), config()), refused);
     assert_eq!(
-        refused.err(),
-        Some(InstanceRuntimeConfigError::SafetyMarginBelowClockStaleness)
+        spawned_with_lag(&w, ms(5_000 - delivery), config()),
+        refused
     );
+    // Just inside the margin, it runs.
+    let accepted = spawned_with_lag(&w, ms(5_000 - delivery - 1), config());
+    assert_eq!(accepted, None);
 }
 
 /// I25: when the writer's drain and the lease release use up the shutdown

@@ -578,7 +578,7 @@ async fn a_replaced_lease_serves_its_reservations_and_is_released_with_its_exact
     assert_eq!(
         h.allocator.calls(),
         [acquire(), acquire()],
-        "I6: never released while a reservation holds it"
+        "I26: never released while a reservation holds it"
     );
     assert_eq!(h.stats().released, 0);
 

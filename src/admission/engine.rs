@@ -1173,7 +1173,11 @@ mod tests {
             "no reference count per request"
         );
         assert_eq!(on_time.commit(at(1)), Ok(CostUnits(3)));
-        assert_eq!(late.commit(at(100)), Ok(CostUnits(4)), "I12: the fallback");
+        assert_eq!(
+            late.commit(at(100)),
+            Ok(CostUnits(4)),
+            "I3, I10: the fallback"
+        );
         assert_eq!(slot.overage().spent(), CostUnits(4));
         drop((on_time, late));
         assert_eq!(

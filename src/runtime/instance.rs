@@ -114,7 +114,10 @@ pub enum InstanceRuntimeConfigError {
     /// The operating system supplied no randomness for request ids.
     Randomness,
     /// `leases.expiry_safety_margin` must exceed how far behind the clock
-    /// may read (I2).
+    /// may read (I2) plus the usage delivery time of
+    /// [`UsageDeliveryOutlastsLeaseMargin`](Self::UsageDeliveryOutlastsLeaseMargin):
+    /// a clock that reads behind commits that much later than it says, and
+    /// the charge must still reach the store before its lease expires.
     SafetyMarginBelowClockStaleness,
 }
 
@@ -146,7 +149,9 @@ impl fmt::Display for InstanceRuntimeConfigError {
             ),
             Self::Randomness => f.write_str("instance runtime: no randomness for request ids"),
             Self::SafetyMarginBelowClockStaleness => f.write_str(
-                "instance runtime: leases.expiry_safety_margin must exceed the clock's staleness bound",
+                "instance runtime: leases.expiry_safety_margin must exceed the clock's staleness \
+                 bound plus the usage delivery time (usage.flush_interval plus usage.retry_backoff \
+                 plus three times usage.ingest_timeout)",
             ),
         }
     }
@@ -177,12 +182,7 @@ impl InstanceRuntimeConfig {
         }
         // The batch ahead's failed call, the backoff and its retry, then the
         // charge's own flush interval and call.
-        let usage = &self.usage;
-        let delivery = usage
-            .ingest_timeout
-            .checked_mul(3)
-            .and_then(|calls| calls.checked_add(usage.retry_backoff))
-            .and_then(|wait| wait.checked_add(usage.flush_interval));
+        let delivery = self.usage_delivery();
         let margin = Duration::try_from(self.leases.expiry_safety_margin).ok();
         if !matches!((delivery, margin), (Some(delivery), Some(margin)) if delivery < margin) {
             return Err(E::UsageDeliveryOutlastsLeaseMargin);
@@ -204,6 +204,19 @@ impl InstanceRuntimeConfig {
             return Err(E::PhaseBudgetsExceedShutdownDeadline);
         }
         Ok(())
+    }
+
+    /// The longest a charge committed as its lease's window closes may take
+    /// to reach the store: the batch ahead's failed call, the backoff and its
+    /// retry, then the charge's own flush interval and call. `None` past
+    /// `Duration::MAX`.
+    fn usage_delivery(&self) -> Option<Duration> {
+        let usage = &self.usage;
+        usage
+            .ingest_timeout
+            .checked_mul(3)
+            .and_then(|calls| calls.checked_add(usage.retry_backoff))
+            .and_then(|wait| wait.checked_add(usage.flush_interval))
     }
 }
 
@@ -403,11 +416,13 @@ impl InstanceRuntime {
         use InstanceRuntimeConfigError as E;
         config.validate()?;
         // I2: the margin closes a lease's window early enough that a clock
-        // reading behind the true time still commits inside it.
-        let margin = config.leases.expiry_safety_margin;
-        let staleness = jiff::SignedDuration::try_from(clock.staleness_bound())
-            .unwrap_or(jiff::SignedDuration::MAX);
-        if margin <= staleness {
+        // reading behind the true time still commits inside it, and the
+        // charge then still reaches the store before the lease expires.
+        let margin = Duration::try_from(config.leases.expiry_safety_margin).unwrap_or_default();
+        let needed = config
+            .usage_delivery()
+            .and_then(|delivery| delivery.checked_add(clock.staleness_bound()));
+        if needed.is_none_or(|needed| margin <= needed) {
             return Err(E::SafetyMarginBelowClockStaleness);
         }
         let ids = RequestIds::random().map_err(|_| E::Randomness)?;

@@ -67,7 +67,9 @@ enum Command {
     /// API keys.
     #[command(subcommand)]
     Key(KeyCommand),
-    /// The usage events billed to an account, oldest first.
+    /// The usage events billed to an account, in the order the store
+    /// recorded them (a batch retried or delivered late comes after events
+    /// that happened later).
     Usage {
         /// The account (`acct_7` or `7`).
         #[arg(value_parser = account_id)]

@@ -572,8 +572,10 @@ impl PostgresStore {
         Ok(keys)
     }
 
-    /// An account as of `now`. A refill period that ended by `now` shows as
-    /// applied; it is recorded by the next call that changes the account.
+    /// An account as of `now`. A refill period that ended by `now` is
+    /// applied first, and recorded in the account's history, as any call
+    /// that reads the balance does: `now` should come from a clock the
+    /// gateways agree with, since an early one refills early.
     ///
     /// # Errors
     ///
