@@ -110,6 +110,7 @@ where
 /// | `tollgate_reclaim_{passes,reclaimed_leases,reclaimed_units,errors,timeouts}_total` | counter | |
 /// | `tollgate_reclaim_blocked_leases` | gauge | |
 /// | `tollgate_manager_restarts_total` | counter | |
+/// | `tollgate_unrecovered_grants_total` (leases held by managers that died, left to TTL reclaim) | counter | |
 ///
 /// Every deny reason and every refusal name has its own series from the
 /// first scrape, at zero until it happens. When the lease sum overflowed
@@ -125,6 +126,7 @@ pub fn publish_metrics(report: &RuntimeReport) {
         u64::try_from(report.accounts).unwrap_or(u64::MAX),
     );
     metrics::counter!("tollgate_manager_restarts_total").absolute(report.manager_restarts);
+    metrics::counter!("tollgate_unrecovered_grants_total").absolute(report.unrecovered_grants);
     publish_admission(report);
     publish_writer(report);
     publish_snapshots(report);
