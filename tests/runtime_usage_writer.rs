@@ -672,6 +672,13 @@ async fn a_writer_whose_sink_panics_stops_admission_and_reports_its_loss() {
         DenyReason::ShuttingDown,
         "no place is handed out for events nobody will write"
     );
+    let live = h.writer.stats();
+    assert_eq!(
+        (live.lost, live.in_flight, live.queued),
+        (MAX_BATCH as u64, 0, 0),
+        "the live statistics show the loss before any shutdown"
+    );
+    assert_accounted(&live, h.recorded);
     let report = h.writer.shutdown().await;
     assert!(report.task_died);
     assert_eq!(report.lost, MAX_BATCH as u64, "the batch it was delivering");

@@ -137,7 +137,7 @@ pub struct WriterStats {
     /// Events the sink refused; never retried.
     pub rejected: u64,
     /// Events given up: at the shutdown deadline, or undelivered when the
-    /// task died.
+    /// task died (counted from then on, not only in the final report).
     pub lost: u64,
     /// Events waiting in the queue.
     pub queued: u64,
@@ -311,8 +311,26 @@ impl UsageWriter {
         Ok((recorder, writer))
     }
 
-    /// The counters as they stand now.
+    /// The counters as they stand now. Once the task has ended (a writer
+    /// that died, or one that finished its drain), what it left queued or
+    /// in flight is counted lost here already, as the final report counts
+    /// it: nothing will deliver it.
     pub fn stats(&self) -> WriterStats {
+        let stats = self.counted();
+        if !self.task.as_ref().is_none_or(JoinHandle::is_finished) {
+            return stats;
+        }
+        let lost = stats.lost.saturating_add(self.queue.undelivered() as u64);
+        WriterStats {
+            queued: 0,
+            in_flight: 0,
+            lost,
+            ..stats
+        }
+    }
+
+    /// The counters as the task left them.
+    fn counted(&self) -> WriterStats {
         let counters = &self.shared.counters;
         let read = |counter: &AtomicU64| counter.load(Ordering::Relaxed);
         WriterStats {
@@ -382,7 +400,7 @@ impl UsageWriter {
         // The task's exit guard has done this already; a task that died
         // before it ran the guard leaves it to here.
         self.queue.abandon();
-        let stats = self.stats();
+        let stats = self.counted();
         // The queue is abandoned by now (the task's last act, or its exit
         // guard): whatever is recorded in it will not be written, and the
         // permits still out will be refused at commit.
