@@ -590,6 +590,27 @@ async fn a_replaced_lease_serves_its_reservations_and_is_released_with_its_exact
     assert_eq!(h.stats().released_units, 25);
 }
 
+/// I26: a request that has read the serving lease but not yet debited it
+/// holds only the lease itself, no shard: a lease rotated out meanwhile is
+/// not released until it lets go, or its debit could land after the
+/// release claimed the remainder.
+#[tokio::test(start_paused = true)]
+async fn a_request_holding_the_lease_before_its_debit_keeps_it_from_release() {
+    let h = Harness::started(Scripted::new()).await;
+    let reading = h.slot.load_observed().expect("a lease serves");
+    rotate_once(&h, 85).await;
+    assert_eq!(h.serving(), Some((2, 100)), "rotated at low water");
+    sleep(POLL * 3 + secs(1)).await;
+    assert_eq!(
+        h.allocator.calls(),
+        [acquire(), acquire()],
+        "I26: never released while a request holds the lease"
+    );
+    drop(reading);
+    h.allocator.calls_reach(3).await;
+    assert_eq!(h.allocator.calls()[2], release(1, 15));
+}
+
 // --------------------------------------------------------- consolidation
 
 /// A refused quote rings; the lease's unspent units and the quote go to the
