@@ -1331,6 +1331,133 @@ async fn paging_by_revision_never_skips_a_change_among_racing_writers() {
     assert_eq!(seen, issued, "every key seen exactly once");
 }
 
+/// I32 for revocations: revocations racing on different accounts must not
+/// let a reader's cursor pass one for good, or the revoked key would keep
+/// its active policy on every instance (fail open).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn paging_by_revision_never_skips_a_revocation_among_racing_writers() {
+    race_revision_writers("changes_racing_revokes", Change::Revoke).await;
+}
+
+/// I32 for account status: status changes racing on different accounts
+/// must not let a reader's cursor pass one for good, or a suspended account
+/// would keep admitting on every instance (fail open).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn paging_by_revision_never_skips_a_status_change_among_racing_writers() {
+    race_revision_writers("changes_racing_statuses", Change::Status).await;
+}
+
+/// What the racing writers of [`race_revision_writers`] do.
+#[derive(Clone, Copy)]
+enum Change {
+    /// Revoke each key in turn.
+    Revoke,
+    /// Suspend each key's account in turn.
+    Status,
+}
+
+/// Writers on accounts of their own make `change`s at once while a reader
+/// pages by revision from past every key's issue; the last snapshot the
+/// reader sees of each key must show the writers' last word on it. (A status
+/// change republishes every key of its account, so the kinds race apart:
+/// mixed, a later status change would hide a skipped revocation.)
+async fn race_revision_writers(name: &str, change: Change) {
+    const WRITERS: usize = 4;
+    const KEYS_EACH: usize = 30;
+    let Some(store) = store(name, 1).await else {
+        return;
+    };
+    // Each key on an account of its own, so each change is the last word on
+    // the keys it touches.
+    let mut writers = Vec::new();
+    for _ in 0..WRITERS {
+        let pool = sibling(&store).await;
+        let mut keys = Vec::new();
+        for _ in 0..KEYS_EACH {
+            let acct = account(&pool, 10).await;
+            let key = pool.issue_key(acct, PermissionBits::ALL, at(0)).await;
+            keys.push((acct, key.unwrap()));
+        }
+        writers.push((pool, keys));
+    }
+    // The reader starts past every issue, so what it pages next is the
+    // racing writers' work.
+    let mut cursor = SnapshotCursor::START;
+    loop {
+        let page = store.changed_since(cursor, 50, at(1)).await.unwrap();
+        cursor = page.next;
+        if page.complete {
+            break;
+        }
+    }
+    let start = Arc::new(tokio::sync::Barrier::new(WRITERS + 1));
+    let changing: Vec<_> = writers
+        .into_iter()
+        .map(|(pool, keys)| {
+            let start = Arc::clone(&start);
+            tokio::spawn(async move {
+                start.wait().await;
+                for (acct, key) in &keys {
+                    match change {
+                        Change::Revoke => pool.revoke_key(key.key_id, at(2)).await.unwrap(),
+                        Change::Status => {
+                            pool.set_status(*acct, AccountStatus::Suspended)
+                                .await
+                                .unwrap();
+                        }
+                    }
+                }
+                let expected = match change {
+                    Change::Revoke => (KeyStatus::Revoked, AccountStatus::Active),
+                    Change::Status => (KeyStatus::Active, AccountStatus::Suspended),
+                };
+                keys.into_iter()
+                    .map(|(_, key)| (key.principal, expected))
+                    .collect::<Vec<_>>()
+            })
+        })
+        .collect();
+    start.wait().await;
+    let mut last = std::collections::HashMap::new();
+    let mut pages_during = 0;
+    let mut record = |page: &tollgate::store::SnapshotPage| {
+        for snapshot in &page.snapshots {
+            last.insert(
+                snapshot.principal,
+                (snapshot.key_status, snapshot.account_status),
+            );
+        }
+    };
+    while !changing.iter().all(tokio::task::JoinHandle::is_finished) {
+        let page = store.changed_since(cursor, 3, at(3)).await.unwrap();
+        record(&page);
+        cursor = page.next;
+        pages_during += 1;
+    }
+    let mut expected = Vec::new();
+    for writer in changing {
+        expected.extend(writer.await.unwrap());
+    }
+    loop {
+        let page = store.changed_since(cursor, 3, at(3)).await.unwrap();
+        record(&page);
+        cursor = page.next;
+        if page.complete {
+            break;
+        }
+    }
+    assert!(pages_during > 1, "pages were read while the writers ran");
+    assert_eq!(expected.len(), WRITERS * KEYS_EACH);
+    let stale: Vec<_> = expected
+        .iter()
+        .filter(|(principal, expected)| last.get(principal) != Some(expected))
+        .collect();
+    assert!(
+        stale.is_empty(),
+        "I32: the reader's last word is stale for {stale:?}"
+    );
+}
+
 // ---- concurrency and failure --------------------------------------------------------------
 
 /// I8 across racing batches that lock different rows: two batches, each on
