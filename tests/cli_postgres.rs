@@ -442,6 +442,26 @@ fn keys_are_issued_once_listed_by_prefix_and_revoked() {
     let lost = finish(&command.output().expect("the tollgate binary runs"));
     let lost = lost.fails(1, "could not be written");
     assert!(lost.stderr.contains("revoke it"), "{}", lost.stderr);
+    // A listing whose reader has gone (`| head`) stops quietly; one that
+    // cannot be written at all is an error. Neither panics.
+    let (reader, writer) = std::io::pipe().expect("a pipe");
+    drop(reader);
+    let mut command = Cli::bare();
+    command
+        .args(["--database-url", &cli.url, "--schema", &cli.schema])
+        .args(["key", "list", &id])
+        .stdout(writer);
+    let closed = finish(&command.output().expect("the tollgate binary runs"));
+    assert_eq!(closed.code, 0, "{}", closed.stderr);
+    assert!(closed.stderr.is_empty(), "{}", closed.stderr);
+    let mut command = Cli::bare();
+    command
+        .args(["--database-url", &cli.url, "--schema", &cli.schema])
+        .args(["key", "list", &id])
+        .stdout(std::fs::File::create("/dev/full").expect("/dev/full opens"));
+    let full = finish(&command.output().expect("the tollgate binary runs"));
+    let full = full.fails(1, "cannot write the output");
+    assert!(!full.stderr.contains("panicked"), "{}", full.stderr);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -252,6 +252,27 @@ enum Failure {
     /// The command ran and found something wrong: a schema mismatch or a
     /// ledger violation (exit 3).
     Finding,
+    /// Whatever read the output stopped reading (`tollgate usage … | head`):
+    /// the command stops quietly (exit 0).
+    OutputClosed,
+}
+
+/// Writes one line of a command's output. Unlike `println!`, a closed or
+/// failing stdout is an answer, not a panic.
+macro_rules! say {
+    ($($arg:tt)*) => {
+        emit(format_args!($($arg)*))?
+    };
+}
+
+fn emit(line: std::fmt::Arguments<'_>) -> Result<(), Failure> {
+    let mut out = std::io::stdout().lock();
+    out.write_fmt(line)
+        .and_then(|()| out.write_all(b"\n"))
+        .map_err(|error| match error.kind() {
+            std::io::ErrorKind::BrokenPipe => Failure::OutputClosed,
+            _ => Failure::Error(format!("cannot write the output: {error}")),
+        })
 }
 
 impl<E: std::fmt::Display> From<E> for Failure {
@@ -273,7 +294,7 @@ fn main() -> ExitCode {
         }
     };
     match runtime.block_on(run(cli)) {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(()) | Err(Failure::OutputClosed) => ExitCode::SUCCESS,
         Err(Failure::Error(message)) => {
             eprintln!("tollgate: error: {message}");
             ExitCode::FAILURE
@@ -303,21 +324,21 @@ async fn run(cli: Cli) -> Result<(), Failure> {
         Command::Migrate => {
             let report = store.migrate().await?;
             if report.applied.is_empty() {
-                println!(
+                say!(
                     "schema {} is current (version {})",
                     store.schema(),
                     report.current
                 );
             } else {
                 for version in &report.applied {
-                    println!("applied migration {version}");
+                    say!("applied migration {version}");
                 }
-                println!("schema {} is at version {}", store.schema(), report.current);
+                say!("schema {} is at version {}", store.schema(), report.current);
             }
         }
         Command::CheckSchema => {
             let status = store.check_schema().await?;
-            println!("{}", render::schema_status(store.schema(), &status));
+            say!("{}", render::schema_status(store.schema(), &status));
             if !matches!(status, SchemaStatus::Current { .. }) {
                 return Err(Failure::Finding);
             }
@@ -332,17 +353,17 @@ async fn run(cli: Cli) -> Result<(), Failure> {
             until,
         } => {
             for event in store.usage(account, since, until).await? {
-                println!("{}", render::usage_event(&event));
+                say!("{}", render::usage_event(&event));
             }
         }
         Command::Reclaim { batch, .. } => reclaim(&store, batch, now).await?,
         Command::Audit => {
             let violations = store.audit().await?;
             if violations.is_empty() {
-                println!("the ledger balances");
+                say!("the ledger balances");
             } else {
                 for violation in &violations {
-                    println!("violation: {violation}");
+                    say!("violation: {violation}");
                 }
                 return Err(Failure::Finding);
             }
@@ -373,28 +394,28 @@ async fn account(
                 refill: None,
             };
             let id = store.create_account(spec, now).await?;
-            println!("{id}");
+            say!("{id}");
         }
         AccountCommand::Show { account } => {
-            println!("{}", render::account(&store.account(account, now).await?));
+            say!("{}", render::account(&store.account(account, now).await?));
         }
         AccountCommand::List => {
             for view in store.accounts(now).await? {
-                println!("{}", render::account(&view));
+                say!("{}", render::account(&view));
             }
         }
         AccountCommand::Suspend { account } => {
             store.set_status(account, AccountStatus::Suspended).await?;
-            println!("{account}: suspended");
+            say!("{account}: suspended");
         }
         AccountCommand::Resume { account } => {
             store.set_status(account, AccountStatus::Active).await?;
-            println!("{account}: active");
+            say!("{account}: active");
         }
         AccountCommand::SetMode { account, mode } => {
             let mode = enforcement(&mode)?;
             store.set_mode(account, mode).await?;
-            println!("{account}: {}", render::mode(mode));
+            say!("{account}: {}", render::mode(mode));
         }
     }
     Ok(())
@@ -414,7 +435,7 @@ async fn balance(
             let change = store
                 .top_up(account, CostUnits(units), &movement.borrow(), now)
                 .await?;
-            println!("{}", render::balance_change(account, &change));
+            say!("{}", render::balance_change(account, &change));
         }
         BalanceCommand::Adjust {
             account,
@@ -424,11 +445,11 @@ async fn balance(
             let change = store
                 .adjust(account, delta, &movement.borrow(), now)
                 .await?;
-            println!("{}", render::balance_change(account, &change));
+            say!("{}", render::balance_change(account, &change));
         }
         BalanceCommand::History { account } => {
             for entry in store.history(account).await? {
-                println!("{}", render::journal_entry(&entry));
+                say!("{}", render::journal_entry(&entry));
             }
         }
     }
@@ -461,11 +482,11 @@ async fn key(store: &PostgresStore, command: KeyCommand, now: Timestamp) -> Resu
         }
         KeyCommand::Revoke { key } => {
             store.revoke_key(key, now).await?;
-            println!("{key}: revoked");
+            say!("{key}: revoked");
         }
         KeyCommand::List { account } => {
             for info in store.list_keys(account).await? {
-                println!("{}", render::key(&info));
+                say!("{}", render::key(&info));
             }
         }
     }
@@ -489,11 +510,11 @@ async fn refill(
             };
             store.configure_refill(account, Some(schedule), now).await?;
             let view = store.account(account, now).await?;
-            println!("{}", render::account(&view));
+            say!("{}", render::account(&view));
         }
         RefillCommand::Clear { account } => {
             store.configure_refill(account, None, now).await?;
-            println!("{account}: no refill");
+            say!("{account}: no refill");
         }
     }
     Ok(())
@@ -507,7 +528,7 @@ async fn reclaim(store: &PostgresStore, batch: usize, now: Timestamp) -> Result<
     loop {
         let page = store.reclaim_expired_batch(now, batch).await?;
         for lease in &page.reclaimed {
-            println!(
+            say!(
                 "reclaimed {} of {}: {} units credited",
                 lease.lease_id,
                 lease.account_id,
@@ -517,7 +538,7 @@ async fn reclaim(store: &PostgresStore, batch: usize, now: Timestamp) -> Result<
         }
         for lease in &page.blocked {
             if blocked.insert(lease.lease_id) {
-                println!(
+                say!(
                     "blocked {} of {}: its {} units would take the balance past the ledger's range",
                     lease.lease_id,
                     lease.account_id,
@@ -530,9 +551,9 @@ async fn reclaim(store: &PostgresStore, batch: usize, now: Timestamp) -> Result<
             break;
         }
     }
-    println!("{settled} leases reclaimed, {credited} units credited");
+    say!("{settled} leases reclaimed, {credited} units credited");
     if !blocked.is_empty() {
-        println!(
+        say!(
             "{} leases blocked; they settle once their accounts' balances have room",
             blocked.len()
         );
