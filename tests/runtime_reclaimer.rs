@@ -77,6 +77,8 @@ enum Answer {
     Blocked((u64, u64), Vec<u64>, bool),
     Fail,
     Hang,
+    /// A bug in the store client.
+    Panic,
 }
 
 /// An allocator whose reclaim answers from a script, then from a backlog
@@ -191,6 +193,7 @@ impl LeaseAllocator for ScriptedAllocator {
             }),
             Answer::Fail => Err(StoreError::new("scripted outage")),
             Answer::Hang => std::future::pending().await,
+            Answer::Panic => panic!("a bug in the store client"),
         }
     }
 }
@@ -538,6 +541,33 @@ async fn storage_errors_and_hangs_are_counted_and_never_fatal() {
         ReclaimStats {
             errors: 2,
             timeouts: 1,
+            ..stats(1, 1, 9)
+        }
+    );
+}
+
+/// A store client that panics fails that pass, counted as an error; the
+/// reclaimer goes on, since crashed instances' leases are settled nowhere
+/// else.
+#[tokio::test(start_paused = true)]
+async fn a_store_call_that_panics_fails_one_pass_and_the_reclaimer_goes_on() {
+    let allocator = ScriptedAllocator::new([Answer::Panic, Answer::Batch(vec![(1, 9)], false)]);
+    let clock = Arc::new(ManualClock::new(start()));
+    let reclaimer = spawn(allocator.clone(), &clock, config(5, 4, 1));
+    settle().await;
+    assert_eq!(
+        reclaimer.stats(),
+        ReclaimStats {
+            errors: 1,
+            ..ReclaimStats::default()
+        }
+    );
+    run_for(&clock, 5).await;
+    assert_eq!(allocator.calls(), vec![(0, 4), (5, 4)]);
+    assert_eq!(
+        reclaimer.shutdown().await,
+        ReclaimStats {
+            errors: 1,
             ..stats(1, 1, 9)
         }
     );

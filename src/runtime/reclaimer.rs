@@ -14,9 +14,9 @@
 //! The store settles each lease once however many reclaimers ask (I19), so
 //! it is safe to run one on every instance, or in a separate process.
 //!
-//! Every call is bounded by `store_call_timeout` (I22). An error or a timeout
-//! ends the pass, is counted and logged, and the next pass comes at the next
-//! interval: the reclaimer never gives up. A store settles a batch in one
+//! Every call is bounded by `store_call_timeout` (I22). An error, a timeout
+//! or a panic in the store client ends the pass, is counted and logged, and
+//! the next pass comes at the next interval: the reclaimer never gives up. A store settles a batch in one
 //! transaction whose length grows with the batch, so a batch too large to
 //! settle within the timeout would time out on every pass and nothing would
 //! ever be reclaimed: after a timeout the reclaimer halves the batches it
@@ -40,6 +40,7 @@ use std::time::Duration;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio::time::{MissedTickBehavior, interval, timeout};
+use tokio_util::task::AbortOnDropHandle;
 
 use crate::model::LeaseId;
 use crate::store::{Clock, LeaseAllocator, ReclaimBatch};
@@ -306,20 +307,32 @@ impl Task {
             let limit = self.config.store_call_timeout;
             // I22: the call is bounded; a stop abandons it (store calls are
             // cancellable, and the store settles each lease once, I19).
-            let answer = until_stopped(
-                &mut self.stop,
-                timeout(limit, self.allocator.reclaim_expired_batch(now, self.batch)),
-            )
-            .await?;
+            // The call runs as a task of its own, aborted if it is cut off
+            // or the reclaimer stops: a store client that panics then fails
+            // one pass, not the reclaimer for the rest of the process.
+            let allocator = Arc::clone(&self.allocator);
+            let batch = self.batch;
+            let call = AbortOnDropHandle::new(tokio::spawn(async move {
+                allocator.reclaim_expired_batch(now, batch).await
+            }));
+            let answer = until_stopped(&mut self.stop, timeout(limit, call)).await?;
             let next = match answer {
-                Ok(Ok(batch)) => {
+                Ok(Err(panicked)) => {
+                    bump(&self.counters.errors, 1);
+                    tracing::error!(
+                        error = %panicked,
+                        "reclaimer: the store call panicked; trying again next interval"
+                    );
+                    Next::Done
+                }
+                Ok(Ok(Ok(batch))) => {
                     self.batch = self
                         .batch
                         .saturating_add((self.batch / 8).max(1))
                         .min(self.config.batch_limit);
                     self.settle(&batch, &mut named)
                 }
-                Ok(Err(error)) => {
+                Ok(Ok(Err(error))) => {
                     bump(&self.counters.errors, 1);
                     tracing::warn!(%error, "reclaimer: the store failed; trying again next interval");
                     Next::Done
