@@ -402,6 +402,30 @@ async fn a_hanging_sink_is_cut_off_by_the_ingest_timeout_and_the_batch_retried()
     assert_eq!(h.writer.health(), WriterHealth::Healthy);
 }
 
+/// I22: an attempt that failed may have written the batch after all (a
+/// timeout, a connection lost after the commit); the retry then finds the
+/// events recorded. They are this writer's own, and count as accepted, not
+/// as duplicates someone else delivered.
+#[tokio::test(start_paused = true)]
+async fn a_retry_that_finds_its_own_failed_attempt_recorded_counts_it_accepted() {
+    let mut h = Harness::new(ScriptedSink::new([Answer::Hang, Answer::DuplicateAll]));
+    h.record(0..4);
+    sleep(DRAIN * 5).await;
+    let stats = h.stats();
+    assert_eq!((stats.accepted, stats.duplicate), (4, 0));
+    assert_eq!(
+        (stats.ingest_timeouts, stats.retries, stats.batches),
+        (1, 1, 1)
+    );
+    // On a first attempt, a duplicate is someone else's delivery.
+    h.sink.plan([Answer::DuplicateAll]);
+    h.record(4..8);
+    sleep(DRAIN * 5).await;
+    let stats = h.stats();
+    assert_eq!((stats.accepted, stats.duplicate), (4, 4));
+    assert_accounted(&stats, h.recorded);
+}
+
 /// I21: duplicates count as delivered; a rejected event is counted and never
 /// handed to the sink again.
 #[tokio::test(start_paused = true)]

@@ -130,9 +130,10 @@ pub struct UsageWriter {
 /// so a reading taken while the writer moves a batch may be off by that batch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct WriterStats {
-    /// Events the sink recorded.
+    /// Events the sink recorded, including those a failed attempt recorded
+    /// after all (its retry then finds them recorded).
     pub accepted: u64,
-    /// Events the sink had already recorded.
+    /// Events the sink had recorded before this writer first offered them.
     pub duplicate: u64,
     /// Events the sink refused; never retried.
     pub rejected: u64,
@@ -182,6 +183,11 @@ pub struct WriterReport {
     /// everything still queued at the deadline (or when the task died),
     /// plus any event recorded after the writer gave up by a commit that
     /// raced it, which nobody will write.
+    ///
+    /// Given up means not confirmed: an ingest cut off by the deadline may
+    /// have written its batch after all (I22). The store's ledger is the
+    /// record of what was billed; the lease such an event names is left to
+    /// reclaim, which settles it against what the store holds.
     pub lost: u64,
     /// Places still held at the end by permits whose requests had not
     /// committed. Once the writer has given up, a commit is refused (the
@@ -638,7 +644,7 @@ impl Task {
             let call = timeout(self.config.ingest_timeout, self.sink.ingest(&self.batch));
             let answer = before_deadline(&mut self.stop, call).await?;
             if let Some(outcomes) = self.judge(answer) {
-                self.settle(&outcomes);
+                self.settle(&outcomes, attempts > 1);
                 return Ok(());
             }
             self.note_failure();
@@ -689,12 +695,15 @@ impl Task {
     }
 
     /// Counts the sink's answer for every event of the batch and frees their
-    /// places.
-    fn settle(&mut self, outcomes: &[IngestOutcome]) {
+    /// places. After a failed attempt (`retried`), which may have taken
+    /// effect (I22), a duplicate is this writer's own earlier write of the
+    /// event, and counts as accepted.
+    fn settle(&mut self, outcomes: &[IngestOutcome], retried: bool) {
         let (mut accepted, mut duplicate, mut rejected) = (0, 0, 0);
         for (event, outcome) in self.batch.iter().zip(outcomes) {
             match outcome {
                 IngestOutcome::Accepted => accepted += 1,
+                IngestOutcome::Duplicate if retried => accepted += 1,
                 IngestOutcome::Duplicate => duplicate += 1,
                 IngestOutcome::Rejected(reason) => {
                     // I21: a rejection is final; it is counted and logged,
