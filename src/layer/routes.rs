@@ -36,8 +36,13 @@ use super::config::Price;
 /// no route matches (the router's fallback) have no [`MatchedPath`]
 /// either.
 ///
-/// Methods match exactly: a `HEAD` request, which axum serves with the
-/// `GET` handler, needs its own entry or takes the fallback.
+/// Under `Router::nest`, axum matches (and names in [`MatchedPath`]) the
+/// whole template, prefix included: a route `"/users/{id}"` of a router
+/// nested at `"/api"` is priced by an entry for `"/api/users/{id}"`.
+///
+/// Methods match exactly, except that a `HEAD` request with no entry of its
+/// own takes the `GET` entry: axum serves `HEAD` with the `GET` handler, so
+/// it does the same work and needs the same permissions.
 ///
 /// ```no_run
 /// # fn example(handle: tollgate::runtime::RuntimeHandle) {
@@ -93,13 +98,20 @@ impl RouteTable {
     }
 
     /// The price of a request: by its matched path if axum has matched,
-    /// else by its raw path, else the fallback.
+    /// else by its raw path (a `HEAD` without an entry of its own as the
+    /// `GET`), else the fallback.
     pub fn price_of(&self, parts: &Parts) -> Price {
         let path = parts
             .extensions
             .get::<MatchedPath>()
             .map_or_else(|| parts.uri.path(), MatchedPath::as_str);
-        self.lookup(&parts.method, path).unwrap_or(self.fallback)
+        self.lookup(&parts.method, path)
+            .or_else(|| {
+                (parts.method == Method::HEAD)
+                    .then(|| self.lookup(&Method::GET, path))
+                    .flatten()
+            })
+            .unwrap_or(self.fallback)
     }
 
     /// The entry for exactly `method path`, if there is one.
@@ -241,8 +253,23 @@ mod tests {
         assert_eq!(table.price_of(&parts(Method::GET, "/nope", None)), price(1));
         assert_eq!(
             table.price_of(&parts(Method::HEAD, "/health", None)),
+            price(0),
+            "HEAD runs the GET handler, so it takes the GET entry"
+        );
+        assert_eq!(
+            table.price_of(&parts(Method::HEAD, "/users/42", Some("/users/{id}"))),
+            price(2)
+        );
+        let own = table.clone().route(Method::HEAD, "/health", price(3));
+        assert_eq!(
+            own.price_of(&parts(Method::HEAD, "/health", None)),
+            price(3),
+            "an entry of its own comes first"
+        );
+        assert_eq!(
+            table.price_of(&parts(Method::OPTIONS, "/health", None)),
             price(1),
-            "HEAD needs its own entry"
+            "other methods match exactly"
         );
         let empty = RouteTable::new(price(9));
         assert_eq!(empty.price_of(&parts(Method::GET, "/", None)), price(9));
@@ -302,5 +329,34 @@ mod tests {
             price(1),
             "wrapped around the router"
         );
+    }
+
+    #[test]
+    fn a_nested_route_is_priced_by_its_whole_template() {
+        use axum::Router;
+        use axum::routing::get;
+        use tower::util::MapRequestLayer;
+        use tower_service::Service as _;
+
+        let (sender, receiver) = std::sync::mpsc::channel();
+        let nested = table().route(Method::GET, "/api/users/{id}", price(7));
+        let record = move |request: http::Request<axum::body::Body>| {
+            let (parts, body) = request.into_parts();
+            sender.send(nested.price_of(&parts)).unwrap();
+            http::Request::from_parts(parts, body)
+        };
+        let inner = Router::new()
+            .route("/users/{id}", get(|| async {}))
+            .route_layer(MapRequestLayer::new(record));
+        let mut router: Router = Router::new().nest("/api", inner);
+        let request = http::Request::builder()
+            .uri("/api/users/42")
+            .body(axum::body::Body::empty())
+            .unwrap();
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        runtime.block_on(router.call(request)).unwrap();
+        assert_eq!(receiver.recv().unwrap(), price(7), "prefix included");
     }
 }
