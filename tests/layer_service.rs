@@ -1011,6 +1011,33 @@ async fn building_a_layer_without_pricing_is_a_named_error() {
     assert_eq!(error.to_string(), "no pricing function was given");
 }
 
+/// I17: a policy revision no store can record would get every usage event
+/// rejected as malformed, and every charge would run unbilled; the builder
+/// refuses it by name. The largest recordable one is accepted.
+#[tokio::test(start_paused = true)]
+async fn a_policy_revision_no_store_can_record_is_a_named_error() {
+    let w = world(INITIAL).await;
+    let build = |revision| {
+        TollgateLayer::builder(w.handle.clone())
+            .price(|_: &http::request::Parts| Price {
+                units: CostUnits(PRICE),
+                required: READ,
+            })
+            .policy_revision(revision)
+            .build()
+            .err()
+    };
+    assert_eq!(
+        build(PolicyRevision(u64::MAX)),
+        Some(LayerConfigError::PolicyRevisionTooLarge)
+    );
+    assert_eq!(
+        build(PolicyRevision(PolicyRevision::MAX.get() + 1)),
+        Some(LayerConfigError::PolicyRevisionTooLarge)
+    );
+    assert_eq!(build(PolicyRevision::MAX), None);
+}
+
 /// Reads the key from `x-custom-key` only.
 struct CustomHeader;
 

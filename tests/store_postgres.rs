@@ -1000,12 +1000,18 @@ async fn ids_and_units_past_the_bigint_range_are_answered_as_the_memory_store_an
     let mut overflowing_debt = overage;
     overflowing_debt.request_id = RequestId(u128::MAX);
     overflowing_debt.units = CostUnits(i64::MAX as u64);
+    let mut far_revision = leased(23, acct, &a, 1);
+    far_revision.policy_revision = PolicyRevision(u64::MAX);
+    let mut far_key = leased(24, acct, &a, 1);
+    far_key.key_id = Some(KeyId(u64::MAX));
     let edge = [
         far_account,
         far_lease,
         far_token,
         far_units_duplicate,
         overflowing_debt,
+        far_revision,
+        far_key,
     ];
     let outcomes = store.ingest(&edge).await.unwrap();
     assert_eq!(
@@ -1015,6 +1021,8 @@ async fn ids_and_units_past_the_bigint_range_are_answered_as_the_memory_store_an
             IngestOutcome::Rejected(RejectReason::UnknownLease),
             IngestOutcome::Rejected(RejectReason::FencingMismatch),
             IngestOutcome::Rejected(RejectReason::ConflictingDuplicate),
+            IngestOutcome::Rejected(RejectReason::Malformed),
+            IngestOutcome::Rejected(RejectReason::Malformed),
             IngestOutcome::Rejected(RejectReason::Malformed),
         ]
     );

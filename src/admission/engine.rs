@@ -469,7 +469,8 @@ impl RequestContext {
     }
 
     /// Stamps usage events with the pricing policy's revision instead of the
-    /// snapshot's.
+    /// snapshot's. At most [`PolicyRevision::MAX`]: the stores reject an
+    /// event stamped with a larger one as malformed.
     pub fn set_policy_revision(&mut self, revision: PolicyRevision) {
         self.policy_revision = revision;
     }

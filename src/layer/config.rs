@@ -31,6 +31,10 @@ pub enum LayerConfigError {
     /// The operating system supplied no randomness for the prefix of the
     /// request ids given to denied callers.
     Randomness,
+    /// The policy revision is above [`PolicyRevision::MAX`]: the stores
+    /// would reject every usage event stamped with it, and every charge
+    /// would go unbilled.
+    PolicyRevisionTooLarge,
 }
 
 impl fmt::Display for LayerConfigError {
@@ -38,6 +42,9 @@ impl fmt::Display for LayerConfigError {
         match self {
             Self::MissingPricing => f.write_str("no pricing function was given"),
             Self::Randomness => f.write_str("the operating system supplied no randomness"),
+            Self::PolicyRevisionTooLarge => {
+                f.write_str("the policy revision is above PolicyRevision::MAX (i64::MAX)")
+            }
         }
     }
 }
@@ -150,7 +157,8 @@ impl TollgateBuilder {
     }
 
     /// Stamps every usage event with the pricing policy's revision instead
-    /// of the snapshot's.
+    /// of the snapshot's. At most [`PolicyRevision::MAX`] (a hash of a
+    /// price table needs its top bit cleared).
     pub fn policy_revision(mut self, revision: PolicyRevision) -> Self {
         self.policy_revision = Some(revision);
         self
@@ -193,10 +201,17 @@ impl TollgateBuilder {
     /// # Errors
     ///
     /// [`LayerConfigError::MissingPricing`] when no pricing was given;
-    /// [`LayerConfigError::Randomness`] when the operating system supplied
-    /// no randomness.
+    /// [`LayerConfigError::PolicyRevisionTooLarge`] for a policy revision
+    /// no store can record; [`LayerConfigError::Randomness`] when the
+    /// operating system supplied no randomness.
     pub fn build(self) -> Result<TollgateLayer, LayerConfigError> {
         let price = self.price.ok_or(LayerConfigError::MissingPricing)?;
+        if self
+            .policy_revision
+            .is_some_and(|revision| revision > PolicyRevision::MAX)
+        {
+            return Err(LayerConfigError::PolicyRevisionTooLarge);
+        }
         let denial_ids = RequestIds::random().map_err(|_| LayerConfigError::Randomness)?;
         Ok(TollgateLayer {
             shared: Arc::new(Shared {

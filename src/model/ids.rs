@@ -74,6 +74,11 @@ id_type!(
 impl PolicyRevision {
     /// The revision used when the application states none.
     pub const UNSTATED: Self = Self(0);
+
+    /// The largest revision every store can record: `PostgreSQL` keeps it in
+    /// a `bigint`. An event stamped with a larger one is rejected as
+    /// malformed, so the layer refuses to be built with one (I17).
+    pub const MAX: Self = Self(i64::MAX as u64);
 }
 
 impl RequestId {

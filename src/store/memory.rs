@@ -1024,7 +1024,12 @@ impl Ledger {
 
     /// Checks one event and applies its units to its lease or debt.
     fn admit(&mut self, event: &UsageEvent) -> Result<(), RejectReason> {
-        if event.units.get() > UNITS_MAX {
+        // The bounds of the ledger's columns, as the PostgreSQL store has
+        // them, so a value it would refuse is refused here too.
+        if event.units.get() > UNITS_MAX
+            || event.policy_revision > PolicyRevision::MAX
+            || event.key_id.is_some_and(|key| key.get() > UNITS_MAX)
+        {
             return Err(RejectReason::Malformed);
         }
         let account = self

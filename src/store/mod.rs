@@ -269,12 +269,11 @@ pub enum RejectReason {
     AccountMismatch,
     /// An event with this request id but a different payload was recorded.
     ConflictingDuplicate,
-    /// The event is malformed: a value the ledger cannot hold (units above
-    /// `i64::MAX`, or overage debt that would pass it; the `PostgreSQL`
-    /// store, whose columns are `bigint` and `timestamptz`, also a policy
-    /// revision or key id above it, or an instant before 4714 BC). A
-    /// zero-unit event (a request priced at nothing) is well formed and
-    /// accepted.
+    /// The event is malformed: a value the ledger cannot hold (units, a
+    /// policy revision or a key id above `i64::MAX`, or overage debt that
+    /// would pass it; the `PostgreSQL` store, whose instants are
+    /// `timestamptz`, also an instant before 4714 BC). A zero-unit event (a
+    /// request priced at nothing) is well formed and accepted.
     Malformed,
 }
 
