@@ -2304,32 +2304,3 @@ async fn on_a_memory_store_the_tail_of_a_balance_is_regranted_and_its_evidence_p
     assert_eq!(view.leased, CostUnits::ZERO);
     assert_eq!(view.settled_unbilled, CostUnits::ZERO);
 }
-
-/// I5, I29: a lease spent down to nothing while the allocator is out of
-/// reach serves no priced request (each is refused as unavailable), so the
-/// manager is not ready, although the lease's window is open; a grant
-/// makes it ready again.
-#[tokio::test(start_paused = true)]
-async fn a_spent_lease_with_the_allocator_out_of_reach_is_not_ready() {
-    let allocator = Scripted::new();
-    allocator.plan_acquires([
-        Reply::Grant(TARGET),
-        Reply::Refuse(storage_error()),
-        Reply::Refuse(storage_error()),
-    ]);
-    let h = Harness::started(allocator).await;
-    assert!(h.ready());
-    h.spend(TARGET - LOW_WATER);
-    h.allocator.calls_reach(2).await;
-    settle().await;
-    assert!(h.ready(), "the lease still holds {LOW_WATER} units");
-    h.spend(LOW_WATER);
-    sleep(POLL + ms(1)).await;
-    assert_eq!(h.allocator.calls().len(), 3, "asked again at the poll");
-    assert_eq!(h.serving(), Some((1, 0)));
-    assert_eq!(h.manager().health(), LeaseHealth::Serving);
-    assert!(!h.ready(), "spent, and nothing can be granted");
-    sleep(POLL).await;
-    assert_eq!(h.serving(), Some((2, TARGET)), "granted at the next poll");
-    assert!(h.ready());
-}

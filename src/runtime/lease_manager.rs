@@ -549,9 +549,7 @@ impl LeaseManager {
     }
 
     /// `true` while the slot holds a usable lease and no integrity fault has
-    /// been seen, unless that lease is spent while the allocator is out of
-    /// reach (priced requests are then refused as unavailable until a grant
-    /// comes); updated by the task after every inspection, one of which
+    /// been seen; updated by the task after every inspection, one of which
     /// comes as the lease's window closes, so a lease that expires shows here
     /// then (or, with a clock that reads behind, by its staleness bound; for
     /// a grant usable no longer than one store call, by the next poll).
@@ -1893,25 +1891,12 @@ impl Task {
     }
 
     fn publish_readiness(&self) {
-        let ready = !self.shared.is_faulted()
-            && serving(&self.slot, self.clock.as_ref())
-            && !self.spent_out_of_reach();
+        let ready = !self.shared.is_faulted() && serving(&self.slot, self.clock.as_ref());
         self.shared.readiness.send_if_modified(|current| {
             let changed = *current != ready;
             *current = ready;
             changed
         });
-    }
-
-    /// Whether the serving lease has nothing left while the allocator is
-    /// out of reach: every priced request is then refused as the instance
-    /// failing closed (503) until a grant comes, so the instance is not
-    /// ready, although the lease's window is open (I5, I29).
-    fn spent_out_of_reach(&self) -> bool {
-        self.slot.allocator_unreachable()
-            && self
-                .slot
-                .with_lease(|lease| lease.is_some_and(|lease| lease.remaining().is_zero()))
     }
 
     fn note_holdings(&self) {
