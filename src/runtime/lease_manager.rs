@@ -640,7 +640,12 @@ impl LeaseManager {
     fn report_cut_off(&self, before: &LeaseStats) -> LeaseManagerReport {
         let (abandoned, abandoned_units) = self.leftovers();
         bump(&self.shared.counters.abandoned, abandoned);
-        let stats = self.shared.counters.stats();
+        let mut stats = self.shared.counters.stats();
+        // A grant request cut off with the task may have created a lease
+        // nobody holds.
+        if self.shared.grant_call_in_flight.load(Ordering::Acquire) {
+            stats.uncertain_acquires = stats.uncertain_acquires.saturating_add(1);
+        }
         tracing::warn!(
             account = %self.account,
             abandoned,
@@ -863,6 +868,13 @@ fn add_each<const N: usize>(left: &[u64; N], right: &[u64; N]) -> Option<[u64; N
         *total = sum(*a, *b)?;
     }
     Some(totals)
+}
+
+/// Takes `amount` off a holdings count, by its only writer as [`bump`]
+/// adds, never below zero.
+fn unheld(count: &AtomicU64, amount: u64) {
+    let current = count.load(Ordering::Relaxed);
+    count.store(current.saturating_sub(amount), Ordering::Relaxed);
 }
 
 /// A counter update by the only writer: a load and a store, saturating
@@ -1663,6 +1675,10 @@ impl Task {
         let mut outcome = PassOutcome {
             store_failed: false,
         };
+        // Counted now, and each lease released below is taken off the count
+        // as it goes: a task cut off in the middle of the pass is reported
+        // as holding exactly what it still held.
+        self.note_holdings();
         // Examined but still ours: they go behind the leases this pass did
         // not reach, so a lease that eats the budget does not keep the front.
         let mut unsettled = Vec::new();
@@ -1692,7 +1708,10 @@ impl Task {
             let stop = interruptible.then_some(&mut self.stop);
             let end = bounded(stop, give_up_at, call).await;
             match self.judge_release(lease, unspent, end) {
-                Judged::Done => {}
+                Judged::Done => {
+                    unheld(&self.shared.held_leases, 1);
+                    unheld(&self.shared.held_units, unspent.get());
+                }
                 Judged::Keep(lease) => {
                     outcome.store_failed = true;
                     unsettled.push(lease);

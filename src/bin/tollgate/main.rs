@@ -253,7 +253,9 @@ enum Failure {
     /// ledger violation (exit 3).
     Finding,
     /// Whatever read the output stopped reading (`tollgate usage … | head`):
-    /// the command stops quietly (exit 0).
+    /// the command stops quietly, with the status a process killed by
+    /// SIGPIPE would have (exit 141), so a pipeline that checks statuses
+    /// does not take a cut-short audit or reclaim for a complete one.
     OutputClosed,
 }
 
@@ -294,12 +296,13 @@ fn main() -> ExitCode {
         }
     };
     match runtime.block_on(run(cli)) {
-        Ok(()) | Err(Failure::OutputClosed) => ExitCode::SUCCESS,
+        Ok(()) => ExitCode::SUCCESS,
         Err(Failure::Error(message)) => {
             eprintln!("tollgate: error: {message}");
             ExitCode::FAILURE
         }
         Err(Failure::Finding) => ExitCode::from(3),
+        Err(Failure::OutputClosed) => ExitCode::from(141),
     }
 }
 
