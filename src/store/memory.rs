@@ -83,9 +83,13 @@ pub struct AccountView {
     pub leased: CostUnits,
     /// Overage billed and not yet paid.
     pub overage_debt: CostUnits,
-    /// Units settled back from leases that were neither credited nor billed:
-    /// charges committed by an instance that crashed or lost its usage
-    /// before delivering it. Zero when every instance shut down gracefully.
+    /// Units of released leases that were neither credited nor billed:
+    /// charges an instance committed whose usage never reached the store
+    /// before it released the lease (a shutdown whose drain deadline
+    /// passed). Zero when every committed charge was delivered. A lease
+    /// settled by reclaim is credited everything not billed, so charges
+    /// lost with a crashed instance do not show here; they are among the
+    /// units the reclaimer reports it credited back.
     pub settled_unbilled: CostUnits,
 }
 

@@ -101,10 +101,14 @@ fn check_movement(movement: &Movement<'_>) -> Result<(), AdminError> {
     Ok(())
 }
 
-/// Parses a sum `PostgreSQL` computed as numeric text.
+/// Parses a sum `PostgreSQL` computed as numeric text. Each lease is within
+/// the ledger's range, but top-ups let an account hold several near its top
+/// at once: a sum past `u64::MAX` shows as that, as the memory store's view
+/// does, rather than fail the view (and every listing that includes it).
 fn sum(row: &PgRow, column: &str) -> Result<u64, StoreError> {
     let text: String = get(row, column)?;
-    text.parse()
+    text.parse::<u128>()
+        .map(|sum| u64::try_from(sum).unwrap_or(u64::MAX))
         .map_err(|_| StoreError::new(format!("postgres: {column} {text} is not a unit count")))
 }
 
