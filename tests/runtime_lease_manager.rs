@@ -2304,3 +2304,75 @@ async fn on_a_memory_store_the_tail_of_a_balance_is_regranted_and_its_evidence_p
     assert_eq!(view.leased, CostUnits::ZERO);
     assert_eq!(view.settled_unbilled, CostUnits::ZERO);
 }
+
+// ------------------------------------------------- what an ended task left
+
+/// I25, I29: a task that ends in a store call reports exactly the leases it
+/// still held then. Here a fenced release takes the serving lease out of
+/// the slot and parks it, and the task dies releasing it: that lease, not
+/// none, is what it left.
+#[tokio::test(start_paused = true)]
+async fn a_task_that_dies_after_a_fence_reports_the_serving_lease_it_parked() {
+    let allocator = Scripted::new();
+    allocator.plan_releases(1, [Reply::Refuse(AllocateError::Fenced)]);
+    allocator.plan_releases(2, [Reply::Panic]);
+    let mut h = Harness::started(allocator).await;
+    rotate_once(&h, 80).await;
+    h.spend(10);
+    h.allocator.calls_reach(4).await;
+    settle().await;
+    assert!(h.manager().is_finished(), "the release of lease 2 panicked");
+    let report = h.shutdown().await;
+    assert!(report.task_died);
+    assert_eq!((report.abandoned, report.abandoned_units), (1, 90));
+}
+
+/// I25: at shutdown, a lease whose release is refused as a fault stays
+/// held (withheld), and a task that then dies reports it beside the one it
+/// died releasing.
+#[tokio::test(start_paused = true)]
+async fn a_task_that_dies_after_withholding_a_lease_at_shutdown_reports_both() {
+    let allocator = Scripted::new();
+    allocator.plan_releases(1, [Reply::Refuse(AllocateError::InvalidRelease)]);
+    allocator.plan_releases(2, [Reply::Panic]);
+    let mut h = Harness::started(allocator).await;
+    rotate_once(&h, 80).await;
+    h.spend(10);
+    let report = h.shutdown().await;
+    assert!(report.task_died);
+    assert_eq!((report.abandoned, report.abandoned_units), (2, 110));
+}
+
+/// I29: a fold refused and rolled back puts the lease back in the slot; a
+/// task that dies in the acquire that follows reports that lease once.
+#[tokio::test(start_paused = true)]
+async fn a_task_that_dies_acquiring_after_a_rolled_back_fold_counts_the_lease_once() {
+    let allocator = Scripted::new();
+    allocator.plan_consolidations([Reply::Refuse(AllocateError::InsufficientBalance)]);
+    allocator.plan_acquires([Reply::Grant(TARGET), Reply::Panic]);
+    let mut h = Harness::started(allocator).await;
+    h.spend(85);
+    h.refused(50);
+    h.allocator.calls_reach(3).await;
+    settle().await;
+    let report = h.shutdown().await;
+    assert!(report.task_died);
+    assert_eq!((report.abandoned, report.abandoned_units), (1, 15));
+}
+
+/// I29: a fold answered "gone" means the store settled the lease; a task
+/// that dies in the acquire that follows left nothing behind.
+#[tokio::test(start_paused = true)]
+async fn a_task_that_dies_acquiring_after_a_gone_fold_reports_nothing_abandoned() {
+    let allocator = Scripted::new();
+    allocator.plan_consolidations([Reply::Refuse(AllocateError::LeaseNotActive)]);
+    allocator.plan_acquires([Reply::Grant(TARGET), Reply::Panic]);
+    let mut h = Harness::started(allocator).await;
+    h.spend(70);
+    h.refused(50);
+    h.allocator.calls_reach(3).await;
+    settle().await;
+    let report = h.shutdown().await;
+    assert!(report.task_died);
+    assert_eq!((report.abandoned, report.abandoned_units), (0, 0));
+}

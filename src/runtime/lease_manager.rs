@@ -870,13 +870,6 @@ fn add_each<const N: usize>(left: &[u64; N], right: &[u64; N]) -> Option<[u64; N
     Some(totals)
 }
 
-/// Takes `amount` off a holdings count, by its only writer as [`bump`]
-/// adds, never below zero.
-fn unheld(count: &AtomicU64, amount: u64) {
-    let current = count.load(Ordering::Relaxed);
-    count.store(current.saturating_sub(amount), Ordering::Relaxed);
-}
-
 /// A counter update by the only writer: a load and a store, saturating
 /// rather than wrapping (I1).
 fn bump(counter: &AtomicU64, by: u64) {
@@ -1272,6 +1265,9 @@ impl Task {
         if self.grants_held() {
             return Ok(None);
         }
+        // A lease parked earlier in this inspection (one that expired) is
+        // counted before the call the task may end in.
+        self.note_holdings();
         let config = &self.config;
         let call = self.allocator.acquire(
             config.account,
@@ -1518,10 +1514,9 @@ impl Task {
             .grant_call_in_flight
             .store(true, Ordering::Release);
         // The lease is in neither the slot nor the parked list while the
-        // fold runs: counted as held meanwhile, a task that dies in the call
-        // still reports it (the next inspection's count replaces this).
-        bump(&self.shared.held_leases, 1);
-        bump(&self.shared.held_units, unspent.get());
+        // fold runs: counted as held meanwhile, so a task that dies or is
+        // cut off in the call still reports it.
+        self.count_holdings([&live]);
         let end = bounded(Some(&mut self.stop), give_up_at, call).await;
         self.shared
             .grant_call_in_flight
@@ -1675,10 +1670,6 @@ impl Task {
         let mut outcome = PassOutcome {
             store_failed: false,
         };
-        // Counted now, and each lease released below is taken off the count
-        // as it goes: a task cut off in the middle of the pass is reported
-        // as holding exactly what it still held.
-        self.note_holdings();
         // Examined but still ours: they go behind the leases this pass did
         // not reach, so a lease that eats the budget does not keep the front.
         let mut unsettled = Vec::new();
@@ -1698,6 +1689,9 @@ impl Task {
             let grant = *lease.grant();
             // I6: quiescent, so exact.
             let unspent = lease.remaining();
+            // Everything still held, this lease included, as the call may
+            // be the task's last step.
+            self.count_holdings(unsettled.iter().chain([&lease]));
             let call = self.allocator.release(
                 grant.lease_id,
                 grant.fencing_token,
@@ -1708,10 +1702,7 @@ impl Task {
             let stop = interruptible.then_some(&mut self.stop);
             let end = bounded(stop, give_up_at, call).await;
             match self.judge_release(lease, unspent, end) {
-                Judged::Done => {
-                    unheld(&self.shared.held_leases, 1);
-                    unheld(&self.shared.held_units, unspent.get());
-                }
+                Judged::Done => {}
                 Judged::Keep(lease) => {
                     outcome.store_failed = true;
                     unsettled.push(lease);
@@ -1918,15 +1909,29 @@ impl Task {
         });
     }
 
+    /// Counts the leases the task holds outside the slot, and their units:
+    /// what a task that dies or is cut off reports it left (see
+    /// [`LeaseManager::leftovers`]). Taken before every store call, the
+    /// awaits a task can end at, and between inspections.
     fn note_holdings(&self) {
-        let held = self.parked.iter().chain(&self.withheld);
-        let units = held
-            .clone()
-            .map(|lease| lease.remaining().get())
-            .fold(0_u64, u64::saturating_add);
-        self.shared
-            .held_leases
-            .store(held.count() as u64, Ordering::Relaxed);
+        self.count_holdings([]);
+    }
+
+    /// [`note_holdings`](Self::note_holdings), with `also` held outside
+    /// both the slot and the parked list (a lease being released or
+    /// folded, those a release pass has looked at).
+    fn count_holdings<'a>(&self, also: impl IntoIterator<Item = &'a Arc<LocalLease>>) {
+        let (mut leases, mut units) = (0_u64, 0_u64);
+        let mut count = |lease: &Arc<LocalLease>| {
+            leases += 1;
+            units = units.saturating_add(lease.remaining().get());
+        };
+        self.parked
+            .iter()
+            .chain(&self.withheld)
+            .for_each(&mut count);
+        also.into_iter().for_each(count);
+        self.shared.held_leases.store(leases, Ordering::Relaxed);
         self.shared.held_units.store(units, Ordering::Relaxed);
     }
 }
