@@ -335,6 +335,12 @@ where
         "I4: dropping before the handler started returns the units"
     );
     assert!(!handler_ran.load(Ordering::SeqCst));
+    let counted = w.handle.counters();
+    assert_eq!(
+        (counted.admitted, counted.released),
+        (1, 1),
+        "the release is counted"
+    );
     assert_eq!(
         w.shutdown_and_usage().await,
         Vec::<u64>::new(),
@@ -1009,6 +1015,47 @@ async fn building_a_layer_without_pricing_is_a_named_error() {
         .unwrap_err();
     assert_eq!(error, LayerConfigError::MissingPricing);
     assert_eq!(error.to_string(), "no pricing function was given");
+}
+
+/// I4: committing in the handler, a route with no commit point runs free
+/// (its charge is released when the request ends); the release is counted,
+/// so an operator sees admitted requests that were never charged. A
+/// charged request counts no release.
+#[tokio::test(start_paused = true)]
+async fn a_handler_that_answers_without_reaching_its_commit_point_counts_a_release() {
+    let mut w = world(INITIAL).await;
+    let layer = TollgateLayer::builder(w.handle.clone())
+        .price(|_: &http::request::Parts| Price {
+            units: CostUnits(PRICE),
+            required: READ,
+        })
+        .policy_revision(REVISION)
+        .commit_in_handler()
+        .build()
+        .unwrap();
+    let unmarked = answer(
+        layer
+            .layer(service_fn(echo_admission))
+            .oneshot(w.bearer("/read"))
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(unmarked.status, StatusCode::OK, "{}", unmarked.body);
+    let marked = answer(
+        tower::ServiceBuilder::new()
+            .layer(layer)
+            .layer(tollgate::layer::CommitMarkerLayer::new())
+            .service(service_fn(echo_admission))
+            .oneshot(w.bearer("/read"))
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(marked.status, StatusCode::OK, "{}", marked.body);
+    let counted = w.handle.counters();
+    assert_eq!((counted.admitted, counted.released), (2, 1));
+    assert_eq!(w.shutdown_and_usage().await, vec![PRICE], "one charge");
 }
 
 /// I17: a policy revision no store can record would get every usage event

@@ -571,6 +571,7 @@ const OWNED_STRIPES_MIN: usize = 64;
 struct Stripe {
     admitted: AtomicU64,
     admitted_overage: AtomicU64,
+    released: AtomicU64,
     denied: [AtomicU64; REASONS],
 }
 
@@ -581,6 +582,13 @@ pub struct AdmissionStats {
     pub admitted: u64,
     /// Of those, requests funded from overage at admission.
     pub admitted_overage: u64,
+    /// Of those, requests the HTTP layer released for zero because they
+    /// ended before their handler started: the client left, a timeout or
+    /// limit gave up, or (committing in the handler) the handler answered
+    /// without reaching its commit point. A refused commit counts as a
+    /// denial instead. An embedding that drops contexts itself counts its
+    /// own.
+    pub released: u64,
     /// Denials, indexed by [`DenyReason::index`].
     pub denied: [u64; REASONS],
 }
@@ -610,6 +618,7 @@ impl AdmissionCounters {
                     CachePadded(Stripe {
                         admitted: AtomicU64::new(0),
                         admitted_overage: AtomicU64::new(0),
+                        released: AtomicU64::new(0),
                         denied: std::array::from_fn(|_| AtomicU64::new(0)),
                     })
                 })
@@ -655,6 +664,17 @@ impl AdmissionCounters {
         self.denied_at(Locality::current(), reason);
     }
 
+    /// Counts an admitted request released for zero before its handler
+    /// started (see [`AdmissionStats::released`]).
+    #[cold]
+    pub(crate) fn released(&self) {
+        // A read-modify-write, as for denials.
+        self.stripe(Locality::current())
+            .0
+            .released
+            .fetch_add(1, Ordering::Relaxed);
+    }
+
     /// Counts a denial and hands it back.
     #[cold]
     fn denied_at(&self, locality: Locality, reason: DenyReason) -> DenyReason {
@@ -672,11 +692,13 @@ impl AdmissionCounters {
         let mut stats = AdmissionStats {
             admitted: 0,
             admitted_overage: 0,
+            released: 0,
             denied: [0; REASONS],
         };
         for stripe in &self.stripes[..] {
             stats.admitted += stripe.admitted.load(Ordering::Relaxed);
             stats.admitted_overage += stripe.admitted_overage.load(Ordering::Relaxed);
+            stats.released += stripe.released.load(Ordering::Relaxed);
             for (total, count) in stats.denied.iter_mut().zip(&stripe.denied) {
                 *total += count.load(Ordering::Relaxed);
             }

@@ -82,6 +82,7 @@ impl ChargeCell {
         }
         let pending = std::mem::replace(&mut *charge, Charge::Released);
         drop(charge);
+        self.shared.handle.engine().counters().released();
         tracing::debug!(
             request_id = %self.request_id,
             "tollgate: the request ended before its commit point; released for zero",

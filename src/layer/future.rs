@@ -73,6 +73,21 @@ enum Charge {
     },
 }
 
+impl Drop for Charge {
+    fn drop(&mut self) {
+        // I4: a context never handed over is released for zero as it drops
+        // with this; the release is counted where operators can see it.
+        if let Self::AtHandOver {
+            context: Some(_),
+            shared,
+            ..
+        } = self
+        {
+            shared.handle.engine().counters().released();
+        }
+    }
+}
+
 /// How an admitted request reaches the inner service.
 pub(super) enum HandOver<S, R, F> {
     /// The service was ready at admission and has taken the request.
