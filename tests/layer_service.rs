@@ -407,6 +407,12 @@ async fn a_commit_marker_reached_after_release_refuses_and_the_handler_does_not_
     );
     assert!(!handler_ran.load(Ordering::SeqCst), "I9: no unpaid handler");
     assert_eq!(w.remaining(), before);
+    let counted = w.handle.counters();
+    assert_eq!(
+        (counted.admitted, counted.released, counted.denied_total()),
+        (1, 1, 0),
+        "one request, counted once: released, not also denied"
+    );
     assert_eq!(
         w.shutdown_and_usage().await,
         Vec::<u64>::new(),

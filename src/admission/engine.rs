@@ -264,6 +264,15 @@ fn fund(
     now: Timestamp,
     locality: Locality,
 ) -> Result<Reservation, DenyReason> {
+    // A quote of nothing spends nothing, so it is admitted whatever the
+    // lease, the allocator or the balance says, and commits whenever its
+    // handler starts (I9). The overage counter funds it, never a lease,
+    // whose window could close before the handler starts: a debit of zero
+    // units changes nothing under any cap, and its event records zero units
+    // of overage.
+    if quote.is_zero() {
+        return Reservation::reserve_overage(slot.overage(), quote, CostUnits::MAX);
+    }
     let leased = slot.with_lease(|lease| match lease {
         Some(lease) => Reservation::reserve_unrecorded(lease, quote, now, locality)
             .map_err(|refusal| refused(slot, lease, refusal, quote, now)),
@@ -277,15 +286,6 @@ fn fund(
         Ok(reservation) => return Ok(reservation),
         Err(refusal) => refusal,
     };
-    // A quote of nothing spends nothing, so it is admitted whatever the
-    // lease, the allocator or the balance says (I9). The overage counter
-    // funds it: a debit of zero units changes nothing under any cap, and its
-    // event records zero units of overage.
-    if quote.is_zero()
-        && let Ok(free) = Reservation::reserve_overage(slot.overage(), quote, CostUnits::MAX)
-    {
-        return Ok(free);
-    }
     // The allocator's evidence, read once: where the refusal's record was
     // decided on it, that reading; otherwise read now, and only when the
     // answer depends on it.
@@ -1115,6 +1115,25 @@ mod tests {
         spent.commit(at(1)).unwrap();
         let mut free = elastic.begin(0, 0).expect("a full cap holds nothing back");
         assert_eq!(free.commit(at(1)), Ok(CostUnits::ZERO));
+    }
+
+    /// I9: a free request admitted while a lease serves commits even if the
+    /// lease's window closes before its handler starts: it never rested on
+    /// the lease.
+    #[test]
+    fn a_free_request_whose_lease_lapses_before_its_handler_still_runs() {
+        let f = fixture(4);
+        f.map.publish([snapshot(EnforcementMode::Strict, READ)]);
+        let lease = f.lease(10);
+        let mut free = f.begin(0, 99).expect("admitted");
+        assert_eq!(free.commit(at(100)), Ok(CostUnits::ZERO));
+        assert_eq!(lease.remaining(), CostUnits(10));
+        let events = f.queued();
+        assert_eq!(events.len(), 1, "I8: one zero-unit event");
+        assert_eq!(
+            (events[0].source, events[0].units),
+            (UsageSource::Overage, CostUnits::ZERO)
+        );
     }
 
     #[test]

@@ -64,10 +64,9 @@ impl ChargeCell {
                 // The request ended (its response future completed or was
                 // dropped) before this commit point was reached: a buffer
                 // that called it late, or work that carried the request on.
+                // Counted once, as released, when it was released.
                 *self.lock() = Charge::Released;
-                let reason = DenyReason::FundingExpiredAtStart;
-                self.shared.handle.engine().counters().denied(reason);
-                reason
+                DenyReason::FundingExpiredAtStart
             }
         };
         *self.lock() = Charge::Released;
