@@ -532,6 +532,8 @@ struct Misbehaving {
     releases: Releases,
     /// Releases asked for so far.
     released: std::sync::atomic::AtomicU32,
+    /// Acquires asked for so far.
+    acquires: std::sync::atomic::AtomicU32,
 }
 
 /// How a [`Misbehaving`] allocator answers releases.
@@ -554,6 +556,8 @@ impl LeaseAllocator for Misbehaving {
         ttl: SignedDuration,
         now: Timestamp,
     ) -> Result<Allocation, AllocateError> {
+        self.acquires
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         let calm = self
             .calm_acquires
             .fetch_update(
@@ -639,6 +643,7 @@ async fn a_lease_manager_that_dies_is_restarted_after_the_backoff() {
         panics_left: std::sync::atomic::AtomicU32::new(1),
         releases: Releases::Honest,
         released: std::sync::atomic::AtomicU32::new(0),
+        acquires: std::sync::atomic::AtomicU32::new(0),
     });
     let (runtime, handle) = w.spawn_with(allocator, config());
     tokio::time::sleep(ms(150)).await;
@@ -680,6 +685,7 @@ async fn evidence_of_a_remainder_is_not_readiness_without_a_lease() {
         panics_left: std::sync::atomic::AtomicU32::new(1),
         releases: Releases::Honest,
         released: std::sync::atomic::AtomicU32::new(0),
+        acquires: std::sync::atomic::AtomicU32::new(0),
     });
     let (runtime, handle) = w.spawn_with(allocator, config());
     tokio::time::sleep(ms(200)).await;
@@ -714,6 +720,7 @@ async fn an_integrity_fault_takes_the_instance_out_of_service_for_good() {
         panics_left: std::sync::atomic::AtomicU32::new(0),
         releases: Releases::Refuse,
         released: std::sync::atomic::AtomicU32::new(0),
+        acquires: std::sync::atomic::AtomicU32::new(0),
     });
     let mut config = config();
     // A tiny grant rotates at once, so a release happens early.
@@ -763,6 +770,7 @@ async fn a_faulted_manager_that_later_dies_is_not_restarted() {
         panics_left: std::sync::atomic::AtomicU32::new(0),
         releases: Releases::RefuseThenPanic,
         released: std::sync::atomic::AtomicU32::new(0),
+        acquires: std::sync::atomic::AtomicU32::new(0),
     });
     let mut config = config();
     config.leases.target_grant = CostUnits(10);
@@ -801,6 +809,7 @@ async fn an_integrity_fault_found_as_an_account_retires_takes_the_instance_out_o
         panics_left: std::sync::atomic::AtomicU32::new(0),
         releases: Releases::Refuse,
         released: std::sync::atomic::AtomicU32::new(0),
+        acquires: std::sync::atomic::AtomicU32::new(0),
     });
     let (runtime, handle) = w.spawn_with(allocator, config());
     tokio::time::sleep(ms(200)).await;
@@ -1004,6 +1013,7 @@ async fn the_longest_waits_a_configuration_accepts_run_and_shut_down() {
         panics_left: std::sync::atomic::AtomicU32::new(1),
         releases: Releases::Honest,
         released: std::sync::atomic::AtomicU32::new(0),
+        acquires: std::sync::atomic::AtomicU32::new(0),
     });
     let (runtime, handle) = w.spawn_with(allocator, config);
     // The first manager dies at once; its restart is as good as never.
@@ -1282,76 +1292,6 @@ async fn a_lease_held_through_a_shutdown_that_uses_its_whole_budget_is_reported_
     drop(held);
 }
 
-/// An allocator that counts the grants asked of it.
-struct CountingGrants {
-    store: Arc<MemoryStore>,
-    acquires: std::sync::atomic::AtomicU32,
-}
-
-impl CountingGrants {
-    fn acquires(&self) -> u32 {
-        self.acquires.load(std::sync::atomic::Ordering::SeqCst)
-    }
-}
-
-#[async_trait]
-impl LeaseAllocator for CountingGrants {
-    async fn acquire(
-        &self,
-        account: AccountId,
-        requested: CostUnits,
-        ttl: SignedDuration,
-        now: Timestamp,
-    ) -> Result<Allocation, AllocateError> {
-        self.acquires
-            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        self.store.acquire(account, requested, ttl, now).await
-    }
-
-    async fn release(
-        &self,
-        lease_id: LeaseId,
-        fencing_token: FencingToken,
-        unspent: CostUnits,
-        now: Timestamp,
-    ) -> Result<Released, AllocateError> {
-        self.store
-            .release(lease_id, fencing_token, unspent, now)
-            .await
-    }
-
-    async fn consolidate(
-        &self,
-        lease_id: LeaseId,
-        fencing_token: FencingToken,
-        unspent: CostUnits,
-        requested: CostUnits,
-        needed: CostUnits,
-        ttl: SignedDuration,
-        now: Timestamp,
-    ) -> Result<Allocation, AllocateError> {
-        self.store
-            .consolidate(
-                lease_id,
-                fencing_token,
-                unspent,
-                requested,
-                needed,
-                ttl,
-                now,
-            )
-            .await
-    }
-
-    async fn reclaim_expired_batch(
-        &self,
-        now: Timestamp,
-        limit: usize,
-    ) -> Result<ReclaimBatch, StoreError> {
-        self.store.reclaim_expired_batch(now, limit).await
-    }
-}
-
 /// I25: once the instance stops admitting, no lease is asked for while the
 /// usage drains: nothing can spend it, and a grant call the release phase
 /// then cuts off could leave a lease nobody holds until reclaim. Here a
@@ -1375,16 +1315,20 @@ async fn no_grant_is_asked_for_once_shutdown_has_begun() {
     w.store
         .issue_key(broke, PermissionBits::ALL, w.clock.now())
         .unwrap();
-    let allocator = Arc::new(CountingGrants {
+    let allocator = Arc::new(Misbehaving {
         store: Arc::clone(&w.store),
+        calm_acquires: std::sync::atomic::AtomicU32::new(0),
+        panics_left: std::sync::atomic::AtomicU32::new(0),
+        releases: Releases::Honest,
+        released: std::sync::atomic::AtomicU32::new(0),
         acquires: std::sync::atomic::AtomicU32::new(0),
     });
     let (runtime, handle) = w.spawn_with(Arc::clone(&allocator) as _, config());
     tokio::time::sleep(ms(500)).await;
-    let asked = allocator.acquires();
+    let asked = allocator.acquires.load(std::sync::atomic::Ordering::SeqCst);
     tokio::time::sleep(ms(500)).await;
     assert!(
-        allocator.acquires() > asked + 1,
+        allocator.acquires.load(std::sync::atomic::Ordering::SeqCst) > asked + 1,
         "the unfunded account asks on every poll while serving"
     );
     let held = handle
@@ -1395,7 +1339,7 @@ async fn no_grant_is_asked_for_once_shutdown_has_begun() {
             w.clock.now(),
         )
         .expect("admitted before shutdown");
-    let asked = allocator.acquires();
+    let asked = allocator.acquires.load(std::sync::atomic::Ordering::SeqCst);
     let report = runtime.shutdown().await;
     assert_eq!(
         report.cut_off_requests(),
@@ -1403,7 +1347,7 @@ async fn no_grant_is_asked_for_once_shutdown_has_begun() {
         "the drain waited its deadline"
     );
     assert_eq!(
-        allocator.acquires(),
+        allocator.acquires.load(std::sync::atomic::Ordering::SeqCst),
         asked,
         "no grant asked for after shutdown began"
     );
@@ -1429,6 +1373,7 @@ async fn an_integrity_fault_found_at_shutdown_is_reported() {
         panics_left: std::sync::atomic::AtomicU32::new(0),
         releases: Releases::Refuse,
         released: std::sync::atomic::AtomicU32::new(0),
+        acquires: std::sync::atomic::AtomicU32::new(0),
     });
     let (runtime, handle) = w.spawn_with(allocator, config());
     tokio::time::sleep(ms(200)).await;
