@@ -632,6 +632,62 @@ async fn all_principals_are_paged_with_the_cursor_passed_along() {
     assert_eq!(h.manager.stats(), stats(2, 5, Some(t(10))));
 }
 
+/// A page that takes something away (here a revoked key) is published as
+/// it arrives, not held back for the rest of the enumeration, so a
+/// revocation reaches admission within a refresh interval even while a
+/// later page hangs. Pages that only add or confirm are still batched.
+#[tokio::test(start_paused = true)]
+async fn a_revocation_is_published_with_its_page_while_the_enumeration_goes_on() {
+    let source = ScriptedSource::new([active(1, ALPHA), active(2, ALPHA), active(3, ALPHA)]);
+    source.plan_pages([Page::Of {
+        principals: vec![1, 2, 3],
+        next: 3,
+        complete: true,
+    }]);
+    let h = Harness::new(
+        source.clone(),
+        PrincipalSelection::All {
+            page_size: PAGE_SIZE,
+        },
+    );
+    settle().await;
+    assert_eq!(h.verdict(p(1)), DenyReason::LeaseUnavailable);
+    source.set(PrincipalSnapshot {
+        key_status: KeyStatus::Revoked,
+        policy_revision: PolicyRevision(2),
+        ..active(1, ALPHA)
+    });
+    source.set(PrincipalSnapshot {
+        policy_revision: PolicyRevision(2),
+        ..active(4, ALPHA)
+    });
+    source.plan_pages([
+        Page::Of {
+            principals: vec![4],
+            next: 4,
+            complete: false,
+        },
+        Page::Of {
+            principals: vec![1],
+            next: 5,
+            complete: false,
+        },
+        Page::Hang,
+    ]);
+    // t=10: two pages, then a page that hangs until t=12.
+    h.run_for(11).await;
+    assert_eq!(
+        h.verdict(p(1)),
+        DenyReason::KeyRevoked,
+        "published with its page"
+    );
+    assert_eq!(
+        h.verdict(p(4)),
+        DenyReason::LeaseUnavailable,
+        "the batch it was held in went out with it"
+    );
+}
+
 /// I24: an enumeration confirms the published snapshots only when it
 /// completes. Pages of an unfinished one are published, but the snapshots
 /// they did not touch age from the last complete refresh and are refused as

@@ -14,10 +14,13 @@
 //!   snapshot. Then the map is marked verified as of the refresh.
 //! - `All`: an incremental enumeration with `changed_since`, starting from
 //!   [`SnapshotCursor::START`] and resuming from the last page's cursor, one
-//!   page at a time, each bounded by `enumeration_timeout`. Every page is
-//!   published as it arrives; the map is marked verified only once a page
-//!   says the enumeration is complete, because only then has the source
-//!   confirmed that nothing else changed.
+//!   page at a time, each bounded by `enumeration_timeout`. Pages are
+//!   published in batches at least as large as the map (a first
+//!   enumeration would otherwise copy the map once per page), except that a
+//!   page taking something away (a revoked key, a suspended account, fewer
+//!   permissions) is published as it arrives, with what was held; the map
+//!   is marked verified only once a page says the enumeration is complete,
+//!   because only then has the source confirmed that nothing else changed.
 //!
 //! Revoked keys and suspended accounts are published as they are, so
 //! admission denies them by name rather than as unknown.
@@ -107,6 +110,13 @@ pub enum PrincipalSelection {
     /// Exactly these principals, fetched in full on every refresh (in
     /// ascending order, each once). For instances that serve a known set of
     /// callers. Must not be empty.
+    ///
+    /// Principals outside the list are adopted only when admission asks
+    /// about them by principal ([`AdmissionEngine::begin`]). The HTTP layer
+    /// admits by key, which names no principal and adopts nothing: a key of
+    /// a principal outside the list is answered as unknown.
+    ///
+    /// [`AdmissionEngine::begin`]: crate::admission::AdmissionEngine::begin
     Fixed(Vec<Principal>),
     /// Every principal the source knows, enumerated incrementally: the first
     /// refresh reads everything, later ones only what changed.
@@ -775,13 +785,18 @@ impl Task {
                     return Ok(false);
                 }
             };
+            // A change that takes something away (a revoked key, a
+            // suspended account, fewer permissions) is published with its
+            // page, not held for the batch: it reaches admission within a
+            // refresh interval, as the source's word (I23, I24).
+            let restricts = restricts_any(&self.map, &page.snapshots);
             unpublished.extend(page.snapshots);
             cursor = page.next;
             if page.complete {
                 self.publish_through(&mut unpublished, page_size, cursor);
                 return Ok(true);
             }
-            if unpublished.len() >= self.map.len().max(page_size) {
+            if restricts || unpublished.len() >= self.map.len().max(page_size) {
                 self.publish_through(&mut unpublished, page_size, cursor);
             }
             // A long enumeration shares the runtime.
@@ -836,12 +851,13 @@ impl Task {
                 if let Plan::Fixed { listed, adopted } = &mut self.plan {
                     // Adopted principals are fetched with every refresh, so
                     // marking the map verified never vouches for one the
-                    // refresh did not read.
+                    // refresh did not read. `asked` is sorted, so a lookup
+                    // answer of N is adopted in N log N, not N².
                     adopted.extend(
                         snapshots
                             .iter()
                             .map(|snapshot| snapshot.principal)
-                            .filter(|principal| asked.contains(principal))
+                            .filter(|principal| asked.binary_search(principal).is_ok())
                             .filter(|principal| !listed.contains(principal)),
                     );
                 }
@@ -1223,6 +1239,22 @@ async fn stop_requested(stop: &mut watch::Receiver<bool>) {
     // An error means the sender is gone: nobody can stop the task any more,
     // so it stops now rather than run unowned.
     let _ = stop.wait_for(|stopping| *stopping).await;
+}
+
+/// Whether any of `snapshots` takes away something `map` now allows: a
+/// key revoked, an account suspended, or permissions withdrawn from a
+/// published principal.
+fn restricts_any(map: &ArcSwapSnapshotMap, snapshots: &[PrincipalSnapshot]) -> bool {
+    let current = map.snapshots();
+    snapshots.iter().any(|snapshot| {
+        current.get(snapshot.principal).is_some_and(|published| {
+            (snapshot.key_status == KeyStatus::Revoked
+                && published.key_status != KeyStatus::Revoked)
+                || (snapshot.account_status == AccountStatus::Suspended
+                    && published.account_status != AccountStatus::Suspended)
+                || !snapshot.permissions.contains(published.permissions)
+        })
+    })
 }
 
 fn bump(counter: &AtomicU64, by: usize) {

@@ -169,7 +169,9 @@ pub trait SnapshotSource: Send + Sync {
     /// The principal an active API key resolves to, by the key's hash. A
     /// revoked key no longer resolves; [`fetch`](Self::fetch) and
     /// [`changed_since`](Self::changed_since) still report it, revoked, so
-    /// caches drop it.
+    /// caches drop it. For embedders that resolve keys one at a time: the
+    /// runtime resolves them from the snapshots it has loaded and never
+    /// calls this.
     async fn lookup_key(
         &self,
         hash: &KeyHash,
