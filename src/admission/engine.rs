@@ -264,15 +264,6 @@ fn fund(
     now: Timestamp,
     locality: Locality,
 ) -> Result<Reservation, DenyReason> {
-    // A quote of nothing spends nothing, so it is admitted whatever the
-    // lease, the allocator or the balance says, and commits whenever its
-    // handler starts (I9). The overage counter funds it, never a lease,
-    // whose window could close before the handler starts: a debit of zero
-    // units changes nothing under any cap, and its event records zero units
-    // of overage.
-    if quote.is_zero() {
-        return Reservation::reserve_overage(slot.overage(), quote, CostUnits::MAX);
-    }
     let leased = slot.with_lease(|lease| match lease {
         Some(lease) => Reservation::reserve_unrecorded(lease, quote, now, locality)
             .map_err(|refusal| refused(slot, lease, refusal, quote, now)),
@@ -286,6 +277,16 @@ fn fund(
         Ok(reservation) => return Ok(reservation),
         Err(refusal) => refusal,
     };
+    // A quote of nothing spends nothing, so it is admitted whatever the
+    // lease, the allocator or the balance says (I9). A lease that serves
+    // takes it (its event touches only that lease's row in the store);
+    // without one, the overage counter funds it: a debit of zero units
+    // changes nothing under any cap, and its event records zero units of
+    // overage. (A leased one whose window closes before its handler starts
+    // commits all the same, as zero units of overage.)
+    if quote.is_zero() {
+        return Reservation::reserve_overage(slot.overage(), quote, CostUnits::MAX);
+    }
     // The allocator's evidence, read once: where the refusal's record was
     // decided on it, that reading; otherwise read now, and only when the
     // answer depends on it.
@@ -1100,14 +1101,28 @@ mod tests {
         let expired = f.begin(0, 100).expect("the lease's window closed");
         assert_eq!(expired.account_id(), ACCOUNT);
         drop(expired);
+        let mut leased = f.begin(0, 1).expect("a serving lease takes it");
+        assert_eq!(leased.commit(at(1)), Ok(CostUnits::ZERO));
         assert_eq!(lease.remaining(), CostUnits(5));
         let stats = f.engine.counters().read();
-        assert_eq!((stats.admitted, stats.admitted_overage), (2, 0));
+        assert_eq!((stats.admitted, stats.admitted_overage), (3, 0));
         let events = f.queued();
-        assert_eq!(events.len(), 1, "I8: one commit, one event");
+        assert_eq!(events.len(), 2, "I8: one event per commit");
         assert_eq!(
             (events[0].source, events[0].units),
-            (UsageSource::Overage, CostUnits::ZERO)
+            (UsageSource::Overage, CostUnits::ZERO),
+            "no lease: zero units of overage"
+        );
+        assert_eq!(
+            (events[1].source, events[1].units),
+            (
+                UsageSource::Leased {
+                    lease_id: LeaseId(5),
+                    fencing_token: FencingToken(6)
+                },
+                CostUnits::ZERO
+            ),
+            "a serving lease: the event touches only that lease"
         );
 
         let elastic = elastic(CostUnits(4));
@@ -1117,9 +1132,9 @@ mod tests {
         assert_eq!(free.commit(at(1)), Ok(CostUnits::ZERO));
     }
 
-    /// I9: a free request admitted while a lease serves commits even if the
-    /// lease's window closes before its handler starts: it never rested on
-    /// the lease.
+    /// I9: a free request admitted on a serving lease commits even if the
+    /// lease's window closes before its handler starts: zero units need no
+    /// funds, and bill as zero units of overage.
     #[test]
     fn a_free_request_whose_lease_lapses_before_its_handler_still_runs() {
         let f = fixture(4);

@@ -433,6 +433,15 @@ impl Reservation {
         debit: &LeaseDebit,
         funding: CommitFunding<'_>,
     ) -> Result<CostUnits, CommitError> {
+        // I9: zero units need no funds, so a closed window cannot refuse
+        // them. They bill as zero units of overage, since the lease may
+        // already be reclaimed.
+        if self.units.is_zero() {
+            return self
+                .transition(PENDING_LEASE, COMMITTED_OVERAGE)
+                .map(|_| self.units)
+                .map_err(Self::lost_to);
+        }
         let CommitFunding::OverageFallback { overage, cap } = funding else {
             return self.release_denied(DenyReason::FundingExpiredAtStart);
         };
