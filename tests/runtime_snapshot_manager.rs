@@ -632,13 +632,22 @@ async fn all_principals_are_paged_with_the_cursor_passed_along() {
     assert_eq!(h.manager.stats(), stats(2, 5, Some(t(10))));
 }
 
-/// A page that takes something away (here a revoked key) is published as
-/// it arrives, not held back for the rest of the enumeration, so a
-/// revocation reaches admission within a refresh interval even while a
-/// later page hangs. Pages that only add or confirm are still batched.
+/// A change that takes something away (here a revoked key, and an overage
+/// cap withdrawn) is published with its page, not held back for the rest of
+/// the enumeration, so it reaches admission within a refresh interval even
+/// while a later page hangs. The rest of the page (here a new principal)
+/// still waits for the batch, so a mass change does not copy the map per
+/// page.
 #[tokio::test(start_paused = true)]
-async fn a_revocation_is_published_with_its_page_while_the_enumeration_goes_on() {
-    let source = ScriptedSource::new([active(1, ALPHA), active(2, ALPHA), active(3, ALPHA)]);
+async fn a_restriction_is_published_with_its_page_while_the_enumeration_goes_on() {
+    let elastic = |principal, revision| PrincipalSnapshot {
+        mode: EnforcementMode::Elastic {
+            overage_cap: CostUnits(10),
+        },
+        policy_revision: PolicyRevision(revision),
+        ..active(principal, ALPHA)
+    };
+    let source = ScriptedSource::new([active(1, ALPHA), elastic(2, 1), active(3, ALPHA)]);
     source.plan_pages([Page::Of {
         principals: vec![1, 2, 3],
         next: 3,
@@ -659,16 +668,20 @@ async fn a_revocation_is_published_with_its_page_while_the_enumeration_goes_on()
     });
     source.set(PrincipalSnapshot {
         policy_revision: PolicyRevision(2),
+        ..active(2, ALPHA)
+    });
+    source.set(PrincipalSnapshot {
+        policy_revision: PolicyRevision(2),
         ..active(4, ALPHA)
     });
     source.plan_pages([
         Page::Of {
-            principals: vec![4],
+            principals: vec![4, 1],
             next: 4,
             complete: false,
         },
         Page::Of {
-            principals: vec![1],
+            principals: vec![2],
             next: 5,
             complete: false,
         },
@@ -682,9 +695,20 @@ async fn a_revocation_is_published_with_its_page_while_the_enumeration_goes_on()
         "published with its page"
     );
     assert_eq!(
+        h.map.get(p(2)).map(|snapshot| snapshot.mode),
+        Some(EnforcementMode::Strict),
+        "the overage cap is withdrawn at once too"
+    );
+    assert_eq!(
+        h.verdict(p(4)),
+        DenyReason::SnapshotUnavailable,
+        "a new principal waits for the batch"
+    );
+    h.run_for(2).await;
+    assert_eq!(
         h.verdict(p(4)),
         DenyReason::LeaseUnavailable,
-        "the batch it was held in went out with it"
+        "the batch goes out when the page fails"
     );
 }
 

@@ -17,9 +17,10 @@
 //!   page at a time, each bounded by `enumeration_timeout`. Pages are
 //!   published in batches at least as large as the map (a first
 //!   enumeration would otherwise copy the map once per page), except that a
-//!   page taking something away (a revoked key, a suspended account, fewer
-//!   permissions) is published as it arrives, with what was held; the map
-//!   is marked verified only once a page says the enumeration is complete,
+//!   snapshot taking something away from a published principal (its key
+//!   revoked or changed, its account suspended or changed, permissions or
+//!   overage withdrawn) is published as its page arrives; the map is
+//!   marked verified only once a page says the enumeration is complete,
 //!   because only then has the source confirmed that nothing else changed.
 //!
 //! Revoked keys and suspended accounts are published as they are, so
@@ -101,7 +102,7 @@ use tokio::time::{Instant, sleep_until, timeout};
 
 use super::after;
 use crate::admission::ArcSwapSnapshotMap;
-use crate::model::{AccountId, AccountStatus, KeyStatus, Principal, PrincipalSnapshot};
+use crate::model::{AccountId, AccountStatus, CostUnits, KeyStatus, Principal, PrincipalSnapshot};
 use crate::store::{Clock, SnapshotCursor, SnapshotSource, StoreError};
 
 /// Which principals the snapshot manager keeps loaded.
@@ -785,18 +786,23 @@ impl Task {
                     return Ok(false);
                 }
             };
-            // A change that takes something away (a revoked key, a
-            // suspended account, fewer permissions) is published with its
-            // page, not held for the batch: it reaches admission within a
-            // refresh interval, as the source's word (I23, I24).
-            let restricts = restricts_any(&self.map, &page.snapshots);
-            unpublished.extend(page.snapshots);
+            // A change that takes something away is published with its
+            // page, not held for the batch, so it reaches admission within a
+            // refresh interval of the source's word (I23, I24). Only those
+            // snapshots: a mass suspension must not copy the map per page.
+            // The cursor moves only with the batch, so a refresh that fails
+            // reads them again.
+            let (restricting, rest) = split_restrictions(&self.map, page.snapshots);
+            if !restricting.is_empty() {
+                self.publish(restricting);
+            }
+            unpublished.extend(rest);
             cursor = page.next;
             if page.complete {
                 self.publish_through(&mut unpublished, page_size, cursor);
                 return Ok(true);
             }
-            if restricts || unpublished.len() >= self.map.len().max(page_size) {
+            if unpublished.len() >= self.map.len().max(page_size) {
                 self.publish_through(&mut unpublished, page_size, cursor);
             }
             // A long enumeration shares the runtime.
@@ -1241,20 +1247,32 @@ async fn stop_requested(stop: &mut watch::Receiver<bool>) {
     let _ = stop.wait_for(|stopping| *stopping).await;
 }
 
-/// Whether any of `snapshots` takes away something `map` now allows: a
-/// key revoked, an account suspended, or permissions withdrawn from a
-/// published principal.
-fn restricts_any(map: &ArcSwapSnapshotMap, snapshots: &[PrincipalSnapshot]) -> bool {
+/// Splits `snapshots` into those that take away something `map` now
+/// allows, and the rest (see [`restricts`]).
+fn split_restrictions(
+    map: &ArcSwapSnapshotMap,
+    snapshots: Vec<PrincipalSnapshot>,
+) -> (Vec<PrincipalSnapshot>, Vec<PrincipalSnapshot>) {
     let current = map.snapshots();
-    snapshots.iter().any(|snapshot| {
-        current.get(snapshot.principal).is_some_and(|published| {
-            (snapshot.key_status == KeyStatus::Revoked
-                && published.key_status != KeyStatus::Revoked)
-                || (snapshot.account_status == AccountStatus::Suspended
-                    && published.account_status != AccountStatus::Suspended)
-                || !snapshot.permissions.contains(published.permissions)
-        })
+    snapshots.into_iter().partition(|snapshot| {
+        current
+            .get(snapshot.principal)
+            .is_some_and(|published| restricts(published, snapshot))
     })
+}
+
+/// Whether `next` allows less than `published`: its key revoked or
+/// changed, its account suspended or changed, permissions withdrawn, or
+/// less (or no) overage.
+fn restricts(published: &PrincipalSnapshot, next: &PrincipalSnapshot) -> bool {
+    let cap = |snapshot: &PrincipalSnapshot| snapshot.mode.overage_cap().unwrap_or(CostUnits::ZERO);
+    (next.key_status == KeyStatus::Revoked && published.key_status != KeyStatus::Revoked)
+        || (next.account_status == AccountStatus::Suspended
+            && published.account_status != AccountStatus::Suspended)
+        || !next.permissions.contains(published.permissions)
+        || cap(next) < cap(published)
+        || (published.key_hash.is_some() && next.key_hash != published.key_hash)
+        || next.account_id != published.account_id
 }
 
 fn bump(counter: &AtomicU64, by: usize) {
