@@ -66,6 +66,25 @@ async fn fresh(test: &str, instances: u64) -> Option<PostgresStore> {
     Some(store)
 }
 
+/// Pages `changed_since` from `cursor` until a page says it is complete,
+/// handing each page to `each`; returns the cursor after the last.
+async fn page_to_the_end(
+    store: &PostgresStore,
+    mut cursor: SnapshotCursor,
+    limit: usize,
+    now: Timestamp,
+    mut each: impl FnMut(&tollgate::store::SnapshotPage),
+) -> SnapshotCursor {
+    loop {
+        let page = store.changed_since(cursor, limit, now).await.unwrap();
+        each(&page);
+        cursor = page.next;
+        if page.complete {
+            return cursor;
+        }
+    }
+}
+
 /// Another store (its own pool) over the same schema.
 async fn sibling(store: &PostgresStore) -> PostgresStore {
     PostgresStore::connect(
@@ -1262,14 +1281,10 @@ async fn paging_by_revision_never_skips_a_change_made_concurrently() {
     }
     assert!(reading.is_none(), "pages were read while keys were issued");
     let issued = issuing.await.unwrap();
-    loop {
-        let page = store.changed_since(cursor, 7, at(1)).await.unwrap();
+    page_to_the_end(&store, cursor, 7, at(1), |page| {
         seen.extend(page.snapshots.iter().map(|s| s.principal));
-        cursor = page.next;
-        if page.complete {
-            break;
-        }
-    }
+    })
+    .await;
     assert_eq!(seen, issued, "every key seen once, in issue order");
 }
 
@@ -1322,14 +1337,10 @@ async fn paging_by_revision_never_skips_a_change_among_racing_writers() {
     for writer in issuing {
         issued.extend(writer.await.unwrap());
     }
-    loop {
-        let page = store.changed_since(cursor, 3, at(1)).await.unwrap();
+    page_to_the_end(&store, cursor, 3, at(1), |page| {
         seen.extend(page.snapshots.iter().map(|s| s.principal));
-        cursor = page.next;
-        if page.complete {
-            break;
-        }
-    }
+    })
+    .await;
     assert!(pages_during > 1, "pages were read while keys were issued");
     assert_eq!(issued.len(), WRITERS * KEYS_EACH);
     let missed: Vec<_> = issued.iter().filter(|p| !seen.contains(p)).collect();
@@ -1390,14 +1401,7 @@ async fn race_revision_writers(name: &str, change: Change) {
     }
     // The reader starts past every issue, so what it pages next is the
     // racing writers' work.
-    let mut cursor = SnapshotCursor::START;
-    loop {
-        let page = store.changed_since(cursor, 50, at(1)).await.unwrap();
-        cursor = page.next;
-        if page.complete {
-            break;
-        }
-    }
+    let mut cursor = page_to_the_end(&store, SnapshotCursor::START, 50, at(1), |_| {}).await;
     let start = Arc::new(tokio::sync::Barrier::new(WRITERS + 1));
     let changing: Vec<_> = writers
         .into_iter()
@@ -1446,14 +1450,7 @@ async fn race_revision_writers(name: &str, change: Change) {
     for writer in changing {
         expected.extend(writer.await.unwrap());
     }
-    loop {
-        let page = store.changed_since(cursor, 3, at(3)).await.unwrap();
-        record(&page);
-        cursor = page.next;
-        if page.complete {
-            break;
-        }
-    }
+    page_to_the_end(&store, cursor, 3, at(3), &mut record).await;
     assert!(pages_during > 1, "pages were read while the writers ran");
     assert_eq!(expected.len(), WRITERS * KEYS_EACH);
     let stale: Vec<_> = expected

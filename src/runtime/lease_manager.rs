@@ -280,6 +280,29 @@ pub struct LeaseManagerReport {
     pub stats: LeaseStats,
 }
 
+impl LeaseManagerReport {
+    /// The report of a shutdown that ended with `stats`, having released
+    /// what `before` does not count and abandoned `abandoned` (leases,
+    /// units).
+    fn since(
+        before: &LeaseStats,
+        stats: &LeaseStats,
+        (abandoned, abandoned_units): (u64, u64),
+        faulted: bool,
+    ) -> Self {
+        let stats = *stats;
+        Self {
+            released: stats.released.saturating_sub(before.released),
+            released_units: stats.released_units.saturating_sub(before.released_units),
+            abandoned,
+            abandoned_units,
+            task_died: false,
+            faulted,
+            stats,
+        }
+    }
+}
+
 /// What the task has done: cumulative counters, written only by the task.
 ///
 /// Plain `Relaxed` atomics: nothing else is ordered by them, and with a
@@ -640,27 +663,28 @@ impl LeaseManager {
     fn report_cut_off(&self, before: &LeaseStats) -> LeaseManagerReport {
         let (abandoned, abandoned_units) = self.leftovers();
         bump(&self.shared.counters.abandoned, abandoned);
-        let mut stats = self.shared.counters.stats();
-        // A grant request cut off with the task may have created a lease
-        // nobody holds.
-        if self.shared.grant_call_in_flight.load(Ordering::Acquire) {
-            stats.uncertain_acquires = stats.uncertain_acquires.saturating_add(1);
-        }
         tracing::warn!(
             account = %self.account,
             abandoned,
             abandoned_units,
             "lease manager: cut off at the shutdown deadline; its leases settle at TTL reclaim"
         );
-        LeaseManagerReport {
-            released: stats.released.saturating_sub(before.released),
-            released_units: stats.released_units.saturating_sub(before.released_units),
-            abandoned,
-            abandoned_units,
-            task_died: false,
-            faulted: self.shared.is_faulted(),
-            stats,
+        LeaseManagerReport::since(
+            before,
+            &self.stats_at_end(),
+            (abandoned, abandoned_units),
+            self.shared.is_faulted(),
+        )
+    }
+
+    /// The counters of a task that ended without returning: a grant request
+    /// it was awaiting may have created a lease nobody holds.
+    fn stats_at_end(&self) -> LeaseStats {
+        let mut stats = self.shared.counters.stats();
+        if self.shared.grant_call_in_flight.load(Ordering::Acquire) {
+            stats.uncertain_acquires = stats.uncertain_acquires.saturating_add(1);
         }
+        stats
     }
 
     /// What an ended task leaves behind: the leases it held outside the
@@ -685,12 +709,7 @@ impl LeaseManager {
     /// requests stop spending on an account nobody manages any more.
     fn report_death(&self, error: Option<&JoinError>) -> LeaseManagerReport {
         let (abandoned, abandoned_units) = self.leftovers();
-        let mut stats = self.shared.counters.stats();
-        // A grant request the task was awaiting when it died may have
-        // created a lease nobody holds.
-        if self.shared.grant_call_in_flight.load(Ordering::Acquire) {
-            stats.uncertain_acquires = stats.uncertain_acquires.saturating_add(1);
-        }
+        let stats = self.stats_at_end();
         tracing::error!(
             account = %self.account,
             error = error.map(tracing::field::display),
@@ -1888,16 +1907,12 @@ impl Task {
         }
         bump(&counters.abandoned, abandoned);
         self.note_holdings();
-        let stats = counters.stats();
-        LeaseManagerReport {
-            released: stats.released.saturating_sub(before.released),
-            released_units: stats.released_units.saturating_sub(before.released_units),
-            abandoned,
-            abandoned_units,
-            task_died: false,
-            faulted: self.shared.is_faulted(),
-            stats,
-        }
+        LeaseManagerReport::since(
+            before,
+            &counters.stats(),
+            (abandoned, abandoned_units),
+            self.shared.is_faulted(),
+        )
     }
 
     fn publish_readiness(&self) {
