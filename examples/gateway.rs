@@ -49,6 +49,10 @@ const READ: PermissionBits = PermissionBits::bit(0);
 /// The permission a key needs to write.
 const WRITE: PermissionBits = PermissionBits::bit(1);
 
+/// How long open connections get to finish once a stop is asked for,
+/// before the runtime shuts down without them.
+const HTTP_DRAIN: Duration = Duration::from_secs(5);
+
 #[derive(Debug, Parser)]
 #[command(about = "A metered API on tollgate's embedded store, or on a shared PostgreSQL store")]
 struct Args {
@@ -474,23 +478,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         "Ops: http://{ops_bound}/livez  http://{ops_bound}/readyz  http://{ops_bound}/metrics\n"
     );
 
-    // One signal stops both listeners; the runtime shuts down after them.
-    let stop = CancellationToken::new();
-    let api = axum::serve(listener, metered).with_graceful_shutdown(stop.clone().cancelled_owned());
-    let ops = axum::serve(ops_listener, ops).with_graceful_shutdown(stop.clone().cancelled_owned());
-    let signal = async {
-        stop_requested().await;
-        stop.cancel();
-        Ok(())
-    };
-    // A listener that fails still ends in an orderly shutdown: the usage
-    // recorded so far is written and the leases go back before the error is
-    // reported.
-    let served = tokio::try_join!(api.into_future(), ops.into_future(), signal);
-    if let Err(error) = &served {
-        eprintln!("serving stopped: {error}");
-        stop.cancel();
-    }
+    let served = serve_until_stopped((listener, metered), (ops_listener, ops), &handle).await;
 
     let report = runtime.shutdown().await;
     println!(
@@ -503,6 +491,53 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     print!("{}", backend.report(clock.now()).await);
     served?;
     Ok(())
+}
+
+/// Serves the API and the ops routes until a stop is asked for or a
+/// listener fails. A stop closes admission at once (so /readyz turns 503
+/// and new requests are refused), then gives the API's open connections a
+/// bounded drain, then the ops listener's. A client that never finishes its
+/// request cannot hold the shutdown: past the drain it is dropped with the
+/// process.
+async fn serve_until_stopped(
+    (listener, metered): (tokio::net::TcpListener, Router),
+    (ops_listener, ops): (tokio::net::TcpListener, Router),
+    handle: &tollgate::runtime::RuntimeHandle,
+) -> std::io::Result<()> {
+    let stop_api = CancellationToken::new();
+    let stop_ops = CancellationToken::new();
+    let api = axum::serve(listener, metered)
+        .with_graceful_shutdown(stop_api.clone().cancelled_owned())
+        .into_future();
+    let ops = axum::serve(ops_listener, ops)
+        .with_graceful_shutdown(stop_ops.clone().cancelled_owned())
+        .into_future();
+    tokio::pin!(api, ops);
+    let (mut api_done, mut ops_done) = (None, None);
+    tokio::select! {
+        served = &mut api => api_done = Some(served),
+        served = &mut ops => ops_done = Some(served),
+        () = stop_requested() => {}
+    }
+    // A listener that fails still ends in an orderly shutdown: the usage
+    // recorded so far is written and the leases go back before the error is
+    // reported.
+    if let Some(Err(error)) = api_done.as_ref().or(ops_done.as_ref()) {
+        eprintln!("serving stopped: {error}");
+    }
+    handle.request_shutdown();
+    stop_api.cancel();
+    if api_done.is_none() {
+        api_done = tokio::time::timeout(HTTP_DRAIN, &mut api).await.ok();
+    }
+    stop_ops.cancel();
+    if ops_done.is_none() {
+        ops_done = tokio::time::timeout(HTTP_DRAIN, &mut ops).await.ok();
+    }
+    if api_done.is_none() || ops_done.is_none() {
+        eprintln!("connections still open after {HTTP_DRAIN:?}; shutting down without them");
+    }
+    api_done.unwrap_or(Ok(())).and(ops_done.unwrap_or(Ok(())))
 }
 
 /// Binds the listener of `flag`, naming it in the error.

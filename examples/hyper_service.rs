@@ -144,8 +144,14 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     );
     let serve = async {
         loop {
-            let Ok((stream, _)) = listener.accept().await else {
-                continue;
+            let stream = match listener.accept().await {
+                Ok((stream, _)) => stream,
+                // Out of file descriptors, say: retrying at once would spin.
+                Err(error) => {
+                    eprintln!("accept failed: {error}; retrying in a second");
+                    tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+                    continue;
+                }
             };
             let service = TowerToHyperService::new(service.clone());
             tokio::spawn(async move {
