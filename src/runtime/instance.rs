@@ -1019,22 +1019,31 @@ impl Shared {
         departing: bool,
     ) -> Option<LeaseManager> {
         if let Some(manager) = &managed.manager {
-            // Before `is_finished`: a faulted manager whose task then died
-            // is not restarted into spending on the faulted books.
+            // Whether it ended, read before whether it faulted: a task that
+            // faults and then dies does both before it ends, so a manager
+            // seen ended is also seen faulted if it was, and a faulted
+            // manager whose task died is not restarted into spending on the
+            // faulted books.
+            let finished = manager.is_finished();
             if manager.is_faulted() {
                 // I15: books that disagree with the store are no basis for
                 // spending; the instance is taken out of service for good.
                 self.faulted.store(true, Ordering::Release);
                 return None;
             }
-            if !manager.is_finished() {
+            if !finished {
                 return None;
             }
             tracing::error!(%account, "lease manager died; restarting after backoff");
             managed.restart_at = Some(after(now, self.config.manager_restart_backoff));
             return managed.manager.take();
         }
-        if departing || managed.restart_at.is_some_and(|at| now < at) {
+        // I15: once any manager faulted, the instance is out of service for
+        // good, and no manager starts again to spend on its books.
+        if departing
+            || managed.restart_at.is_some_and(|at| now < at)
+            || self.faulted.load(Ordering::Acquire)
+        {
             return None;
         }
         let slot = self.registry.ensure(account);

@@ -1394,18 +1394,24 @@ impl Task {
                  allocator's max_ttl shorter than lease_ttl?)"
             );
         }
-        self.slot.publish_funding(allocation.funding);
         if allocation.funding.is_none() {
             // The account showed more than was asked for: a replacement
             // that once fell short of a quote says nothing any more.
             self.rotation_fell_short = false;
         }
         self.slot.publish_allocator_reachable(true);
+        // The lease and the evidence cannot change together, so the old
+        // evidence goes first and the new comes after the lease: a request
+        // between them reads no evidence and answers transiently, never
+        // rules out a quote by evidence that counts neither the granted
+        // units nor the old lease's (I23).
+        self.slot.publish_funding(None);
         if let Some(previous) = self.slot.replace(lease) {
             // I28: rotation. The old lease keeps serving the requests that
             // hold it, and is released once they let go (I26).
             self.park(previous);
         }
+        self.slot.publish_funding(allocation.funding);
         tracing::debug!(
             lease = %grant.lease_id,
             units = grant.units.get(),
