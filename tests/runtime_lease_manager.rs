@@ -2376,3 +2376,119 @@ async fn a_task_that_dies_acquiring_after_a_gone_fold_reports_nothing_abandoned(
     assert!(report.task_died);
     assert_eq!((report.abandoned, report.abandoned_units), (0, 0));
 }
+
+/// I23, I27: while a quiescent lease is folded it is out of the slot, and
+/// the evidence does not count its units; read against that evidence, a
+/// quote the lease funded would be ruled out (402, never retry). The
+/// evidence is withdrawn for the fold, so a request meanwhile is answered
+/// transiently, and the fold's grant publishes evidence again.
+#[tokio::test(start_paused = true)]
+async fn no_evidence_rules_a_quote_out_while_a_lease_is_folded() {
+    let tail = BalanceShortfall {
+        remaining: CostUnits(50),
+        period_end: None,
+    };
+    let allocator = Scripted::new();
+    allocator.plan_acquires([Reply::GrantShort(TARGET, tail)]);
+    let gate = Arc::new(Notify::new());
+    allocator.plan_consolidations([Reply::Gated(
+        Arc::clone(&gate),
+        Box::new(Reply::GrantShort(
+            150,
+            BalanceShortfall {
+                remaining: CostUnits(0),
+                period_end: None,
+            },
+        )),
+    )]);
+    let h = Harness::started(allocator).await;
+    assert_eq!(h.slot.funding_evidence(h.now()), Some(tail));
+    h.refused(120);
+    h.allocator.calls_reach(2).await;
+    settle().await;
+    assert!(matches!(h.allocator.calls()[1], Call::Consolidate { .. }));
+    assert_eq!(h.serving(), None, "out of the slot while it is folded");
+    assert_eq!(
+        h.slot.funding_evidence(h.now()),
+        None,
+        "no evidence that leaves the folded units out"
+    );
+    gate.notify_one();
+    settle().await;
+    assert_eq!(h.serving(), Some((2, 150)));
+    assert_eq!(
+        h.slot.funding_evidence(h.now()).map(|e| e.remaining),
+        Some(CostUnits(0))
+    );
+}
+
+/// A clock that notes whether the slot was empty whenever it is read,
+/// once armed: the lease manager reads it between any take and put-back.
+#[derive(Debug)]
+struct SlotWatchingClock {
+    clock: Arc<ManualClock>,
+    slot: Arc<LeaseSlot>,
+    armed: std::sync::atomic::AtomicBool,
+    saw_empty: std::sync::atomic::AtomicBool,
+}
+
+impl Clock for SlotWatchingClock {
+    fn now(&self) -> Timestamp {
+        if self.armed.load(Ordering::SeqCst) && self.slot.load_observed().is_none() {
+            self.saw_empty.store(true, Ordering::SeqCst);
+        }
+        self.clock.now()
+    }
+}
+
+/// I27: a lease a request holds is found busy where it serves; the fold it
+/// refused is deferred and a replacement chased, and at no point is the
+/// slot left empty for the account's requests to be denied.
+#[tokio::test(start_paused = true)]
+async fn a_busy_lease_that_refused_a_quote_never_leaves_the_slot() {
+    let allocator = Scripted::new();
+    let slot = Arc::new(LeaseSlot::new(ACCOUNT, LocalSharding::Single));
+    *lock(&allocator.slot) = Some(Arc::clone(&slot));
+    let clock = Arc::new(ManualClock::new(start()));
+    let watching = Arc::new(SlotWatchingClock {
+        clock: Arc::clone(&clock),
+        slot: Arc::clone(&slot),
+        armed: std::sync::atomic::AtomicBool::new(false),
+        saw_empty: std::sync::atomic::AtomicBool::new(false),
+    });
+    let manager = LeaseManager::spawn(
+        Arc::clone(&allocator) as Arc<dyn LeaseAllocator>,
+        Arc::clone(&slot),
+        Arc::clone(&watching) as Arc<dyn Clock>,
+        config(),
+    )
+    .expect("the test configuration is valid");
+    allocator.calls_reach(1).await;
+    settle().await;
+    let now = clock.now();
+    let busy = slot
+        .with_lease(|lease| {
+            Reservation::reserve(lease.expect("a lease serves"), CostUnits(10), now)
+        })
+        .expect("funded");
+    watching.armed.store(true, Ordering::SeqCst);
+    let refusal = slot
+        .with_lease(|lease| {
+            Reservation::reserve(lease.expect("a lease serves"), CostUnits(120), now)
+        })
+        .expect_err("more than the lease holds");
+    assert_eq!(refusal, DenyReason::LeaseExhausted);
+    allocator.calls_reach(2).await;
+    settle().await;
+    assert_eq!(
+        allocator.calls()[1],
+        Call::Acquire { requested: 120 },
+        "a replacement is chased"
+    );
+    assert!(
+        !watching.saw_empty.load(Ordering::SeqCst),
+        "the slot was never empty"
+    );
+    drop(busy);
+    drop(manager);
+}

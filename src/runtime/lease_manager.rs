@@ -1477,49 +1477,83 @@ impl Task {
             })
     }
 
+    /// I27: the unspent count of a lease a reservation is in flight on, or
+    /// a committed charge's event is still on its way from (I26), is not
+    /// final. Under steady traffic one always is, so waiting for a quiet
+    /// moment could refuse the quote for good. Instead the lease keeps
+    /// serving and a replacement large enough for the quote is acquired
+    /// beside it (a rotation, I28); the old lease is released once
+    /// quiescent, returning its unspent units. A quote the account's last
+    /// known funds rule out is not chased, nor one an earlier replacement
+    /// came back short of (tail sharing): then the lease is replaced only if
+    /// it is also low, as after a refused fold, so one unfundable quote
+    /// neither drains the account's lease, nor churns grants, nor splits the
+    /// balance into ever smaller leases.
+    fn defer_fold(&mut self, live: &LocalLease) -> DeferredFold {
+        bump(&self.shared.counters.consolidations_deferred, 1);
+        let needed = live.largest_refused_quote();
+        let chase = !self.rotation_fell_short && self.might_fund(needed);
+        let draining = live.remaining() <= live.low_water();
+        if self.beyond_reach(needed, live.remaining()) {
+            // Admission no longer records this quote; the record made
+            // before the evidence came would hide a fundable one. A quote
+            // the lease and the balance together could fund is kept, and
+            // folded at the first quiet moment.
+            live.forget_refusal(needed);
+        }
+        DeferredFold {
+            needed,
+            chase,
+            draining,
+        }
+    }
+
+    /// Acts on a deferred fold: chases its quote with a replacement, or
+    /// replaces a lease that is also low.
+    async fn rotate_for(&mut self, deferred: DeferredFold) -> Result<(), Stopped> {
+        let DeferredFold {
+            needed,
+            chase,
+            draining,
+        } = deferred;
+        if chase {
+            let granted = self
+                .acquire_sized(self.config.target_grant.max(needed))
+                .await?;
+            self.rotation_fell_short = granted.is_some_and(|units| units < needed);
+            return Ok(());
+        }
+        if draining {
+            return self.acquire().await;
+        }
+        Ok(())
+    }
+
     /// Folds the serving lease, which refused a quote, into one grant large
     /// enough for that quote.
     async fn consolidate(&mut self) -> Result<(), Stopped> {
+        // A lease a request holds is found busy where it serves: taken out
+        // of the slot to find that out, it would leave the slot empty, and
+        // the account's requests denied, for a moment.
+        let busy = match self.slot.load_observed() {
+            None => return self.acquire().await,
+            Some(lease) => (!lease.is_only_local_view()).then_some(lease),
+        };
+        if let Some(live) = busy {
+            let deferred = self.defer_fold(&live);
+            // Held any longer, the observed `Arc` would keep the lease from
+            // quiescing once it is replaced.
+            drop(live);
+            return self.rotate_for(deferred).await;
+        }
         let Some((live, counted)) = self.slot.take_counted() else {
             return self.acquire().await;
         };
         if !is_quiescent(&live) {
-            // I27: the unspent count is not final while a reservation is in
-            // flight, or a committed charge's event is still on its way
-            // (I26). Under steady traffic one always is, so waiting for a
-            // quiet moment could refuse the quote for good. Instead the
-            // lease goes back to serving and a replacement large enough for
-            // the quote is acquired beside it (a rotation, I28); the old
-            // lease is released once quiescent, returning its unspent units.
-            // A quote the account's last known funds rule out is not chased,
-            // nor one an earlier replacement came back short of (tail
-            // sharing): then the lease is replaced only if it is also low,
-            // as after a refused fold, so one unfundable quote neither
-            // drains the account's lease, nor churns grants, nor splits the
-            // balance into ever smaller leases.
-            bump(&self.shared.counters.consolidations_deferred, 1);
-            let needed = live.largest_refused_quote();
-            let chase = !self.rotation_fell_short && self.might_fund(needed);
-            let draining = live.remaining() <= live.low_water();
-            if self.beyond_reach(needed, live.remaining()) {
-                // Admission no longer records this quote; the record made
-                // before the evidence came would hide a fundable one. A
-                // quote the lease and the balance together could fund is
-                // kept, and folded at the first quiet moment.
-                live.forget_refusal(needed);
-            }
+            // A request took it in between.
+            let deferred = self.defer_fold(&live);
             self.reinstate(live, counted);
-            if chase {
-                let granted = self
-                    .acquire_sized(self.config.target_grant.max(needed))
-                    .await?;
-                self.rotation_fell_short = granted.is_some_and(|units| units < needed);
-                return Ok(());
-            }
-            if draining {
-                return self.acquire().await;
-            }
-            return Ok(());
+            return self.rotate_for(deferred).await;
         }
         let grant = *live.grant();
         // I6: quiescent, so both readings are final.
@@ -1542,6 +1576,12 @@ impl Task {
         // fold runs: counted as held meanwhile, so a task that dies or is
         // cut off in the call still reports it.
         self.count_holdings([&live]);
+        // Nor does the evidence count its units: read against it, a quote
+        // the lease funded would be ruled out (402, never retry) until the
+        // fold answers. Without evidence a request meanwhile is answered
+        // transiently (I23); the fold's answer, or the next grant call's,
+        // publishes evidence again.
+        self.slot.publish_funding(None);
         let end = bounded(Some(&mut self.stop), give_up_at, call).await;
         self.shared
             .grant_call_in_flight
@@ -1955,6 +1995,17 @@ impl Task {
         self.shared.held_leases.store(leases, Ordering::Relaxed);
         self.shared.held_units.store(units, Ordering::Relaxed);
     }
+}
+
+/// What [`Task::defer_fold`] decided for a lease that refused a quote
+/// while busy.
+struct DeferredFold {
+    /// The quote it refused.
+    needed: CostUnits,
+    /// Whether to acquire a replacement large enough for it.
+    chase: bool,
+    /// Whether the lease is low anyway, and is replaced if not chased.
+    draining: bool,
 }
 
 /// What a release pass ran into.
