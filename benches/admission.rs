@@ -1,6 +1,9 @@
 //! The request path end to end: `begin` + `commit` + usage hand-off on a warm
 //! account, against the model's bare reserve+commit and, as a peer anchor,
-//! `governor`'s keyed `check_key` on one hot key. Single-threaded and with
+//! `governor`'s keyed `check_key` on one hot key (with its default clock,
+//! which reads the CPU's counter per check, and with a coarse clock kept
+//! current by a background thread, like the one tollgate's layer reads:
+//! tollgate itself is handed `now`). Single-threaded and with
 //! two threads, all in one run so the ratios mean something. `begin` + drop
 //! (a request that ends before its handler) splits the end-to-end figure
 //! into admission and commit + hand-off, and one uncontended atomic
@@ -33,6 +36,7 @@ use arc_swap::ArcSwap;
 use criterion::measurement::WallTime;
 use criterion::{BenchmarkGroup, Criterion, criterion_group, criterion_main};
 use crossbeam_queue::ArrayQueue;
+use governor::clock::QuantaUpkeepClock;
 use governor::{Quota, RateLimiter};
 use jiff::{SignedDuration, Timestamp};
 use rustc_hash::FxBuildHasher;
@@ -77,7 +81,8 @@ fn lease(sharding: LocalSharding) -> Arc<LocalLease> {
 }
 
 /// A warm engine: two principals of one account published, a lease
-/// installed, and a usage queue with room for one chunk.
+/// installed, and a usage queue with room for `queue_capacity` events in
+/// every stripe.
 fn engine(sharding: LocalSharding, queue_capacity: u64) -> AdmissionEngine {
     let registry = Arc::new(SlotRegistry::new(sharding));
     let map = Arc::new(
@@ -108,10 +113,14 @@ fn engine(sharding: LocalSharding, queue_capacity: u64) -> AdmissionEngine {
         .get(AccountId(1))
         .expect("published")
         .replace(lease(sharding));
-    let capacity = usize::try_from(queue_capacity).expect("fits");
+    // The queue is striped per core and each thread records into its own
+    // stripe: every stripe gets the room asked for, so no admission probes
+    // a full stripe before the drain, whatever the core count.
+    let stripes = LocalSharding::per_core();
+    let capacity = usize::try_from(queue_capacity).expect("fits") * stripes.count();
     AdmissionEngine::new(
         map,
-        UsageRecorder::with_capacity(capacity, capacity),
+        UsageRecorder::striped(capacity, capacity, stripes),
         RequestIds::with_prefix(1),
     )
 }
@@ -214,6 +223,15 @@ fn single(c: &mut Criterion) {
     let limiter = RateLimiter::keyed(Quota::per_second(NonZeroU32::MAX));
     group.bench_function("governor_check_key", |b| {
         b.iter(|| black_box(limiter.check_key(black_box(&1_u64))));
+    });
+    // governor's default clock reads the CPU's counter on every check, while
+    // tollgate is handed `now`: with a clock a background thread keeps
+    // current, as tollgate's layer uses, the peer does the same work.
+    let upkeep = QuantaUpkeepClock::from_interval(Duration::from_millis(1))
+        .expect("the clock's upkeep thread starts");
+    let coarse = RateLimiter::dashmap_with_clock(Quota::per_second(NonZeroU32::MAX), upkeep);
+    group.bench_function("governor_check_key_coarse_clock", |b| {
+        b.iter(|| black_box(coarse.check_key(black_box(&1_u64))));
     });
     group.finish();
 }
