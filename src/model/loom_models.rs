@@ -28,7 +28,7 @@ use crate::admission::UsageRecorder;
 use crate::model::{
     AccountId, AccountOverage, CancelOutcome, CommitError, CommitFunding, CostUnits, DenyReason,
     FencingToken, LeaseGrant, LeaseId, LocalLease, LocalSharding, Locality, PolicyRevision,
-    RefillSignal, RefillVerdict, RequestId, Reservation, UsageSource,
+    RefillSignal, RefillVerdict, RequestId, Reservation, UsageEvent, UsageSource,
 };
 
 const ACCOUNT: AccountId = AccountId(7);
@@ -97,6 +97,19 @@ fn two_shard_lease(granted: u64, low_water: CostUnits) -> (Arc<LocalLease>, Arc<
 /// Waits for a model thread, whose panic is the model's failure.
 fn join<T: 'static>(handle: thread::JoinHandle<T>) -> T {
     handle.join().expect("a model thread panicked")
+}
+
+/// A usage event of one unit of overage, as a commit records one.
+fn event(request: u64) -> UsageEvent {
+    UsageEvent {
+        request_id: RequestId::from_parts(1, request),
+        account_id: ACCOUNT,
+        source: UsageSource::Overage,
+        units: ONE,
+        at: inside_window(),
+        policy_revision: PolicyRevision::UNSTATED,
+        key_id: None,
+    }
 }
 
 /// Takes back the only handle to a reservation once every thread that shared
@@ -808,5 +821,76 @@ fn a_place_borrowed_from_another_stripe_as_the_queue_closes_is_seen_or_refused()
         }
         drop(held);
         assert_eq!(queue.in_use(), 0, "I20: every place came back");
+    });
+}
+
+/// I21: a commit racing the writer's give-up. The commit checks whether the
+/// writer is gone, and records if not; the writer abandons the queue, takes
+/// and frees what is queued, then counts what is still recorded and the
+/// places permits still hold. A recorded event is counted exactly once (taken,
+/// found queued, or its place still held when the writer looked); an event
+/// not recorded is in neither count, so nothing is lost silently.
+#[test]
+fn a_commit_racing_the_writers_give_up_is_counted_once_or_refused() {
+    loom::model(|| {
+        let recorder = UsageRecorder::striped(1, 1, LocalSharding::Single);
+        let queue = Arc::clone(recorder.queue());
+        let permit = recorder.try_permit().expect("a free place");
+        let committer = thread::spawn(move || {
+            if permit.writer_gone() {
+                // Refused at commit: the handler does not run.
+                drop(permit);
+                return false;
+            }
+            permit.record(event(1));
+            true
+        });
+        queue.abandon();
+        let mut taken = Vec::new();
+        let given_up = queue.take_into(&mut taken, usize::MAX);
+        queue.release(given_up);
+        let undelivered = queue.undelivered();
+        let outstanding = queue.in_use().saturating_sub(undelivered);
+        let recorded = join(committer);
+        if recorded {
+            assert_eq!(
+                given_up + undelivered + outstanding,
+                1,
+                "I21: the recorded event is counted once"
+            );
+        } else {
+            assert_eq!(given_up + undelivered, 0, "nothing was recorded");
+        }
+    });
+}
+
+/// A shared charge's worker whose commit loses to a cancel sees the cancel
+/// requested: the request is recorded before the phase is tried.
+#[test]
+fn a_worker_whose_commit_loses_to_a_cancel_sees_it_requested() {
+    loom::model(|| {
+        let lease = LocalLease::new(grant(1), CostUnits::ZERO);
+        let reservation =
+            Reservation::reserve_at_locality(&lease, ONE, inside_window(), Locality::new(0))
+                .expect("the lease funds the quote");
+        let (shared, handle) = reservation.split();
+        let canceller = thread::spawn(move || handle.cancel());
+        let committed = shared
+            .reservation()
+            .commit_at_execution_start(inside_window(), CommitFunding::LeaseOnly);
+        // Read by the worker, as it decides whether to run, before the
+        // canceller is known to be done.
+        let seen_requested = shared.cancel_requested();
+        let cancelled = join(canceller);
+        match (committed, cancelled) {
+            (Err(AlreadyReleased), ZeroCharged) => assert!(
+                seen_requested,
+                "a commit that lost to a cancel sees it requested"
+            ),
+            (Ok(units), CancelOutcome::AlreadyCommitted { units: charged }) => {
+                assert_eq!((units, charged), (ONE, ONE));
+            }
+            other => panic!("I3: exactly one of commit and cancel must win, got {other:?}"),
+        }
     });
 }
