@@ -37,8 +37,13 @@ impl Clock for SystemClock {
 /// admission).
 ///
 /// It reads at most two ticks behind ([`staleness_bound`](Clock::staleness_bound)),
-/// which the runtime checks against the leases' safety margin. Dropping the
-/// last handle stops the ticker.
+/// which the runtime checks against the leases' safety margin, as long as
+/// its ticker task gets to run every tick: run it on a multi-threaded
+/// runtime whose workers no handler blocks. A runtime stalled longer than
+/// the margin's slack (a blocking handler on a current-thread runtime, a
+/// paused process) lets it fall behind by the whole stall, and a request
+/// admitted then may commit against a lease past its window by that much.
+/// Dropping the last handle stops the ticker.
 pub struct CoarseClock {
     nanos: Arc<AtomicI64>,
     tick: Duration,
