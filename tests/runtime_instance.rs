@@ -536,6 +536,26 @@ struct Misbehaving {
     acquires: std::sync::atomic::AtomicU32,
 }
 
+impl Misbehaving {
+    /// Around `store`: `calm_acquires` answered normally, then
+    /// `panics_left` that panic, then normal again; releases as `releases`.
+    fn new(
+        store: &Arc<MemoryStore>,
+        calm_acquires: u32,
+        panics_left: u32,
+        releases: Releases,
+    ) -> Arc<Self> {
+        Arc::new(Self {
+            store: Arc::clone(store),
+            calm_acquires: std::sync::atomic::AtomicU32::new(calm_acquires),
+            panics_left: std::sync::atomic::AtomicU32::new(panics_left),
+            releases,
+            released: std::sync::atomic::AtomicU32::new(0),
+            acquires: std::sync::atomic::AtomicU32::new(0),
+        })
+    }
+}
+
 /// How a [`Misbehaving`] allocator answers releases.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Releases {
@@ -637,14 +657,7 @@ impl LeaseAllocator for Misbehaving {
 #[tokio::test(start_paused = true)]
 async fn a_lease_manager_that_dies_is_restarted_after_the_backoff() {
     let w = world(10_000);
-    let allocator = Arc::new(Misbehaving {
-        store: Arc::clone(&w.store),
-        calm_acquires: std::sync::atomic::AtomicU32::new(0),
-        panics_left: std::sync::atomic::AtomicU32::new(1),
-        releases: Releases::Honest,
-        released: std::sync::atomic::AtomicU32::new(0),
-        acquires: std::sync::atomic::AtomicU32::new(0),
-    });
+    let allocator = Misbehaving::new(&w.store, 0, 1, Releases::Honest);
     let (runtime, handle) = w.spawn_with(allocator, config());
     tokio::time::sleep(ms(150)).await;
     assert_eq!(
@@ -679,14 +692,7 @@ async fn a_lease_manager_that_dies_is_restarted_after_the_backoff() {
 async fn evidence_of_a_remainder_is_not_readiness_without_a_lease() {
     // 600 units against grants of 500: the first grant says 100 remain.
     let w = world(600);
-    let allocator = Arc::new(Misbehaving {
-        store: Arc::clone(&w.store),
-        calm_acquires: std::sync::atomic::AtomicU32::new(1),
-        panics_left: std::sync::atomic::AtomicU32::new(1),
-        releases: Releases::Honest,
-        released: std::sync::atomic::AtomicU32::new(0),
-        acquires: std::sync::atomic::AtomicU32::new(0),
-    });
+    let allocator = Misbehaving::new(&w.store, 1, 1, Releases::Honest);
     let (runtime, handle) = w.spawn_with(allocator, config());
     tokio::time::sleep(ms(200)).await;
     assert!(handle.readiness());
@@ -714,14 +720,7 @@ async fn evidence_of_a_remainder_is_not_readiness_without_a_lease() {
 #[tokio::test(start_paused = true)]
 async fn an_integrity_fault_takes_the_instance_out_of_service_for_good() {
     let w = world(10_000);
-    let allocator = Arc::new(Misbehaving {
-        store: Arc::clone(&w.store),
-        calm_acquires: std::sync::atomic::AtomicU32::new(0),
-        panics_left: std::sync::atomic::AtomicU32::new(0),
-        releases: Releases::Refuse,
-        released: std::sync::atomic::AtomicU32::new(0),
-        acquires: std::sync::atomic::AtomicU32::new(0),
-    });
+    let allocator = Misbehaving::new(&w.store, 0, 0, Releases::Refuse);
     let mut config = config();
     // A tiny grant rotates at once, so a release happens early.
     config.leases.target_grant = CostUnits(10);
@@ -764,14 +763,7 @@ async fn an_integrity_fault_takes_the_instance_out_of_service_for_good() {
 #[tokio::test(start_paused = true)]
 async fn a_faulted_manager_that_later_dies_is_not_restarted() {
     let w = world(10_000);
-    let allocator = Arc::new(Misbehaving {
-        store: Arc::clone(&w.store),
-        calm_acquires: std::sync::atomic::AtomicU32::new(0),
-        panics_left: std::sync::atomic::AtomicU32::new(0),
-        releases: Releases::RefuseThenPanic,
-        released: std::sync::atomic::AtomicU32::new(0),
-        acquires: std::sync::atomic::AtomicU32::new(0),
-    });
+    let allocator = Misbehaving::new(&w.store, 0, 0, Releases::RefuseThenPanic);
     let mut config = config();
     config.leases.target_grant = CostUnits(10);
     config.leases.low_water = CostUnits(5);
@@ -803,14 +795,7 @@ async fn a_faulted_manager_that_later_dies_is_not_restarted() {
 #[tokio::test(start_paused = true)]
 async fn an_integrity_fault_found_as_an_account_retires_takes_the_instance_out_of_service() {
     let w = world(10_000);
-    let allocator = Arc::new(Misbehaving {
-        store: Arc::clone(&w.store),
-        calm_acquires: std::sync::atomic::AtomicU32::new(u32::MAX),
-        panics_left: std::sync::atomic::AtomicU32::new(0),
-        releases: Releases::Refuse,
-        released: std::sync::atomic::AtomicU32::new(0),
-        acquires: std::sync::atomic::AtomicU32::new(0),
-    });
+    let allocator = Misbehaving::new(&w.store, u32::MAX, 0, Releases::Refuse);
     let (runtime, handle) = w.spawn_with(allocator, config());
     tokio::time::sleep(ms(200)).await;
     assert!(handle.readiness());
@@ -1007,14 +992,7 @@ async fn the_longest_waits_a_configuration_accepts_run_and_shut_down() {
     config.shutdown_deadline = Duration::MAX;
     config.manager_restart_backoff = Duration::MAX;
     config.validate().expect("any positive wait is valid");
-    let allocator = Arc::new(Misbehaving {
-        store: Arc::clone(&w.store),
-        calm_acquires: std::sync::atomic::AtomicU32::new(0),
-        panics_left: std::sync::atomic::AtomicU32::new(1),
-        releases: Releases::Honest,
-        released: std::sync::atomic::AtomicU32::new(0),
-        acquires: std::sync::atomic::AtomicU32::new(0),
-    });
+    let allocator = Misbehaving::new(&w.store, 0, 1, Releases::Honest);
     let (runtime, handle) = w.spawn_with(allocator, config);
     // The first manager dies at once; its restart is as good as never.
     tokio::time::sleep(ms(500)).await;
@@ -1315,14 +1293,7 @@ async fn no_grant_is_asked_for_once_shutdown_has_begun() {
     w.store
         .issue_key(broke, PermissionBits::ALL, w.clock.now())
         .unwrap();
-    let allocator = Arc::new(Misbehaving {
-        store: Arc::clone(&w.store),
-        calm_acquires: std::sync::atomic::AtomicU32::new(0),
-        panics_left: std::sync::atomic::AtomicU32::new(0),
-        releases: Releases::Honest,
-        released: std::sync::atomic::AtomicU32::new(0),
-        acquires: std::sync::atomic::AtomicU32::new(0),
-    });
+    let allocator = Misbehaving::new(&w.store, 0, 0, Releases::Honest);
     let (runtime, handle) = w.spawn_with(Arc::clone(&allocator) as _, config());
     tokio::time::sleep(ms(500)).await;
     let asked = allocator.acquires.load(std::sync::atomic::Ordering::SeqCst);
@@ -1367,14 +1338,7 @@ async fn no_grant_is_asked_for_once_shutdown_has_begun() {
 #[tokio::test(start_paused = true)]
 async fn an_integrity_fault_found_at_shutdown_is_reported() {
     let w = world(10_000);
-    let allocator = Arc::new(Misbehaving {
-        store: Arc::clone(&w.store),
-        calm_acquires: std::sync::atomic::AtomicU32::new(0),
-        panics_left: std::sync::atomic::AtomicU32::new(0),
-        releases: Releases::Refuse,
-        released: std::sync::atomic::AtomicU32::new(0),
-        acquires: std::sync::atomic::AtomicU32::new(0),
-    });
+    let allocator = Misbehaving::new(&w.store, 0, 0, Releases::Refuse);
     let (runtime, handle) = w.spawn_with(allocator, config());
     tokio::time::sleep(ms(200)).await;
     assert_eq!(w.begin(&handle, 5), Ok(CostUnits(5)));
