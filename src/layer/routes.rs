@@ -186,7 +186,6 @@ mod tests {
     fn matched_path(template: &str, path: &str) -> MatchedPath {
         use axum::Router;
         use axum::routing::any;
-        use tower_service::Service as _;
 
         let (sender, receiver) = std::sync::mpsc::channel();
         let mut router: Router = Router::new().route(
@@ -195,15 +194,40 @@ mod tests {
                 sender.send(matched).unwrap();
             }),
         );
+        serve_once(&mut router, path);
+        receiver.recv().unwrap()
+    }
+
+    /// Sends one empty request for `uri` through `service`, to completion.
+    fn serve_once<S>(service: &mut S, uri: &str)
+    where
+        S: tower_service::Service<http::Request<axum::body::Body>>,
+        S::Error: std::fmt::Debug,
+    {
         let request = http::Request::builder()
-            .uri(path)
+            .uri(uri)
             .body(axum::body::Body::empty())
             .unwrap();
         let runtime = tokio::runtime::Builder::new_current_thread()
             .build()
             .unwrap();
-        runtime.block_on(router.call(request)).unwrap();
-        receiver.recv().unwrap()
+        runtime.block_on(service.call(request)).unwrap();
+    }
+
+    /// A request mapper that sends what `table` prices each request at.
+    fn recorder(
+        table: RouteTable,
+    ) -> (
+        impl Fn(http::Request<axum::body::Body>) -> http::Request<axum::body::Body> + Clone,
+        std::sync::mpsc::Receiver<Price>,
+    ) {
+        let (sender, receiver) = std::sync::mpsc::channel();
+        let record = move |request: http::Request<axum::body::Body>| {
+            let (parts, body) = request.into_parts();
+            sender.send(table.price_of(&parts)).unwrap();
+            http::Request::from_parts(parts, body)
+        };
+        (record, receiver)
     }
 
     #[test]
@@ -299,31 +323,16 @@ mod tests {
         use axum::routing::get;
         use tower::util::MapRequestLayer;
         use tower_layer::Layer as _;
-        use tower_service::Service as _;
 
-        let (sender, receiver) = std::sync::mpsc::channel();
-        let record = move |request: http::Request<axum::body::Body>| {
-            let (parts, body) = request.into_parts();
-            sender.send(table().price_of(&parts)).unwrap();
-            http::Request::from_parts(parts, body)
-        };
+        let (record, receiver) = recorder(table());
         let routes = || Router::new().route("/users/{id}", get(|| async {}));
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .build()
-            .unwrap();
-        let request = || {
-            http::Request::builder()
-                .uri("/users/42")
-                .body(axum::body::Body::empty())
-                .unwrap()
-        };
 
         let mut inside = routes().layer(MapRequestLayer::new(record.clone()));
-        runtime.block_on(inside.call(request())).unwrap();
+        serve_once(&mut inside, "/users/42");
         assert_eq!(receiver.recv().unwrap(), price(2), "Router::layer");
 
         let mut outside = MapRequestLayer::new(record).layer(routes());
-        runtime.block_on(outside.call(request())).unwrap();
+        serve_once(&mut outside, "/users/42");
         assert_eq!(
             receiver.recv().unwrap(),
             price(1),
@@ -336,27 +345,13 @@ mod tests {
         use axum::Router;
         use axum::routing::get;
         use tower::util::MapRequestLayer;
-        use tower_service::Service as _;
 
-        let (sender, receiver) = std::sync::mpsc::channel();
-        let nested = table().route(Method::GET, "/api/users/{id}", price(7));
-        let record = move |request: http::Request<axum::body::Body>| {
-            let (parts, body) = request.into_parts();
-            sender.send(nested.price_of(&parts)).unwrap();
-            http::Request::from_parts(parts, body)
-        };
+        let (record, receiver) = recorder(table().route(Method::GET, "/api/users/{id}", price(7)));
         let inner = Router::new()
             .route("/users/{id}", get(|| async {}))
             .route_layer(MapRequestLayer::new(record));
         let mut router: Router = Router::new().nest("/api", inner);
-        let request = http::Request::builder()
-            .uri("/api/users/42")
-            .body(axum::body::Body::empty())
-            .unwrap();
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .build()
-            .unwrap();
-        runtime.block_on(router.call(request)).unwrap();
+        serve_once(&mut router, "/api/users/42");
         assert_eq!(receiver.recv().unwrap(), price(7), "prefix included");
     }
 }
