@@ -10,21 +10,21 @@
 //! quiescent, which the lease manager reads from a single task.
 
 #[cfg(not(tollgate_loom))]
-pub(crate) use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, AtomicUsize, Ordering};
+pub(crate) use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
 #[cfg(tollgate_loom)]
-pub(crate) use loom::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, AtomicUsize, Ordering};
+pub(crate) use loom::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
 /// Runs `f` on the value of an atomic the caller holds exclusively. With
 /// `&mut` no other thread can race, so this is a plain memory access; loom
 /// spells it differently from the standard library.
 #[cfg(not(tollgate_loom))]
 #[inline]
-pub(crate) fn with_exclusive<R>(atomic: &mut AtomicU8, f: impl FnOnce(&mut u8) -> R) -> R {
+pub(crate) fn with_exclusive<R>(atomic: &mut AtomicU64, f: impl FnOnce(&mut u64) -> R) -> R {
     f(atomic.get_mut())
 }
 
 #[cfg(tollgate_loom)]
-pub(crate) fn with_exclusive<R>(atomic: &mut AtomicU8, f: impl FnOnce(&mut u8) -> R) -> R {
+pub(crate) fn with_exclusive<R>(atomic: &mut AtomicU64, f: impl FnOnce(&mut u64) -> R) -> R {
     atomic.with_mut(f)
 }
