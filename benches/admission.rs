@@ -139,7 +139,7 @@ fn begin(engine: &AdmissionEngine, principal: Principal) -> RequestContext {
 
 fn admit(engine: &AdmissionEngine, principal: Principal) {
     let mut context = begin(engine, principal);
-    black_box(context.commit(black_box(now()))).expect("inside the window");
+    black_box(context.commit(black_box(now())).expect("inside the window"));
 }
 
 /// Times `iters` runs of `op`, calling `drain` (untimed) after every chunk.
