@@ -9,7 +9,7 @@
 //!                    └──► RELEASED
 //! ```
 //!
-//! Every arrow is one compare-exchange on one byte, so a commit and a cancel
+//! Every arrow is one compare-exchange on one word, so a commit and a cancel
 //! racing for the same reservation can never both win (I3). The terminal
 //! phase, not the funding the reservation was admitted on, says what pays for
 //! the charge.

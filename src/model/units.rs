@@ -117,6 +117,7 @@ impl PermissionBits {
     ///
     /// When `index` is 64 or more: there are only 64 bits.
     #[must_use]
+    #[inline]
     pub const fn bit(index: u32) -> Self {
         assert!(index < 64, "permission bit index must be below 64");
         Self(1 << index)
