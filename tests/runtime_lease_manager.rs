@@ -111,6 +111,8 @@ enum Reply {
     /// Grant a lease of another account: a store bug.
     GrantElsewhere(u64),
     Refuse(AllocateError),
+    /// Settle a release, crediting this many units whatever was claimed.
+    Credit(u64),
     /// Never answer: a wedged backend.
     Hang,
     /// Wait for the gate to open, then answer.
@@ -295,6 +297,9 @@ impl LeaseAllocator for Scripted {
             .unwrap_or(Reply::Grant(0));
         match self.resolve(reply).await {
             Reply::Grant(_) => Ok(Released { credited: unspent }),
+            Reply::Credit(units) => Ok(Released {
+                credited: CostUnits(units),
+            }),
             Reply::Refuse(error) => Err(error),
             other => unreachable!("a release answers a grant or a refusal, not {other:?}"),
         }
@@ -1179,6 +1184,38 @@ async fn a_consolidation_refused_as_an_over_claim_faults_and_stops_spending() {
     assert_eq!((report.released, report.abandoned), (0, 1));
     assert_eq!(report.abandoned_units, 30);
     assert_eq!(report.stats.refused_for(&AllocateError::InvalidRelease), 1);
+}
+
+/// I26: a store that settles a release with another amount than claimed
+/// disagrees with the instance about the books (units counted twice or
+/// lost): an integrity fault, not a log line while the account keeps being
+/// served.
+#[tokio::test(start_paused = true)]
+async fn a_release_credited_with_another_amount_than_claimed_faults() {
+    let allocator = Scripted::new();
+    allocator.plan_releases(1, [Reply::Credit(25)]);
+    let mut h = Harness::started(allocator).await;
+    rotate_once(&h, 80).await;
+    assert_eq!(h.serving(), Some((2, 100)));
+    sleep(POLL).await;
+    settle().await;
+    assert!(
+        h.allocator.calls().contains(&release(1, 20)),
+        "{:?}",
+        h.allocator.calls()
+    );
+
+    assert_eq!(h.manager().health(), LeaseHealth::Faulted);
+    assert!(!h.ready());
+    assert_eq!(h.serving(), None, "the account is no longer served");
+    assert_eq!(
+        h.stats().released_units,
+        25 + 100,
+        "what the store credited for lease 1, and lease 2 returned whole once \
+         the fault took it out of the slot"
+    );
+    let report = h.shutdown().await;
+    assert!(report.faulted);
 }
 
 /// I15, I29: a grant of another account is an integrity fault, not a
@@ -2305,6 +2342,53 @@ async fn on_a_memory_store_the_tail_of_a_balance_is_regranted_and_its_evidence_p
     assert_eq!(view.settled_unbilled, CostUnits::ZERO);
 }
 
+/// I26, I23: a release returns its unspent units to the balance the
+/// published evidence describes, so the evidence grows by them. Left as it
+/// was, it would rule out a quote the account can fund again (402, never
+/// retry) until the next grant call, which an idle serving lease does not
+/// make.
+#[tokio::test(start_paused = true)]
+async fn a_release_adds_the_units_it_returns_to_the_published_evidence() {
+    let (store, account) = memory_store(150, start());
+    let (manager, slot) = spawn_on(&store, account);
+    settle().await;
+    assert_eq!(serve_request(&store, &slot, 1, 80).await, Some(80));
+    settle().await;
+    let evidence = |remaining| {
+        Some(BalanceShortfall {
+            remaining: CostUnits(remaining),
+            period_end: None,
+        })
+    };
+    assert_eq!(
+        slot.funding_evidence(start()),
+        evidence(0),
+        "the tail grant took all that was left; lease 1 is parked with 20"
+    );
+    let serving = slot.load_observed().expect("lease 2 serves");
+    let serving_units = serving.remaining();
+    drop(serving);
+    assert_eq!(serving_units, CostUnits(50));
+
+    // The next poll releases lease 1; lease 2 is above its mark, so no grant
+    // call is made.
+    sleep(POLL).await;
+    settle().await;
+    let stats = manager.stats();
+    assert_eq!((stats.released, stats.released_units), (1, 20));
+    assert_eq!(stats.acquired, 2, "no grant call since the tail grant");
+    assert_eq!(
+        slot.funding_evidence(start()),
+        evidence(20),
+        "lease 1's 20 units are back in the balance"
+    );
+    let view = store.account(account, start()).expect("the account exists");
+    assert_eq!(view.balance, CostUnits(20));
+
+    let report = manager.shutdown().await;
+    assert_eq!(report.abandoned, 0);
+}
+
 // ------------------------------------------------- what an ended task left
 
 /// I25, I29: a task that ends in a store call reports exactly the leases it
@@ -2422,23 +2506,107 @@ async fn no_evidence_rules_a_quote_out_while_a_lease_is_folded() {
     );
 }
 
-/// A clock that notes whether the slot was empty whenever it is read,
-/// once armed: the lease manager reads it between any take and put-back.
+/// A clock that notes, once armed, whether the slot was empty whenever it
+/// is read, and whether it was empty with evidence published: the lease
+/// manager reads it between any take and put-back.
 #[derive(Debug)]
 struct SlotWatchingClock {
     clock: Arc<ManualClock>,
     slot: Arc<LeaseSlot>,
     armed: std::sync::atomic::AtomicBool,
     saw_empty: std::sync::atomic::AtomicBool,
+    saw_evidence_without_lease: std::sync::atomic::AtomicBool,
+}
+
+impl SlotWatchingClock {
+    fn new(clock: &Arc<ManualClock>, slot: &Arc<LeaseSlot>) -> Arc<Self> {
+        Arc::new(Self {
+            clock: Arc::clone(clock),
+            slot: Arc::clone(slot),
+            armed: std::sync::atomic::AtomicBool::new(false),
+            saw_empty: std::sync::atomic::AtomicBool::new(false),
+            saw_evidence_without_lease: std::sync::atomic::AtomicBool::new(false),
+        })
+    }
 }
 
 impl Clock for SlotWatchingClock {
     fn now(&self) -> Timestamp {
         if self.armed.load(Ordering::SeqCst) && self.slot.load_observed().is_none() {
             self.saw_empty.store(true, Ordering::SeqCst);
+            if self.slot.published_funding().is_some() {
+                self.saw_evidence_without_lease
+                    .store(true, Ordering::SeqCst);
+            }
         }
         self.clock.now()
     }
+}
+
+/// I23, I27: while a quiet lease is out of the slot to be folded, no
+/// evidence is published. Read against an empty slot, evidence leaves out
+/// the lease's units and rules out a quote the lease funds (402, never
+/// retry). Here the fold is refused and rolled back: the lease goes back,
+/// and only then is the refusal's evidence published.
+#[tokio::test(start_paused = true)]
+async fn no_evidence_is_published_while_a_folded_lease_is_out_of_the_slot() {
+    let allocator = Scripted::new();
+    allocator.plan_consolidations([Reply::Refuse(AllocateError::BalanceInsufficient(
+        BalanceShortfall {
+            remaining: CostUnits(137),
+            period_end: None,
+        },
+    ))]);
+    let slot = Arc::new(LeaseSlot::new(ACCOUNT, LocalSharding::Single));
+    *lock(&allocator.slot) = Some(Arc::clone(&slot));
+    let clock = Arc::new(ManualClock::new(start()));
+    let watching = SlotWatchingClock::new(&clock, &slot);
+    let manager = LeaseManager::spawn(
+        Arc::clone(&allocator) as Arc<dyn LeaseAllocator>,
+        Arc::clone(&slot),
+        Arc::clone(&watching) as Arc<dyn Clock>,
+        config(),
+    )
+    .expect("the test configuration is valid");
+    allocator.calls_reach(1).await;
+    settle().await;
+    let plenty = BalanceShortfall {
+        remaining: CostUnits(500),
+        period_end: None,
+    };
+    slot.publish_funding(Some(plenty));
+    watching.armed.store(true, Ordering::SeqCst);
+    let now = clock.now();
+    let refusal = slot
+        .with_lease(|lease| {
+            Reservation::reserve(lease.expect("a lease serves"), CostUnits(120), now)
+        })
+        .expect_err("more than the lease holds");
+    assert_eq!(refusal, DenyReason::LeaseExhausted);
+    allocator.calls_reach(2).await;
+    settle().await;
+    assert!(
+        matches!(allocator.calls()[1], Call::Consolidate { needed: 120, .. }),
+        "the quiet lease is folded: {:?}",
+        allocator.calls()
+    );
+    assert!(
+        watching.saw_empty.load(Ordering::SeqCst),
+        "the clock was read while the lease was out of the slot"
+    );
+    assert!(
+        !watching.saw_evidence_without_lease.load(Ordering::SeqCst),
+        "evidence was published while the slot was empty"
+    );
+    assert_eq!(
+        slot.funding_evidence(now),
+        Some(BalanceShortfall {
+            remaining: CostUnits(37),
+            period_end: None,
+        }),
+        "the refusal's evidence, less the lease's own 100, once it serves again"
+    );
+    drop(manager);
 }
 
 /// I27: a lease a request holds is found busy where it serves; the fold it
@@ -2450,12 +2618,7 @@ async fn a_busy_lease_that_refused_a_quote_never_leaves_the_slot() {
     let slot = Arc::new(LeaseSlot::new(ACCOUNT, LocalSharding::Single));
     *lock(&allocator.slot) = Some(Arc::clone(&slot));
     let clock = Arc::new(ManualClock::new(start()));
-    let watching = Arc::new(SlotWatchingClock {
-        clock: Arc::clone(&clock),
-        slot: Arc::clone(&slot),
-        armed: std::sync::atomic::AtomicBool::new(false),
-        saw_empty: std::sync::atomic::AtomicBool::new(false),
-    });
+    let watching = SlotWatchingClock::new(&clock, &slot);
     let manager = LeaseManager::spawn(
         Arc::clone(&allocator) as Arc<dyn LeaseAllocator>,
         Arc::clone(&slot),

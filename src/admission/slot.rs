@@ -10,7 +10,9 @@ use jiff::Timestamp;
 use rustc_hash::FxBuildHasher;
 use tokio::sync::watch;
 
-use crate::model::{AccountId, AccountOverage, BalanceShortfall, LocalLease, LocalSharding};
+use crate::model::{
+    AccountId, AccountOverage, BalanceShortfall, CostUnits, LocalLease, LocalSharding,
+};
 
 /// The one place per account that holds the lease currently serving
 /// requests, with the account's overage counter and the allocator's latest
@@ -131,6 +133,32 @@ impl LeaseSlot {
         self.evidence.store(evidence.map(Arc::new));
     }
 
+    /// The evidence as last published, whether or not its period has ended.
+    #[must_use]
+    pub fn published_funding(&self) -> Option<BalanceShortfall> {
+        self.evidence.load().as_deref().copied()
+    }
+
+    /// Adds `units` returned to the account's balance (a lease released
+    /// with them unspent) to the published evidence, if any: the balance
+    /// it described now holds that much more. Only the lease manager
+    /// publishes evidence, so this read and write do not race another
+    /// writer.
+    pub fn raise_funding(&self, units: CostUnits) {
+        if units.is_zero() {
+            return;
+        }
+        if let Some(evidence) = self.published_funding() {
+            self.publish_funding(Some(BalanceShortfall {
+                remaining: evidence
+                    .remaining
+                    .checked_add(units)
+                    .unwrap_or(CostUnits::MAX),
+                ..evidence
+            }));
+        }
+    }
+
     /// Records whether the allocator answered the lease manager's last
     /// grant call: `false` after a storage error or a timeout, `true` after
     /// any answer, a refusal included.
@@ -152,12 +180,7 @@ impl LeaseSlot {
     /// nothing any more: the refill has happened.
     #[must_use]
     pub fn funding_evidence(&self, now: Timestamp) -> Option<BalanceShortfall> {
-        let evidence = self.evidence.load();
-        let evidence = **evidence.as_ref()?;
-        match evidence.period_end {
-            Some(end) if end <= now => None,
-            _ => Some(evidence),
-        }
+        self.published_funding()?.in_force(now)
     }
 
     /// Debit attempts that lost a compare-exchange to another thread, over

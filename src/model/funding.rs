@@ -20,6 +20,16 @@ pub struct BalanceShortfall {
 }
 
 impl BalanceShortfall {
+    /// This evidence if it still holds at `now`: once its period has ended
+    /// it says nothing any more, since the refill has happened.
+    #[must_use]
+    pub fn in_force(self, now: Timestamp) -> Option<Self> {
+        match self.period_end {
+            Some(end) if end <= now => None,
+            _ => Some(self),
+        }
+    }
+
     /// Whether the evidence rules out funding `quote`.
     #[must_use]
     pub fn rules_out(&self, quote: CostUnits) -> bool {

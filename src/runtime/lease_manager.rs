@@ -77,8 +77,12 @@
 //! - storage error or timeout: unknown outcome; the lease stays parked and is
 //!   released again on the next pass (a second release of a lease that was in
 //!   fact settled is answered "not active" and dropped);
-//! - anything else (an invalid release, a balance overflow): the store and
-//!   this instance disagree about the books. That is an *integrity fault*:
+//! - a balance overflow: the balance has no room for the unspent units now
+//!   (a top-up or refill filled it while they were out); the lease stays
+//!   parked and is released again on the next pass;
+//! - anything else (an invalid release), or a release credited with another
+//!   amount than claimed: the store and this instance disagree about the
+//!   books. That is an *integrity fault*:
 //!   readiness is withdrawn for good, the slot is emptied and no further lease
 //!   is acquired, and the lease is kept on the books but never claimed again;
 //!   at shutdown it is reported abandoned and settles at TTL reclaim.
@@ -353,9 +357,14 @@ pub struct LeaseStats {
     /// Refused leases folded into a new grant. A rising count says
     /// `target_grant` is small against the largest quotes.
     pub consolidated: u64,
-    /// Consolidations put off because a reservation or an undelivered event
-    /// still held the refused lease; each is answered with a replacement
-    /// large enough for the quote, unless the quote is ruled out.
+    /// Attempts to fold a refused lease that were put off because a
+    /// reservation or an undelivered event still held it. A refusal stays
+    /// recorded until a fold, so one quote is counted at every poll or ring
+    /// while the lease stays busy: a steadily rising count says folds keep
+    /// meeting a busy lease. An attempt is answered with a replacement large
+    /// enough for the quote while the allocator might fund it and the last
+    /// such chase did not fall short, with a plain replacement if the lease
+    /// is low, and otherwise waits for a quiet moment.
     pub consolidations_deferred: u64,
 }
 
@@ -1463,18 +1472,7 @@ impl Task {
     /// refusals it records (I27), so a quote forgotten here is not
     /// recorded again.
     fn beyond_reach(&self, needed: CostUnits, held: CostUnits) -> bool {
-        self.slot
-            .funding_evidence(self.clock.now())
-            .is_some_and(|evidence| {
-                BalanceShortfall {
-                    remaining: evidence
-                        .remaining
-                        .checked_add(held)
-                        .unwrap_or(CostUnits::MAX),
-                    ..evidence
-                }
-                .rules_out(needed)
-            })
+        rules_out_beside(self.slot.funding_evidence(self.clock.now()), needed, held)
     }
 
     /// I27: the unspent count of a lease a reservation is in flight on, or
@@ -1546,13 +1544,22 @@ impl Task {
             drop(live);
             return self.rotate_for(deferred).await;
         }
+        // The evidence is withdrawn before the lease leaves the slot, and
+        // stays withdrawn while the lease is out: read with the slot empty,
+        // it would leave out the lease's units and rule out a quote the
+        // lease funds (402, never retry). Without evidence a request
+        // meanwhile is answered transiently (I23).
+        let shown = self.slot.published_funding();
+        self.slot.publish_funding(None);
         let Some((live, counted)) = self.slot.take_counted() else {
+            self.slot.publish_funding(shown);
             return self.acquire().await;
         };
         if !is_quiescent(&live) {
             // A request took it in between.
             let deferred = self.defer_fold(&live);
             self.reinstate(live, counted);
+            self.slot.publish_funding(shown);
             return self.rotate_for(deferred).await;
         }
         let grant = *live.grant();
@@ -1576,12 +1583,8 @@ impl Task {
         // fold runs: counted as held meanwhile, so a task that dies or is
         // cut off in the call still reports it.
         self.count_holdings([&live]);
-        // Nor does the evidence count its units: read against it, a quote
-        // the lease funded would be ruled out (402, never retry) until the
-        // fold answers. Without evidence a request meanwhile is answered
-        // transiently (I23); the fold's answer, or the next grant call's,
-        // publishes evidence again.
-        self.slot.publish_funding(None);
+        // The evidence stays withdrawn (see above) until the fold's answer,
+        // or the next grant call's, publishes it again.
         let end = bounded(Some(&mut self.stop), give_up_at, call).await;
         self.shared
             .grant_call_in_flight
@@ -1645,16 +1648,15 @@ impl Task {
         // one parks it for the release pass.
         match fold_refusal(error) {
             FoldRefusal::RolledBack => {
-                if let Some(evidence) = error.evidence() {
-                    // The store counted the folded lease's unspent units in
-                    // what it could grant; the lease goes back to serving
-                    // with them, so the balance beyond it is that much less
-                    // (admission adds what the lease holds itself).
-                    self.slot.publish_funding(Some(BalanceShortfall {
-                        remaining: evidence.remaining.saturating_sub(unspent),
-                        ..evidence
-                    }));
-                }
+                // The store counted the folded lease's unspent units in what
+                // it could grant; the lease goes back to serving with them,
+                // so the balance beyond it is that much less (admission adds
+                // what the lease holds itself). Published once the lease
+                // serves again, so no request reads it against an empty slot.
+                let evidence = error.evidence().map(|evidence| BalanceShortfall {
+                    remaining: evidence.remaining.saturating_sub(unspent),
+                    ..evidence
+                });
                 tracing::debug!(
                     lease = %lease_id,
                     %error,
@@ -1667,12 +1669,17 @@ impl Task {
                 // poll. If the lease is also low, replace it meanwhile, or one
                 // quote the account cannot fund would starve every smaller
                 // one until the lease runs dry.
+                let now = self.clock.now();
+                let in_force = evidence.and_then(|evidence| evidence.in_force(now));
                 let needed = live.largest_refused_quote();
-                if self.beyond_reach(needed, live.remaining()) {
+                if rules_out_beside(in_force, needed, live.remaining()) {
                     live.forget_refusal(needed);
                 }
                 let draining = live.remaining() <= live.low_water();
                 self.reinstate(live, counted);
+                if evidence.is_some() {
+                    self.slot.publish_funding(evidence);
+                }
                 if draining {
                     return self.acquire().await;
                 }
@@ -1794,15 +1801,23 @@ impl Task {
         let counters = Arc::clone(&self.shared.counters);
         let error = match end {
             CallEnd::Answered(Ok(released)) => {
+                counters.settled(released.credited);
+                // The credited units are back in the balance the published
+                // evidence describes: without them, a quote the account can
+                // now fund would be ruled out (402, never retry) until the
+                // next grant call, which an idle serving lease may not make
+                // for minutes.
+                self.slot.raise_funding(released.credited);
                 if released.credited != unspent {
+                    // The books disagree: units were counted twice or lost.
                     tracing::error!(
                         lease = %lease_id,
                         claimed = unspent.get(),
                         credited = released.credited.get(),
                         "lease manager: the store credited another amount than claimed"
                     );
+                    self.fault();
                 }
-                counters.settled(released.credited);
                 tracing::debug!(
                     lease = %lease_id,
                     unspent = unspent.get(),
@@ -2048,6 +2063,25 @@ fn fold_refusal(error: &AllocateError) -> FoldRefusal {
         // know: the books disagree.
         _ => FoldRefusal::Integrity,
     }
+}
+
+/// Whether `evidence` rules `needed` out even counting the `held` units of
+/// the account's lease.
+fn rules_out_beside(
+    evidence: Option<BalanceShortfall>,
+    needed: CostUnits,
+    held: CostUnits,
+) -> bool {
+    evidence.is_some_and(|evidence| {
+        BalanceShortfall {
+            remaining: evidence
+                .remaining
+                .checked_add(held)
+                .unwrap_or(CostUnits::MAX),
+            ..evidence
+        }
+        .rules_out(needed)
+    })
 }
 
 /// Whether no request can debit or credit `lease` any more, so its
