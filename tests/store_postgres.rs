@@ -181,6 +181,61 @@ async fn a_bad_schema_name_or_policy_is_refused_before_connecting() {
     }
 }
 
+/// A role that owns its schema but may not create schemas in the database
+/// (the default for a role that does not own the database) migrates, and
+/// migrates again with nothing to apply: `PostgreSQL` checks the privilege
+/// to create a schema before `IF NOT EXISTS`, so the runner must not ask
+/// for one that exists.
+#[tokio::test]
+async fn a_role_that_owns_its_schema_but_cannot_create_schemas_migrates_and_migrates_again() {
+    let Some(admin) = fresh("migrate_owner", 1).await else {
+        return;
+    };
+    let schema = admin.schema().to_owned();
+    let role = unique_schema("role");
+    sqlx::raw_sql(&format!(
+        r#"CREATE ROLE "{role}" LOGIN; CREATE SCHEMA "{schema}" AUTHORIZATION "{role}""#
+    ))
+    .execute(admin.pool())
+    .await
+    .unwrap();
+    let options = database_url("migrate_owner")
+        .expect("the first store found a url")
+        .parse::<sqlx::postgres::PgConnectOptions>()
+        .unwrap()
+        .username(&role);
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(2)
+        .connect_with(options)
+        .await
+        .expect("the role logs in");
+    let owner = PostgresStore::with_pool(
+        pool,
+        PostgresConfig {
+            schema: schema.clone(),
+            policy: policy(1),
+        },
+    )
+    .unwrap();
+    let cannot_create = sqlx::raw_sql(&format!(r#"CREATE SCHEMA "{schema}_other""#))
+        .execute(owner.pool())
+        .await;
+    assert!(
+        cannot_create.is_err(),
+        "the role may not create schemas in the database"
+    );
+
+    let first = owner.migrate().await.expect("the owner creates its tables");
+    assert_eq!((first.applied, first.current), (vec![1, 2], 2));
+    let second = owner.migrate().await.expect("nothing to create or apply");
+    assert_eq!((second.applied, second.current), (vec![], 2));
+    let account = account(&owner, 10).await;
+    assert_eq!(
+        owner.account(account, at(0)).await.unwrap().balance,
+        CostUnits(10)
+    );
+}
+
 #[tokio::test]
 async fn migrating_twice_applies_nothing_the_second_time_and_the_check_says_so() {
     let Some(store) = fresh("migrate_twice", 1).await else {

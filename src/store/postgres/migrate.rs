@@ -191,18 +191,36 @@ impl PostgresStore {
             .bind(advisory_key("migrate", &self.schema))
             .execute(&mut *conn)
             .await?;
-        let create = self.sql(
-            "CREATE SCHEMA IF NOT EXISTS {schema}; \
-             CREATE TABLE IF NOT EXISTS {schema}.schema_migrations ( \
-                 version    int         PRIMARY KEY, \
-                 checksum   bytea       NOT NULL, \
-                 applied_at timestamptz NOT NULL)",
-        );
-        // Through the executor: `RawSql::execute` is an `async fn` generic
-        // over its executor, whose future is not `Send` for every lifetime
-        // (so `migrate()` could not be spawned); the executor's own method
-        // returns a boxed `Send` future.
-        Executor::execute(&mut *conn, sqlx::raw_sql(&create)).await?;
+        // Only what is missing is created. `PostgreSQL` checks the privilege
+        // to create before it looks at `IF NOT EXISTS`, so an unconditional
+        // `CREATE SCHEMA IF NOT EXISTS` would refuse every run of a role
+        // that owns its schema but may not create schemas in the database,
+        // even one with nothing to apply.
+        let (schema_exists, table_exists): (bool, bool) =
+            sqlx::query_as("SELECT to_regnamespace($1) IS NOT NULL, to_regclass($2) IS NOT NULL")
+                .bind(self.sql("{schema}"))
+                .bind(self.sql("{schema}.schema_migrations"))
+                .fetch_one(&mut *conn)
+                .await?;
+        let mut create = String::new();
+        if !schema_exists {
+            create.push_str(&self.sql("CREATE SCHEMA {schema};"));
+        }
+        if !table_exists {
+            create.push_str(&self.sql(
+                "CREATE TABLE {schema}.schema_migrations ( \
+                     version    int         PRIMARY KEY, \
+                     checksum   bytea       NOT NULL, \
+                     applied_at timestamptz NOT NULL)",
+            ));
+        }
+        if !create.is_empty() {
+            // Through the executor: `RawSql::execute` is an `async fn`
+            // generic over its executor, whose future is not `Send` for
+            // every lifetime (so `migrate()` could not be spawned); the
+            // executor's own method returns a boxed `Send` future.
+            Executor::execute(&mut *conn, sqlx::raw_sql(&create)).await?;
+        }
         Ok(())
     }
 

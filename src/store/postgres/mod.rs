@@ -76,7 +76,8 @@ pub use migrate::{MigrationReport, SchemaStatus};
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PostgresConfig {
     /// The schema every table lives in, for example `"tollgate"`: a lowercase
-    /// identifier matching `^[a-z_][a-z0-9_]{0,62}$`.
+    /// identifier matching `^[a-z_][a-z0-9_]{0,62}$`, not starting with
+    /// `pg_` (`PostgreSQL` reserves that prefix).
     pub schema: String,
     /// The rules every grant follows.
     pub policy: GrantPolicy,
@@ -209,7 +210,8 @@ impl fmt::Display for JournalKind {
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum PostgresError {
-    /// The schema name is not a lowercase identifier of at most 63 bytes.
+    /// The schema name is not a lowercase identifier of at most 63 bytes, or
+    /// starts with `pg_`.
     InvalidSchemaName(String),
     /// The grant policy breaks a rule.
     Policy(GrantPolicyError),
@@ -232,7 +234,8 @@ impl fmt::Display for PostgresError {
         match self {
             Self::InvalidSchemaName(name) => write!(
                 f,
-                "invalid schema name {name:?}: expected a lowercase identifier of at most 63 bytes"
+                "invalid schema name {name:?}: expected a lowercase identifier of at most 63 \
+                 bytes, not starting with pg_"
             ),
             Self::Policy(error) => write!(f, "{error}"),
             Self::Connect(error) => write!(f, "cannot connect to postgres: {error}"),
@@ -379,14 +382,17 @@ fn validate(config: &PostgresConfig) -> Result<(), PostgresError> {
     config.policy.validate().map_err(PostgresError::Policy)
 }
 
-/// Whether `name` matches `^[a-z_][a-z0-9_]{0,62}$`: safe to splice into SQL
-/// between double quotes, and never folded or truncated by `PostgreSQL`.
+/// Whether `name` matches `^[a-z_][a-z0-9_]{0,62}$` and does not start with
+/// `pg_`: safe to splice into SQL between double quotes, never folded or
+/// truncated by `PostgreSQL`, and not in the prefix it reserves for its own
+/// schemas (which it refuses to create).
 fn valid_schema_name(name: &str) -> bool {
     let mut bytes = name.bytes();
     let Some(first) = bytes.next() else {
         return false;
     };
     name.len() <= SCHEMA_NAME_LEN_MAX
+        && !name.starts_with("pg_")
         && (first.is_ascii_lowercase() || first == b'_')
         && bytes.all(|byte| byte.is_ascii_lowercase() || byte.is_ascii_digit() || byte == b'_')
 }
@@ -397,7 +403,14 @@ mod tests {
 
     #[test]
     fn only_plain_lowercase_identifiers_are_schema_names() {
-        for good in ["tollgate", "_t", "a1_b2", &"a".repeat(63)] {
+        for good in [
+            "tollgate",
+            "_t",
+            "a1_b2",
+            "pgtollgate",
+            "p_g",
+            &"a".repeat(63),
+        ] {
             assert!(valid_schema_name(good), "{good}");
         }
         for bad in [
@@ -410,6 +423,9 @@ mod tests {
             "\"x\"",
             "é",
             &"a".repeat(64),
+            "pg_tollgate",
+            "pg_catalog",
+            "pg_temp",
         ] {
             assert!(!valid_schema_name(bad), "{bad}");
         }
