@@ -140,6 +140,9 @@ struct ScriptedSource {
     /// before, as a source with a cache; zero by default.
     cold_cost: Mutex<Duration>,
     warm: Mutex<BTreeSet<Principal>>,
+    /// How far ahead of the `now` it is asked at the source's own clock
+    /// stamps its snapshots; zero by default.
+    lead: Mutex<SignedDuration>,
 }
 
 impl ScriptedSource {
@@ -182,7 +185,7 @@ impl ScriptedSource {
             .iter()
             .filter_map(|principal| directory.get(principal))
             .map(|snapshot| PrincipalSnapshot {
-                fetched_at: now,
+                fetched_at: now + *lock(&self.lead),
                 ..*snapshot
             })
             .collect()
@@ -848,6 +851,31 @@ async fn a_failing_source_keeps_the_last_snapshots_and_readiness_lapses_after_ma
             ..stats(2, 2, Some(t(31)))
         }
     );
+}
+
+/// I24: a source whose clock runs ahead stamps its snapshots in the future.
+/// Trust runs from when the manager asked, so once the source fails the
+/// snapshot goes stale `max_staleness` after the last ask, not that plus the
+/// source's lead (during which a key revoked meanwhile would be admitted).
+#[tokio::test(start_paused = true)]
+async fn a_source_clock_running_ahead_does_not_stretch_how_long_a_snapshot_is_trusted() {
+    let source = ScriptedSource::new([active(1, ALPHA)]);
+    *lock(&source.lead) = SignedDuration::from_mins(10);
+    source.plan_fetches([Fetch::Answer]);
+    source.plan_fetches([Fetch::Fail; 16]);
+    let h = Harness::new(source.clone(), fixed([1]));
+    settle().await;
+    assert_eq!(
+        h.map.get(p(1)).map(|s| s.fetched_at),
+        Some(start()),
+        "trusted from the ask, not from the source's stamp ten minutes on"
+    );
+
+    h.run_for(25).await;
+    assert_eq!(h.verdict(p(1)), DenyReason::LeaseUnavailable);
+    h.run_for(1).await;
+    assert_eq!(h.verdict(p(1)), DenyReason::SnapshotStale);
+    assert!(!h.ready());
 }
 
 /// A principal admission asked about and found no snapshot for is looked up

@@ -76,6 +76,7 @@ pub struct PrincipalSnapshot {
     /// a principal a smaller one than it gave before (I34).
     pub policy_revision: PolicyRevision,
     /// When the source produced this snapshot; staleness is measured from
-    /// here.
+    /// here. A source stamps the `now` it was asked at (both stores do); the
+    /// snapshot manager trusts a later stamp only from that `now` (I24).
     pub fetched_at: Timestamp,
 }

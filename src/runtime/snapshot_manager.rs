@@ -733,13 +733,14 @@ impl Task {
             .vigil
             .wait(timeout(limit, self.source.fetch(&asked, now)))
             .await?;
-        let snapshots = match judge(answer, limit) {
+        let mut snapshots = match judge(answer, limit) {
             Ok(snapshots) => snapshots,
             Err(failure) => {
                 self.note_failure("refresh fetch", failure);
                 return Ok(false);
             }
         };
+        trusted_from_the_ask(&mut snapshots, now);
         let missing = self.publish_answer(&asked, snapshots, now);
         if let Plan::Fixed { adopted, .. } = &mut self.plan {
             adopted.retain(|principal| !missing.contains(principal));
@@ -776,7 +777,7 @@ impl Task {
                 }
                 other => other,
             };
-            let page = match page {
+            let mut page = match page {
                 Ok(page) => page,
                 Err(failure) => {
                     // What was read is published, and the cursor kept, so
@@ -792,6 +793,7 @@ impl Task {
             // snapshots: a mass suspension must not copy the map per page.
             // The cursor moves only with the batch, so a refresh that fails
             // reads them again.
+            trusted_from_the_ask(&mut page.snapshots, now);
             let (restricting, rest) = split_restrictions(&self.map, page.snapshots);
             if !restricting.is_empty() {
                 self.publish(restricting);
@@ -853,7 +855,8 @@ impl Task {
             .wait(timeout(limit, self.source.fetch(&asked, now)))
             .await?;
         match judge(answer, limit) {
-            Ok(snapshots) => {
+            Ok(mut snapshots) => {
+                trusted_from_the_ask(&mut snapshots, now);
                 if let Plan::Fixed { listed, adopted } = &mut self.plan {
                     // Adopted principals are fetched with every refresh, so
                     // marking the map verified never vouches for one the
@@ -1245,6 +1248,28 @@ async fn stop_requested(stop: &mut watch::Receiver<bool>) {
     // An error means the sender is gone: nobody can stop the task any more,
     // so it stops now rather than run unowned.
     let _ = stop.wait_for(|stopping| *stopping).await;
+}
+
+/// I24: a snapshot is trusted from when this instance asked for it, never
+/// from later. A source that stamps `fetched_at` by its own clock, running
+/// ahead of this instance's, would otherwise keep a snapshot fresh (and a
+/// key revoked meanwhile admitted) for that lead beyond `max_staleness`
+/// once the source went quiet. A stamp at or before the ask is kept.
+fn trusted_from_the_ask(snapshots: &mut [PrincipalSnapshot], asked_at: Timestamp) {
+    let mut ahead = 0_usize;
+    for snapshot in snapshots
+        .iter_mut()
+        .filter(|snapshot| snapshot.fetched_at > asked_at)
+    {
+        snapshot.fetched_at = asked_at;
+        ahead += 1;
+    }
+    if ahead > 0 {
+        tracing::debug!(
+            ahead,
+            "snapshot manager: snapshots stamped after the ask are trusted from the ask"
+        );
+    }
 }
 
 /// Splits `snapshots` into those that take away something `map` now
