@@ -1984,6 +1984,48 @@ async fn spawn_refuses_an_invalid_config_and_calls_nothing() {
     assert!(allocator.calls().is_empty());
 }
 
+/// A clock that may read up to `staleness` behind the true time.
+#[derive(Debug)]
+struct LaggingClock {
+    staleness: Duration,
+}
+
+impl Clock for LaggingClock {
+    fn now(&self) -> Timestamp {
+        start()
+    }
+
+    fn staleness_bound(&self) -> Duration {
+        self.staleness
+    }
+}
+
+/// I2: the margin closes a lease's window before the grant expires even on
+/// a clock reading behind; spawn refuses one shorter than the clock's
+/// staleness bound, whoever spawns the manager, and accepts one equal to it.
+#[tokio::test(start_paused = true)]
+async fn spawn_refuses_a_margin_shorter_than_the_clock_may_lag() {
+    let allocator = Scripted::new();
+    let spawn = |staleness| {
+        LeaseManager::spawn(
+            Arc::clone(&allocator) as Arc<dyn LeaseAllocator>,
+            Arc::new(LeaseSlot::new(ACCOUNT, LocalSharding::Single)),
+            Arc::new(LaggingClock { staleness }),
+            config(),
+        )
+    };
+    let margin = Duration::try_from(MARGIN).expect("a positive margin");
+    assert_eq!(
+        spawn(margin + ms(1)).err(),
+        Some(LeaseManagerConfigError::ExpirySafetyMarginBelowClockStaleness)
+    );
+    sleep(POLL).await;
+    assert!(allocator.calls().is_empty(), "nothing was started");
+    let manager = spawn(margin).expect("a margin equal to the lag suffices");
+    allocator.calls_reach(1).await;
+    drop(manager);
+}
+
 // ------------------------------------------------------- the memory store
 
 fn memory_store(balance: u64, now: Timestamp) -> (Arc<MemoryStore>, AccountId) {

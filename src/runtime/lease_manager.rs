@@ -204,6 +204,11 @@ pub enum LeaseManagerConfigError {
     ReplacementLeadNotBelowUsableWindow,
     /// `shutdown_release_deadline` is zero.
     ShutdownReleaseDeadlineZero,
+    /// `expiry_safety_margin` is shorter than how far behind the clock the
+    /// manager was given may read ([`Clock::staleness_bound`]): a request
+    /// could then debit the lease after it expired (I2). Checked by
+    /// [`LeaseManager::spawn`], which has the clock.
+    ExpirySafetyMarginBelowClockStaleness,
 }
 
 /// The lease settings an instance applies to every account it serves: a
@@ -448,6 +453,10 @@ impl fmt::Display for LeaseManagerConfigError {
             Self::ShutdownReleaseDeadlineZero => {
                 "lease manager: shutdown_release_deadline must be positive"
             }
+            Self::ExpirySafetyMarginBelowClockStaleness => {
+                "lease manager: expiry_safety_margin must be at least the clock's staleness \
+                 bound (how far behind the true time it may read)"
+            }
         })
     }
 }
@@ -495,7 +504,9 @@ impl LeaseManager {
     ///
     /// # Errors
     ///
-    /// The first rule `config` breaks; nothing is started then.
+    /// The first rule `config` breaks, then
+    /// [`LeaseManagerConfigError::ExpirySafetyMarginBelowClockStaleness`];
+    /// nothing is started then.
     ///
     /// # Panics
     ///
@@ -507,6 +518,13 @@ impl LeaseManager {
         config: LeaseManagerConfig,
     ) -> Result<Self, LeaseManagerConfigError> {
         config.validate()?;
+        // I2: a clock reading up to its staleness behind the true time still
+        // closes the window before the grant expires. (An instance runtime
+        // asks more of the margin: the delivery of the last charges too.)
+        let margin = Duration::try_from(config.expiry_safety_margin).unwrap_or_default();
+        if margin < clock.staleness_bound() {
+            return Err(LeaseManagerConfigError::ExpirySafetyMarginBelowClockStaleness);
+        }
         debug_assert_eq!(
             slot.account(),
             config.account,
