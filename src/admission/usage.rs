@@ -143,7 +143,8 @@ impl UsageRecorder {
     ///
     /// # Panics
     ///
-    /// When `capacity` is zero or above [`MAX_CAPACITY`](Self::MAX_CAPACITY).
+    /// When `capacity` is zero or above [`MAX_CAPACITY`](Self::MAX_CAPACITY),
+    /// or `wake_at` is zero.
     #[must_use]
     pub fn with_capacity(capacity: usize, wake_at: usize) -> Self {
         Self::striped(capacity, wake_at, LocalSharding::per_core())
@@ -162,7 +163,8 @@ impl UsageRecorder {
     ///
     /// # Panics
     ///
-    /// When `capacity` is zero or above [`MAX_CAPACITY`](Self::MAX_CAPACITY).
+    /// When `capacity` is zero or above [`MAX_CAPACITY`](Self::MAX_CAPACITY),
+    /// or `wake_at` is zero.
     #[must_use]
     pub fn striped(capacity: usize, wake_at: usize, stripes: LocalSharding) -> Self {
         assert!(capacity > 0, "a usage queue needs at least one place");
@@ -170,6 +172,10 @@ impl UsageRecorder {
             capacity <= Self::MAX_CAPACITY,
             "a usage queue has at most {} places, not {capacity}",
             Self::MAX_CAPACITY
+        );
+        assert!(
+            wake_at > 0,
+            "a usage queue wakes its reader at one event or more"
         );
         let count = stripes.count().min(capacity);
         let hub = Arc::new(Hub {
@@ -181,7 +187,6 @@ impl UsageRecorder {
         // Each stripe wakes the writer at a whole batch (or when full, if it
         // is smaller), so a partial batch waits for the flush interval
         // however the threads that recorded it were spread.
-        let wake_at = wake_at.max(1);
         let stripes = (0..count)
             .map(|index| {
                 let places = usize::try_from(split_evenly(capacity as u64, count, index))
@@ -605,6 +610,13 @@ mod tests {
     #[should_panic(expected = "a usage queue has at most 4194304 places")]
     fn a_queue_past_the_bound_is_refused_before_allocating() {
         let _ = UsageRecorder::with_capacity(usize::MAX, 1);
+    }
+
+    /// I17: a wake threshold of zero is refused, not taken as one.
+    #[test]
+    #[should_panic(expected = "wakes its reader at one event or more")]
+    fn a_queue_that_would_wake_at_no_event_is_refused() {
+        let _ = UsageRecorder::with_capacity(4, 0);
     }
 
     #[test]
