@@ -21,10 +21,13 @@
 //! settle within the timeout would time out on every pass and nothing would
 //! ever be reclaimed: after a timeout the reclaimer halves the batches it
 //! asks for, and grows them back by an eighth (at least one lease) after
-//! every batch that settles in time, up to `batch_limit`. Every lease it settles is logged
-//! at info level with its units, because a reclaim is the crash exposure of
-//! the ledger being settled (units a dead instance may have spent and never
-//! billed), which must be reported, never silent.
+//! every batch that settles in time, up to `batch_limit`. Every lease a call
+//! reports settled is logged at info level with its units, because a reclaim
+//! is the crash exposure of the ledger being settled (units a dead instance
+//! may have spent and never billed), which must be reported, never silent.
+//! A call cut off by the timeout or a stop may still commit on the store's
+//! side, so what it settled is never reported to this process: its warning
+//! says so, and the store's journal (`reclaim` entries) is the full record.
 //!
 //! [`Reclaimer::shutdown`] stops the task at once, abandoning a call in
 //! flight (store calls are cancellable). Dropping the [`Reclaimer`] instead
@@ -315,7 +318,16 @@ impl Task {
             let call = AbortOnDropHandle::new(tokio::spawn(async move {
                 allocator.reclaim_expired_batch(now, batch).await
             }));
-            let answer = until_stopped(&mut self.stop, timeout(limit, call)).await?;
+            let answer = match until_stopped(&mut self.stop, timeout(limit, call)).await {
+                Ok(answer) => answer,
+                Err(stopped) => {
+                    tracing::info!(
+                        "reclaimer: stopped with a reclaim call in flight; it may still settle \
+                         leases, which only the store's journal (reclaim entries) will show"
+                    );
+                    return Err(stopped);
+                }
+            };
             let next = match answer {
                 Ok(Err(panicked)) => {
                     bump(&self.counters.errors, 1);
@@ -345,8 +357,9 @@ impl Task {
                     tracing::warn!(
                         timeout = ?limit,
                         next_batch = self.batch,
-                        "reclaimer: the store timed out; trying again next interval \
-                         with a smaller batch"
+                        "reclaimer: the store timed out; the call cut off may still settle \
+                         leases, which only the store's journal (reclaim entries) will show; \
+                         trying again next interval with a smaller batch"
                     );
                     Next::Done
                 }
