@@ -1018,6 +1018,146 @@ async fn a_batch_is_judged_in_order_even_when_it_could_be_recorded_at_once<S: Te
     audited(&store).await;
 }
 
+/// I14, I18: a release or fold whose credit would take the balance past
+/// the largest a store holds is refused and changes nothing; the units can
+/// come back once spending makes room. (The check runs before the lease is
+/// settled: settled first, the lease would be gone with its units never
+/// credited.)
+async fn crediting_past_the_largest_balance_is_refused_and_changes_nothing<S: TestStore>() {
+    let Some(store) = S::fresh(policy(1)).await else {
+        return;
+    };
+    let largest = i64::MAX.unsigned_abs();
+    let acct = account(&store, largest).await;
+    let g = store
+        .acquire(acct, CostUnits(10), TTL, at(0))
+        .await
+        .unwrap()
+        .grant;
+    store.top_up(acct, CostUnits(10), at(0)).await.unwrap();
+    assert_eq!(
+        store
+            .release(g.lease_id, g.fencing_token, CostUnits(10), at(1))
+            .await,
+        Err(AllocateError::BalanceOverflow)
+    );
+    assert_eq!(
+        store
+            .consolidate(
+                g.lease_id,
+                g.fencing_token,
+                CostUnits(10),
+                CostUnits(5),
+                CostUnits(5),
+                TTL,
+                at(1)
+            )
+            .await,
+        Err(AllocateError::BalanceOverflow)
+    );
+    assert_eq!(
+        store
+            .create_account(
+                AccountSpec {
+                    balance: CostUnits(largest + 1),
+                    mode: EnforcementMode::Strict,
+                    status: AccountStatus::Active,
+                    refill: None,
+                },
+                at(0)
+            )
+            .await,
+        Err(AdminError::BalanceOverflow),
+        "a store holds at most i64::MAX units"
+    );
+    assert_eq!(balance(&store, acct, at(1)).await, largest);
+    let view = store.account(acct, at(1)).await.unwrap();
+    assert_eq!(view.leased, CostUnits(10), "the lease is still active");
+    // Spent units make room: the lease can still come back.
+    store
+        .release(g.lease_id, g.fencing_token, CostUnits::ZERO, at(1))
+        .await
+        .unwrap();
+    audited(&store).await;
+}
+
+/// I9, I15: a lease released with its exact remainder still takes the
+/// trailing events of charges committed before the release, up to what it
+/// granted, and a reclaimed lease still takes an event of zero units (a
+/// free request whose lease was reclaimed before its event arrived); any
+/// unit more is refused as settled.
+async fn a_settled_lease_takes_its_trailing_and_zero_unit_events<S: TestStore>() {
+    let Some(store) = S::fresh(policy(1)).await else {
+        return;
+    };
+    let acct = account(&store, 1_000).await;
+    let released = store
+        .acquire(acct, CostUnits(100), TTL, at(0))
+        .await
+        .unwrap();
+    // 40 committed: 25 delivered before the release, 15 after it.
+    assert_eq!(
+        store
+            .ingest(&[leased(1, acct, &released, 25)])
+            .await
+            .unwrap(),
+        [IngestOutcome::Accepted]
+    );
+    store
+        .release(
+            released.grant.lease_id,
+            released.grant.fencing_token,
+            CostUnits(60),
+            at(1),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        store
+            .ingest(&[
+                leased(2, acct, &released, 15),
+                leased(3, acct, &released, 1),
+                leased(4, acct, &released, 0),
+            ])
+            .await
+            .unwrap(),
+        [
+            IngestOutcome::Accepted,
+            IngestOutcome::Rejected(RejectReason::LeaseSettled),
+            IngestOutcome::Accepted,
+        ]
+    );
+
+    let reclaimed = store
+        .acquire(acct, CostUnits(100), TTL, at(0))
+        .await
+        .unwrap();
+    let batch = store.reclaim_expired_batch(at(100), 10).await.unwrap();
+    assert_eq!(
+        batch
+            .reclaimed
+            .iter()
+            .map(|lease| lease.lease_id)
+            .collect::<Vec<_>>(),
+        [reclaimed.grant.lease_id]
+    );
+    assert_eq!(
+        store
+            .ingest(&[
+                leased(5, acct, &reclaimed, 0),
+                leased(6, acct, &reclaimed, 1),
+            ])
+            .await
+            .unwrap(),
+        [
+            IngestOutcome::Accepted,
+            IngestOutcome::Rejected(RejectReason::LeaseSettled),
+        ]
+    );
+    assert_eq!(balance(&store, acct, at(100)).await, 1_000 - 40);
+    audited(&store).await;
+}
+
 #[allow(
     clippy::too_many_lines,
     reason = "one batch exercising every outcome, read top to bottom"
@@ -1618,6 +1758,8 @@ store_tests! {
             a_top_up_funds_the_next_acquire,
             a_refill_interval_must_be_positive,
             ingest_reports_every_outcome_per_event_in_order,
+            crediting_past_the_largest_balance_is_refused_and_changes_nothing,
+            a_settled_lease_takes_its_trailing_and_zero_unit_events,
             a_batch_is_judged_in_order_even_when_it_could_be_recorded_at_once,
             a_key_resolves_by_its_hash_until_revoked,
             changes_are_enumerated_incrementally_by_revision,

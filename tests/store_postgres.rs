@@ -717,68 +717,6 @@ async fn an_instant_past_the_representable_range_is_a_storage_error() {
     assert_eq!(balance(&store, acct, at(1)).await, 100);
 }
 
-// ---- balances at the bigint limit ------------------------------------------------
-
-#[tokio::test]
-async fn crediting_past_the_largest_balance_is_refused_and_changes_nothing() {
-    let Some(store) = store("overflow", 1).await else {
-        return;
-    };
-    let largest = i64::MAX.unsigned_abs();
-    let acct = account(&store, largest).await;
-    let g = store
-        .acquire(acct, CostUnits(10), TTL, at(0))
-        .await
-        .unwrap()
-        .grant;
-    store
-        .top_up(acct, CostUnits(10), &movement("fill-up"), at(0))
-        .await
-        .unwrap();
-    assert_eq!(
-        store
-            .release(g.lease_id, g.fencing_token, CostUnits(10), at(1))
-            .await,
-        Err(AllocateError::BalanceOverflow)
-    );
-    assert_eq!(
-        store
-            .consolidate(
-                g.lease_id,
-                g.fencing_token,
-                CostUnits(10),
-                CostUnits(5),
-                CostUnits(5),
-                TTL,
-                at(1)
-            )
-            .await,
-        Err(AllocateError::BalanceOverflow)
-    );
-    assert_eq!(
-        store
-            .create_account(
-                AccountSpec {
-                    balance: CostUnits(largest + 1),
-                    mode: EnforcementMode::Strict,
-                    status: AccountStatus::Active,
-                    refill: None,
-                },
-                at(0)
-            )
-            .await,
-        Err(AdminError::BalanceOverflow),
-        "PostgreSQL holds at most i64::MAX units"
-    );
-    assert_eq!(balance(&store, acct, at(1)).await, largest);
-    // Spent units make room: the lease can still come back.
-    store
-        .release(g.lease_id, g.fencing_token, CostUnits::ZERO, at(1))
-        .await
-        .unwrap();
-    audited(&store).await;
-}
-
 // ---- reclaim -------------------------------------------------------------------------
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
