@@ -853,6 +853,55 @@ async fn a_refill_resets_the_balance_at_each_period_end<S: TestStore>() {
     audited(&store).await;
 }
 
+/// I12, I14: a refusal names the period end as when to retry only when the
+/// refill then resets the balance above what is left: a quote larger than
+/// the refill amount is not funded by waiting for it, and a client told to
+/// retry then would be refused again every period.
+async fn a_refusal_names_the_period_end_only_when_the_refill_brings_more<S: TestStore>() {
+    let Some(store) = S::fresh(policy(1)).await else {
+        return;
+    };
+    let acct = refilled_account(&store, 500, 500).await;
+    let lease = store
+        .acquire(acct, CostUnits(100), TTL, at(1))
+        .await
+        .unwrap();
+    assert_eq!(lease.funding, None, "400 left");
+    // A fold for a quote of 1000: 500 with the lease's 100 back.
+    let refused = store
+        .consolidate(
+            lease.grant.lease_id,
+            lease.grant.fencing_token,
+            CostUnits(100),
+            CostUnits(100),
+            CostUnits(1_000),
+            TTL,
+            at(2),
+        )
+        .await;
+    assert_eq!(
+        refused,
+        Err(AllocateError::BalanceInsufficient(BalanceShortfall {
+            remaining: CostUnits(500),
+            period_end: None
+        })),
+        "the reset to 500 brings no more than the 500 there"
+    );
+    let spent = store
+        .acquire(acct, CostUnits(350), TTL, at(3))
+        .await
+        .unwrap();
+    assert_eq!(
+        spent.funding,
+        Some(BalanceShortfall {
+            remaining: CostUnits(50),
+            period_end: Some(at(100))
+        }),
+        "50 left, and the reset brings 500"
+    );
+    audited(&store).await;
+}
+
 /// I14: a refill resets the balance, not the units out on leases: what a
 /// lease leased before the reset does not spend is credited to the new
 /// period when it comes back.
@@ -1754,6 +1803,7 @@ store_tests! {
             a_lease_reclaim_cannot_credit_is_reported_and_holds_up_no_other,
             reclaim_judges_room_after_refills_and_its_own_credits,
             a_refill_resets_the_balance_at_each_period_end,
+            a_refusal_names_the_period_end_only_when_the_refill_brings_more,
             units_leased_at_a_reset_come_back_to_the_new_period,
             a_top_up_funds_the_next_acquire,
             a_refill_interval_must_be_positive,

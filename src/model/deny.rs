@@ -49,14 +49,15 @@ pub enum DenyReason {
     FundingExpiredAtStart,
     /// The account's balance is empty.
     BalanceExhausted {
-        /// When the balance is next refilled, if it ever is.
+        /// When the balance is next refilled, if a refill brings any units.
         period_end: Option<Timestamp>,
     },
     /// The account's balance cannot fund this quote.
     BalanceInsufficient {
         /// What the account can still fund.
         remaining: CostUnits,
-        /// When the balance is next refilled, if it ever is.
+        /// When the balance is next refilled, if that refill brings it
+        /// above `remaining`.
         period_end: Option<Timestamp>,
     },
     /// Committed overage fills the cap: no refund on this instance can make

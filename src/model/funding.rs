@@ -15,7 +15,10 @@ use crate::model::{CostUnits, DenyReason};
 pub struct BalanceShortfall {
     /// The most the account can fund, counting what it still has unleased.
     pub remaining: CostUnits,
-    /// When a periodic refill resets the balance, if the account has one.
+    /// When a periodic refill resets the balance above `remaining`, so that
+    /// asking again may find more; `None` without a refill, or when the
+    /// reset would leave no more than `remaining` (I14: leftover units are
+    /// not carried forward).
     pub period_end: Option<Timestamp>,
 }
 
@@ -55,7 +58,8 @@ impl BalanceShortfall {
 /// The allocator's refusal for an account with nothing left to grant.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BalanceExhaustion {
-    /// When a periodic refill resets the balance, if the account has one.
+    /// When a periodic refill restores some balance; `None` without a
+    /// refill, or with a refill to nothing.
     pub period_end: Option<Timestamp>,
 }
 

@@ -703,7 +703,7 @@ impl MemoryStore {
             &self.policy,
             entry.status,
             entry.balance,
-            entry.period_end(),
+            entry.refill,
             requested,
         )?;
         entry.balance = planned.left;
@@ -755,7 +755,7 @@ impl MemoryStore {
             &self.policy,
             entry.status,
             entry.balance,
-            entry.period_end(),
+            entry.refill,
             unspent,
             requested,
             needed,
@@ -1184,10 +1184,6 @@ impl Ledger {
 }
 
 impl Account {
-    fn period_end(&self) -> Option<Timestamp> {
-        self.refill.map(|(_, end)| end)
-    }
-
     /// Applies every refill period that ended at or before `now`: the
     /// balance is reset to the refill amount, and the difference is booked
     /// as a net refill (I14). Several missed periods collapse into one

@@ -38,13 +38,14 @@ pub(crate) struct Grant {
     pub(crate) funding: Option<BalanceShortfall>,
 }
 
-/// The grant an account with `balance` units may give for `requested`
-/// units, or why not: suspended, then empty.
+/// The grant an account with `balance` units and `refill` (its schedule and
+/// the end of its current period) may give for `requested` units, or why
+/// not: suspended, then empty.
 pub(crate) fn plan_acquire(
     policy: &GrantPolicy,
     status: AccountStatus,
     balance: u64,
-    period_end: Option<Timestamp>,
+    refill: Option<(RefillSchedule, Timestamp)>,
     requested: CostUnits,
 ) -> Result<Grant, AllocateError> {
     if status == AccountStatus::Suspended {
@@ -52,11 +53,11 @@ pub(crate) fn plan_acquire(
     }
     if balance == 0 {
         return Err(AllocateError::BalanceExhausted(BalanceExhaustion {
-            period_end,
+            period_end: refill_above(refill, 0),
         }));
     }
     let size = policy.grant_size(requested, CostUnits(balance)).get();
-    Ok(grant(size, balance - size, requested, period_end))
+    Ok(grant(size, balance - size, requested, refill))
 }
 
 /// The grant a consolidation may give, counting the `unspent` units the
@@ -67,7 +68,7 @@ pub(crate) fn plan_consolidation(
     policy: &GrantPolicy,
     status: AccountStatus,
     balance: u64,
-    period_end: Option<Timestamp>,
+    refill: Option<(RefillSchedule, Timestamp)>,
     unspent: CostUnits,
     requested: CostUnits,
     needed: CostUnits,
@@ -78,33 +79,41 @@ pub(crate) fn plan_consolidation(
     let available = credited_balance(balance, unspent.get())?;
     if available == 0 {
         return Err(AllocateError::BalanceExhausted(BalanceExhaustion {
-            period_end,
+            period_end: refill_above(refill, 0),
         }));
     }
     let size = policy
         .consolidation_size(requested, needed, CostUnits(available))
         .ok_or(AllocateError::BalanceInsufficient(BalanceShortfall {
             remaining: CostUnits(available),
-            period_end,
+            period_end: refill_above(refill, available),
         }))?
         .get();
-    Ok(grant(
-        size,
-        available - size,
-        requested.max(needed),
-        period_end,
-    ))
+    Ok(grant(size, available - size, requested.max(needed), refill))
 }
 
-fn grant(size: u64, left: u64, wanted: CostUnits, period_end: Option<Timestamp>) -> Grant {
+fn grant(
+    size: u64,
+    left: u64,
+    wanted: CostUnits,
+    refill: Option<(RefillSchedule, Timestamp)>,
+) -> Grant {
     Grant {
         size,
         left,
         funding: (left < wanted.get()).then_some(BalanceShortfall {
             remaining: CostUnits(left),
-            period_end,
+            period_end: refill_above(refill, left),
         }),
     }
+}
+
+/// The end of the current period, if the refill then resets the balance
+/// above `left`: the instant asking again may find more units. A reset to
+/// `left` or less (I14: leftover units are not carried forward) funds
+/// nothing refused now, so a refusal or evidence then names no retry time.
+fn refill_above(refill: Option<(RefillSchedule, Timestamp)>, left: u64) -> Option<Timestamp> {
+    refill.and_then(|(schedule, end)| (schedule.amount.get() > left).then_some(end))
 }
 
 /// `balance` with `units` credited back, within [`UNITS_MAX`]. An overflow
@@ -173,17 +182,29 @@ mod tests {
         Timestamp::from_second(second).unwrap()
     }
 
+    /// A refill to `amount` units at 100 s.
+    fn refill_to(amount: u64) -> (RefillSchedule, Timestamp) {
+        (
+            RefillSchedule {
+                amount: CostUnits(amount),
+                interval: SignedDuration::from_secs(100),
+            },
+            at(100),
+        )
+    }
+
     #[test]
     fn refusals_come_in_one_order() {
         let end = Some(at(100));
+        let refill = Some(refill_to(50));
         let active = AccountStatus::Active;
         assert_eq!(
-            plan_acquire(&POLICY, AccountStatus::Suspended, 0, end, CostUnits(5)),
+            plan_acquire(&POLICY, AccountStatus::Suspended, 0, refill, CostUnits(5)),
             Err(AllocateError::AccountInactive),
             "suspension before emptiness"
         );
         assert_eq!(
-            plan_acquire(&POLICY, active, 0, end, CostUnits(5)),
+            plan_acquire(&POLICY, active, 0, refill, CostUnits(5)),
             Err(AllocateError::BalanceExhausted(BalanceExhaustion {
                 period_end: end
             }))
@@ -193,7 +214,7 @@ mod tests {
                 &POLICY,
                 active,
                 UNITS_MAX,
-                end,
+                refill,
                 CostUnits(1),
                 CostUnits(5),
                 CostUnits(5)
@@ -205,7 +226,7 @@ mod tests {
                 &POLICY,
                 active,
                 2,
-                end,
+                refill,
                 CostUnits(1),
                 CostUnits(9),
                 CostUnits(4)
@@ -214,6 +235,82 @@ mod tests {
                 remaining: CostUnits(3),
                 period_end: end
             }))
+        );
+    }
+
+    /// I14: a reset to no more than what is left funds nothing refused
+    /// now, so a refusal or evidence names the period end only when the
+    /// refill resets the balance above it.
+    #[test]
+    fn a_retry_time_is_named_only_when_the_refill_brings_more() {
+        let active = AccountStatus::Active;
+        let empty = plan_acquire(&POLICY, active, 0, Some(refill_to(50)), CostUnits(5));
+        assert_eq!(
+            empty,
+            Err(AllocateError::BalanceExhausted(BalanceExhaustion {
+                period_end: Some(at(100))
+            }))
+        );
+        assert_eq!(
+            plan_acquire(&POLICY, active, 0, Some(refill_to(0)), CostUnits(5)),
+            Err(AllocateError::BalanceExhausted(BalanceExhaustion {
+                period_end: None
+            })),
+            "a refill to nothing brings nothing"
+        );
+        // 60 left of a balance the refill resets to 50: waiting loses units.
+        let above = plan_consolidation(
+            &POLICY,
+            active,
+            59,
+            Some(refill_to(50)),
+            CostUnits(1),
+            CostUnits(80),
+            CostUnits(80),
+        );
+        assert_eq!(
+            above,
+            Err(AllocateError::BalanceInsufficient(BalanceShortfall {
+                remaining: CostUnits(60),
+                period_end: None
+            }))
+        );
+        let below = plan_consolidation(
+            &POLICY,
+            active,
+            48,
+            Some(refill_to(50)),
+            CostUnits(1),
+            CostUnits(80),
+            CostUnits(80),
+        );
+        assert_eq!(
+            below,
+            Err(AllocateError::BalanceInsufficient(BalanceShortfall {
+                remaining: CostUnits(49),
+                period_end: Some(at(100))
+            }))
+        );
+        // The evidence a grant hands back follows the same rule.
+        let evidence = |balance| {
+            plan_acquire(&POLICY, active, balance, Some(refill_to(50)), CostUnits(60))
+                .map(|grant| grant.funding)
+        };
+        assert_eq!(
+            evidence(70),
+            Ok(Some(BalanceShortfall {
+                remaining: CostUnits(10),
+                period_end: Some(at(100))
+            })),
+            "10 left, the reset brings 50"
+        );
+        assert_eq!(
+            evidence(115),
+            Ok(Some(BalanceShortfall {
+                remaining: CostUnits(55),
+                period_end: None
+            })),
+            "55 left, the reset brings 50"
         );
     }
 

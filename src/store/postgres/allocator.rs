@@ -236,7 +236,7 @@ impl PostgresStore {
             &self.policy,
             entry.status,
             entry.balance,
-            entry.period_end(),
+            entry.refill,
             requested,
         )?;
         self.set_balance(conn, account, planned.left).await?;
@@ -301,7 +301,7 @@ impl PostgresStore {
             &self.policy,
             entry.status,
             entry.balance,
-            entry.period_end(),
+            entry.refill,
             unspent,
             requested,
             needed,
