@@ -1270,6 +1270,10 @@ impl Task {
         if !expired {
             return;
         }
+        // Read against an empty slot, the evidence would leave out the
+        // parked lease's units, which its release returns to the balance
+        // (I23); the next grant call publishes it again.
+        self.slot.publish_funding(None);
         if let Some(lease) = self.slot.take() {
             tracing::debug!(
                 lease = %lease.grant().lease_id,
@@ -1405,6 +1409,11 @@ impl Task {
                 "lease manager: the grant is unusable on arrival (is the allocator's \
                  max_ttl shorter than expiry_safety_margin?); returning it"
             );
+            // The grant left the balance all the same: the evidence says
+            // what remains without it, and its release adds it back.
+            if allocation.funding.is_some() {
+                self.slot.publish_funding(allocation.funding);
+            }
             self.park(lease);
             return;
         }
@@ -1475,24 +1484,6 @@ impl Task {
         }
     }
 
-    /// Whether a grant of `needed` units might be had now: yes unless the
-    /// allocator's last word on the balance rules it out. Units on the busy
-    /// lease do not count: they return to the balance only once it is
-    /// released.
-    fn might_fund(&self, needed: CostUnits) -> bool {
-        self.slot
-            .funding_evidence(self.clock.now())
-            .is_none_or(|evidence| !evidence.rules_out(needed))
-    }
-
-    /// Whether the allocator's last word rules `needed` out even counting
-    /// the `held` units of the account's lease: admission's rule for which
-    /// refusals it records (I27), so a quote forgotten here is not
-    /// recorded again.
-    fn beyond_reach(&self, needed: CostUnits, held: CostUnits) -> bool {
-        rules_out_beside(self.slot.funding_evidence(self.clock.now()), needed, held)
-    }
-
     /// I27: the unspent count of a lease a reservation is in flight on, or
     /// a committed charge's event is still on its way from (I26), is not
     /// final. Under steady traffic one always is, so waiting for a quiet
@@ -1505,12 +1496,24 @@ impl Task {
     /// it is also low, as after a refused fold, so one unfundable quote
     /// neither drains the account's lease, nor churns grants, nor splits the
     /// balance into ever smaller leases.
-    fn defer_fold(&mut self, live: &LocalLease) -> DeferredFold {
+    ///
+    /// `evidence` is the allocator's last word in force, as the account's
+    /// requests read it: passed in, since a fold that found the lease busy
+    /// after taking it out has withdrawn it from the slot meanwhile.
+    fn defer_fold(
+        &mut self,
+        live: &LocalLease,
+        evidence: Option<BalanceShortfall>,
+    ) -> DeferredFold {
         bump(&self.shared.counters.consolidations_deferred, 1);
         let needed = live.largest_refused_quote();
-        let chase = !self.rotation_fell_short && self.might_fund(needed);
+        // Whether a grant of `needed` might be had: yes unless the balance
+        // alone rules it out. Units on the busy lease do not count: they
+        // return to the balance only once it is released.
+        let might_fund = evidence.is_none_or(|evidence| !evidence.rules_out(needed));
+        let chase = !self.rotation_fell_short && might_fund;
         let draining = live.remaining() <= live.low_water();
-        if self.beyond_reach(needed, live.remaining()) {
+        if rules_out_beside(evidence, needed, live.remaining()) {
             // Admission no longer records this quote; the record made
             // before the evidence came would hide a fundable one. A quote
             // the lease and the balance together could fund is kept, and
@@ -1556,7 +1559,8 @@ impl Task {
             Some(lease) => (!lease.is_only_local_view()).then_some(lease),
         };
         if let Some(live) = busy {
-            let deferred = self.defer_fold(&live);
+            let evidence = self.slot.funding_evidence(self.clock.now());
+            let deferred = self.defer_fold(&live, evidence);
             // Held any longer, the observed `Arc` would keep the lease from
             // quiescing once it is replaced.
             drop(live);
@@ -1575,7 +1579,8 @@ impl Task {
         };
         if !is_quiescent(&live) {
             // A request took it in between.
-            let deferred = self.defer_fold(&live);
+            let now = self.clock.now();
+            let deferred = self.defer_fold(&live, shown.and_then(|shown| shown.in_force(now)));
             self.reinstate(live, counted);
             self.slot.publish_funding(shown);
             return self.rotate_for(deferred).await;
@@ -1648,18 +1653,21 @@ impl Task {
             }
         };
         counters.grant_refused(&error);
-        self.after_refused_fold(live, counted, unspent, &error)
+        self.after_refused_fold(live, counted, unspent, &error, shown)
             .await
     }
 
     /// Acts on a refused consolidation of `live`, by what the refusal says
     /// about the old lease.
+    /// `shown` is the evidence withdrawn for the fold, put back when the
+    /// refusal brings none of its own.
     async fn after_refused_fold(
         &mut self,
         live: Arc<LocalLease>,
         counted: u64,
         unspent: CostUnits,
         error: &AllocateError,
+        shown: Option<BalanceShortfall>,
     ) -> Result<(), Stopped> {
         let lease_id = live.grant().lease_id;
         // I27: a refused fold puts the still-active lease back; an ambiguous
@@ -1695,9 +1703,9 @@ impl Task {
                 }
                 let draining = live.remaining() <= live.low_water();
                 self.reinstate(live, counted);
-                if evidence.is_some() {
-                    self.slot.publish_funding(evidence);
-                }
+                // A refusal without evidence (a suspended account, say)
+                // changed nothing the withdrawn evidence described.
+                self.slot.publish_funding(evidence.or(shown));
                 if draining {
                     return self.acquire().await;
                 }
@@ -1825,7 +1833,9 @@ impl Task {
                 // now fund would be ruled out (402, never retry) until the
                 // next grant call, which an idle serving lease may not make
                 // for minutes.
-                self.slot.raise_funding(released.credited);
+                if lease.grant().account_id == self.slot.account() {
+                    self.slot.raise_funding(released.credited);
+                }
                 if released.credited != unspent {
                     // The books disagree: units were counted twice or lost.
                     tracing::error!(
@@ -1911,6 +1921,8 @@ impl Task {
     /// is parked, never dropped: it may well still be ours, and a release
     /// either returns its units or says it is not.
     fn clear_slot_after_fence(&mut self) {
+        // As when an expired lease is parked (see `retire_expired`).
+        self.slot.publish_funding(None);
         if let Some(serving) = self.slot.take() {
             self.park(serving);
         }
@@ -2084,7 +2096,8 @@ fn fold_refusal(error: &AllocateError) -> FoldRefusal {
 }
 
 /// Whether `evidence` rules `needed` out even counting the `held` units of
-/// the account's lease.
+/// the account's lease: admission's rule for which refusals it records
+/// (I27), so a quote forgotten by this rule is not recorded again.
 fn rules_out_beside(
     evidence: Option<BalanceShortfall>,
     needed: CostUnits,
