@@ -159,7 +159,9 @@ where
                 if let Some(revision) = shared.policy_revision {
                     context.set_policy_revision(revision);
                 }
-                // Opt-in: the token is this path's one allocation.
+                // Opt-in: the token allocates, beside the `Admitted`
+                // extension and the request-id header every admitted
+                // request costs (see the README).
                 let cancellation = shared.track_cancellation.then(CancellationToken::new);
                 let cancel_on_drop = cancellation
                     .clone()

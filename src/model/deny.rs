@@ -60,15 +60,16 @@ pub enum DenyReason {
         /// above `remaining`.
         period_end: Option<Timestamp>,
     },
-    /// Committed overage fills the cap: no refund on this instance can make
-    /// room.
+    /// Committed overage leaves the cap too little room for this quote: no
+    /// refund on this instance can make more.
     OverageCapExhausted {
         /// Overage spent when refused.
         spent: CostUnits,
         /// The cap in force.
         overage_cap: CostUnits,
     },
-    /// Pending overage that may still be refunded fills the cap.
+    /// Overage spent (part of it pending, and so refundable) leaves the cap
+    /// too little room for this quote for now.
     OverageCapTemporarilyExhausted {
         /// Overage spent when refused.
         spent: CostUnits,
@@ -248,11 +249,15 @@ impl fmt::Display for DenyReason {
                 write!(f, "the account balance can fund only {remaining}")
             }
             Self::OverageCapExhausted { spent, overage_cap } => {
-                write!(f, "overage of {spent} fills the cap of {overage_cap}")
+                write!(
+                    f,
+                    "committed overage of {spent} leaves too little of the cap of {overage_cap}"
+                )
             }
             Self::OverageCapTemporarilyExhausted { spent, overage_cap } => write!(
                 f,
-                "pending overage of {spent} fills the cap of {overage_cap} for now"
+                "overage of {spent}, partly pending, leaves too little of the cap of \
+                 {overage_cap} for now"
             ),
             Self::OverageCommitInProgress { spent, overage_cap } => write!(
                 f,
