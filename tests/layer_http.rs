@@ -1,9 +1,11 @@
 //! The tollgate layer in a real axum server on 127.0.0.1, with real time
 //! and raw TCP clients, so disconnects happen exactly where a test puts
-//! them: every served request is charged exactly once, a client that leaves
-//! after its handler started pays in full, and one that leaves while its
-//! request waits in a concurrency limit outside tollgate pays nothing (I4,
-//! I8, I25).
+//! them: every served request is charged exactly once (I8, I25), a client
+//! that leaves after its handler started pays in full (I3), and one that
+//! leaves while its request waits in a concurrency limit outside tollgate
+//! was never admitted, so pays nothing. (A limit inside the layer, where a
+//! request is admitted and then released for zero under I4, is
+//! `tests/layer_deferred.rs`.)
 
 mod support;
 
@@ -14,7 +16,6 @@ use std::time::Duration;
 use axum::routing::get;
 use axum::{Extension, Router};
 use support::http::{TestServer, eventually, priced_by_path, wait_started};
-use support::runtime::ms;
 use tokio::sync::mpsc;
 use tollgate::layer::Admitted;
 use tower::limit::GlobalConcurrencyLimitLayer;
@@ -27,12 +28,32 @@ const SLOW_PRICE: u64 = 11;
 /// How long `/slow` runs once started.
 const SLOW_FOR: Duration = Duration::from_millis(600);
 
+/// Counts up when dropped: when the server is done with a request, whether
+/// its future finished or was dropped.
+struct CountOnDrop(Arc<AtomicUsize>);
+
+impl Drop for CountOnDrop {
+    fn drop(&mut self) {
+        self.0.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+/// Counts of requests taken outside the concurrency limit.
+#[derive(Default)]
+struct Traffic {
+    /// Requests that reached the server.
+    arrived: AtomicUsize,
+    /// Requests the server is done with (answered, or dropped when their
+    /// client left).
+    done: Arc<AtomicUsize>,
+}
+
 /// A store, a runtime over it (ready), and an axum app on 127.0.0.1:0:
 /// `/work` and `/slow` behind tollgate, behind one global concurrency limit
 /// of one request placed OUTSIDE tollgate, so a queued request has not been
-/// admitted; one message each time `/slow` starts running; and the count of
-/// requests that reached the server, taken outside the limit.
-async fn serve() -> (TestServer, mpsc::UnboundedReceiver<()>, Arc<AtomicUsize>) {
+/// admitted; one message each time `/slow` starts running; and the traffic
+/// counted outside the limit.
+async fn serve() -> (TestServer, mpsc::UnboundedReceiver<()>, Arc<Traffic>) {
     let world = support::runtime::start_real_time(INITIAL).await;
     let layer = priced_by_path(&world.handle, |path| {
         if path == "/slow" {
@@ -44,7 +65,7 @@ async fn serve() -> (TestServer, mpsc::UnboundedReceiver<()>, Arc<AtomicUsize>) 
     .build()
     .unwrap();
     let (started, slow_started) = mpsc::unbounded_channel();
-    let arrived = Arc::new(AtomicUsize::new(0));
+    let traffic = Arc::new(Traffic::default());
     let app = Router::new()
         .route(
             "/work",
@@ -63,25 +84,30 @@ async fn serve() -> (TestServer, mpsc::UnboundedReceiver<()>, Arc<AtomicUsize>) 
         .layer(layer)
         // Requests wait here before tollgate.
         .layer(GlobalConcurrencyLimitLayer::new(1))
-        // Added last, so outermost: every request that arrives is counted.
+        // Added last, so outermost: every request that arrives is counted,
+        // and again when the server is done with it.
         .layer(axum::middleware::from_fn({
-            let arrived = Arc::clone(&arrived);
+            let traffic = Arc::clone(&traffic);
             move |request: axum::extract::Request, next: axum::middleware::Next| {
-                arrived.fetch_add(1, Ordering::SeqCst);
-                next.run(request)
+                traffic.arrived.fetch_add(1, Ordering::SeqCst);
+                let done = CountOnDrop(Arc::clone(&traffic.done));
+                async move {
+                    let _done = done;
+                    next.run(request).await
+                }
             }
         }));
     (
         TestServer::serve(world, INITIAL, app).await,
         slow_started,
-        arrived,
+        traffic,
     )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_served_request_is_charged_exactly_once() {
     const N: u64 = 20;
-    let (server, _slow_started, _arrived) = serve().await;
+    let (server, _slow_started, _traffic) = serve().await;
     let mut request_ids = Vec::new();
     for _ in 0..N {
         let response = server.get("/work").await;
@@ -115,7 +141,7 @@ async fn every_served_request_is_charged_exactly_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_leaves_after_its_handler_started_pays_in_full_and_one_that_leaves_while_queued_pays_nothing()
  {
-    let (server, mut slow_started, arrived) = serve().await;
+    let (server, mut slow_started, traffic) = serve().await;
 
     // A: admitted, committed, its handler running and holding the limit.
     let first = server.send("/slow");
@@ -126,7 +152,7 @@ async fn a_client_that_leaves_after_its_handler_started_pays_in_full_and_one_tha
     // been admitted; then its client leaves.
     let queued = server.send("/slow");
     eventually("the queued request reaches the server", || {
-        arrived.load(Ordering::SeqCst) == 2
+        traffic.arrived.load(Ordering::SeqCst) == 2
     })
     .await;
     assert_eq!(
@@ -135,14 +161,19 @@ async fn a_client_that_leaves_after_its_handler_started_pays_in_full_and_one_tha
         "a queued request is not admitted yet"
     );
     drop(queued);
-    tokio::time::sleep(ms(100)).await;
+    eventually("the server drops the request whose client left", || {
+        traffic.done.load(Ordering::SeqCst) == 1
+    })
+    .await;
 
     // A's client leaves while its handler runs.
     drop(first);
-    // Long enough for A's handler to have ended either way. Had B's
-    // request still waited in the limit, A's end would have let it through
-    // to admission.
-    tokio::time::sleep(SLOW_FOR + ms(200)).await;
+    // Had B's request still waited in the limit, A's end would have let it
+    // through to admission.
+    eventually("the server is done with the running request", || {
+        traffic.done.load(Ordering::SeqCst) == 2
+    })
+    .await;
     assert_eq!(
         server.handle.counters().admitted,
         1,

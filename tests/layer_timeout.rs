@@ -8,14 +8,18 @@
 //! handler had started when the timeout fired was committed at the marker
 //! and pays in full (I3).
 //!
-//! The routes carry their own timeout around the one shared limit: `/slow`
-//! (600 ms) a long one, so it holds the limit to the end, and `/work` and
-//! `/stuck` a short one (300 ms). With one timeout for all, the request
-//! holding the limit would always time out first (its deadline started
-//! earlier), free the limit, and race the queued request's deadline.
+//! The routes carry their own timeout around the one shared limit: `/slow` a
+//! long one, so it holds the limit to the end, and `/work` and `/stuck` a
+//! short one (300 ms). With one timeout for all, the request holding the
+//! limit would always time out first (its deadline started earlier), free
+//! the limit, and race the queued request's deadline. `/slow` runs until the
+//! test opens its gate and `/stuck` never ends, so no outcome depends on how
+//! fast a loaded machine runs: only the short timeout must fire, and it
+//! fires eventually.
 
 mod support;
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
@@ -23,7 +27,7 @@ use axum::response::IntoResponse;
 use axum::routing::get;
 use http::StatusCode;
 use support::http::{TestServer, eventually, priced_by_path, wait_started};
-use tokio::sync::mpsc;
+use tokio::sync::{Semaphore, mpsc};
 use tollgate::layer::CommitMarkerLayer;
 use tower::limit::GlobalConcurrencyLimitLayer;
 use tower::util::MapResponseLayer;
@@ -36,20 +40,19 @@ const WORK_PRICE: u64 = 3;
 const SLOW_PRICE: u64 = 11;
 /// The price of `/stuck`.
 const STUCK_PRICE: u64 = 7;
-/// How long `/slow` and `/stuck` run once started.
-const SLOW_FOR: Duration = Duration::from_millis(600);
-/// The timeout on `/work` and `/stuck`: shorter than `SLOW_FOR`.
+/// The timeout on `/work` and `/stuck`.
 const SHORT_TIMEOUT: Duration = Duration::from_millis(300);
-/// The timeout on `/slow`: longer than `SLOW_FOR`, so `/slow` completes
-/// while it holds the limit.
-const LONG_TIMEOUT: Duration = Duration::from_secs(2);
+/// The timeout on `/slow`: longer than any test waits for its gate, so
+/// `/slow` completes while it holds the limit.
+const LONG_TIMEOUT: Duration = Duration::from_secs(300);
 /// The status the timeout layer answers with.
 const TIMED_OUT: StatusCode = StatusCode::REQUEST_TIMEOUT;
 
 /// The routes under tollgate: `/slow` with the long timeout, `/work` and
 /// `/stuck` with the short one, all sharing one limit. `started` gets one
-/// message each time `/slow` or `/stuck` starts.
-fn app(started: mpsc::UnboundedSender<()>) -> Router {
+/// message each time `/slow` or `/stuck` starts; `/slow` then waits for a
+/// permit of `gate`, and `/stuck` waits for ever.
+fn app(started: mpsc::UnboundedSender<()>, gate: Arc<Semaphore>) -> Router {
     let stuck_started = started.clone();
     // One limit shared by every route (a global limit's clones share one
     // semaphore), inside each route's timeout.
@@ -70,7 +73,7 @@ fn app(started: mpsc::UnboundedSender<()>) -> Router {
             "/slow",
             get(move || async move {
                 started.send(()).unwrap();
-                tokio::time::sleep(SLOW_FOR).await;
+                gate.acquire().await.expect("the gate stays open").forget();
                 "slow"
             }),
         ),
@@ -83,7 +86,7 @@ fn app(started: mpsc::UnboundedSender<()>) -> Router {
                 "/stuck",
                 get(move || async move {
                     stuck_started.send(()).unwrap();
-                    tokio::time::sleep(SLOW_FOR).await;
+                    std::future::pending::<()>().await;
                     "stuck"
                 }),
             ),
@@ -92,9 +95,9 @@ fn app(started: mpsc::UnboundedSender<()>) -> Router {
     Router::new().merge(slow).merge(short)
 }
 
-/// The server running [`app`] under tollgate, and one message each time
-/// `/slow` or `/stuck` starts running.
-async fn serve() -> (TestServer, mpsc::UnboundedReceiver<()>) {
+/// The server running [`app`] under tollgate, one message each time `/slow`
+/// or `/stuck` starts running, and the gate `/slow` waits at.
+async fn serve() -> (TestServer, mpsc::UnboundedReceiver<()>, Arc<Semaphore>) {
     let world = support::runtime::start_real_time(INITIAL).await;
     let layer = priced_by_path(&world.handle, |path| match path {
         "/slow" => SLOW_PRICE,
@@ -105,10 +108,12 @@ async fn serve() -> (TestServer, mpsc::UnboundedReceiver<()>) {
     .build()
     .unwrap();
     let (started, slow_started) = mpsc::unbounded_channel();
-    let router = app(started).layer(layer);
+    let gate = Arc::new(Semaphore::new(0));
+    let router = app(started, Arc::clone(&gate)).layer(layer);
     (
         TestServer::serve(world, INITIAL, router).await,
         slow_started,
+        gate,
     )
 }
 
@@ -122,10 +127,10 @@ fn status(response: &str) -> &str {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_that_times_out_while_queued_inside_the_layer_pays_nothing() {
-    let (server, mut slow_started) = serve().await;
+    let (server, mut slow_started, gate) = serve().await;
 
     // A: admitted, committed at the marker, its handler holding the limit
-    // for 600 ms under a 2 s timeout.
+    // until the gate opens.
     let slow = server.send("/slow");
     started(&mut slow_started).await;
     let before_queued = server.remaining();
@@ -152,6 +157,7 @@ async fn a_request_that_times_out_while_queued_inside_the_layer_pays_nothing() {
         "I4: the timed-out queued request was released for zero"
     );
 
+    gate.add_permits(1);
     let response = TestServer::read(slow).await;
     assert!(response.starts_with("HTTP/1.1 200"), "{response}");
     assert!(response.ends_with("slow"), "{response}");
@@ -165,14 +171,14 @@ async fn a_request_that_times_out_while_queued_inside_the_layer_pays_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_whose_handler_started_before_the_timeout_pays_in_full() {
-    let (server, mut slow_started) = serve().await;
+    let (server, mut slow_started, _gate) = serve().await;
     // A first request takes the account's lease.
     let response = server.get("/work").await;
     assert!(response.starts_with("HTTP/1.1 200"), "{response}");
     let before = server.remaining();
 
-    // `/stuck` reaches the marker at once, starts, and runs 600 ms under a
-    // 300 ms timeout.
+    // `/stuck` reaches the marker at once, starts, and runs until its 300 ms
+    // timeout drops it.
     let stuck = server.send("/stuck");
     started(&mut slow_started).await;
     assert_eq!(

@@ -86,9 +86,14 @@ fn worker(
         };
         let source_is_overage = reservation.admitted_as_overage();
         let committed = match (op + seed) % 5 {
-            0 | 1 => reservation
-                .commit_at_execution_start(at(0), CommitFunding::LeaseOnly)
-                .is_ok(),
+            0 | 1 => {
+                // Unshared and inside the window: nothing may refuse it.
+                assert_eq!(
+                    reservation.commit_at_execution_start(at(0), CommitFunding::LeaseOnly),
+                    Ok(quote)
+                );
+                true
+            }
             2 => {
                 assert_eq!(reservation.cancel(), CancelOutcome::ZeroCharged);
                 false

@@ -49,9 +49,10 @@ async fn spend(handle: RuntimeHandle, principal: Principal, clock: Arc<ManualClo
         let quote = CostUnits(1 + attempt % 9);
         match handle.begin(principal, PermissionBits::NONE, quote, clock.now()) {
             Ok(mut context) => {
-                if context.commit(clock.now()).is_ok() {
-                    committed += quote.get();
-                }
+                // The manual clock stands still inside the lease's window:
+                // an admitted request always commits.
+                assert_eq!(context.commit(clock.now()), Ok(quote));
+                committed += quote.get();
             }
             Err(DenyReason::BalanceExhausted { .. } | DenyReason::BalanceInsufficient { .. })
                 if attempt > 0 =>

@@ -91,9 +91,10 @@ async fn spend(
         let quote = CostUnits(1 + attempt % 9);
         match handle.begin(principal, PermissionBits::NONE, quote, clock.now()) {
             Ok(mut context) => {
-                if context.commit(clock.now()).is_ok() {
-                    committed += quote.get();
-                }
+                // The manual clock stands still inside the lease's window:
+                // an admitted request always commits.
+                assert_eq!(context.commit(clock.now()), Ok(quote));
+                committed += quote.get();
                 tokio::task::yield_now().await;
             }
             Err(DenyReason::BalanceExhausted { .. }) => break,

@@ -178,7 +178,7 @@ mod tests {
     use super::*;
 
     #[tokio::test]
-    async fn a_coarse_clock_follows_the_system_clock_within_its_bound() {
+    async fn a_coarse_clock_moves_forward_and_never_reads_ahead_of_the_system_clock() {
         assert_eq!(
             CoarseClock::start(Duration::ZERO).unwrap_err(),
             CoarseClockError::TickZero
