@@ -113,6 +113,53 @@ fn begin_commit_and_usage_hand_off_allocate_nothing() {
     }
 }
 
+/// I5 on the Elastic paths: a quote the lease cannot fund, admitted on
+/// overage, and a leased charge whose window closes before its commit,
+/// which falls back to overage there.
+#[test]
+fn elastic_overage_admissions_and_lapsed_commits_allocate_nothing() {
+    let mode = EnforcementMode::Elastic {
+        overage_cap: CostUnits(1_000_000_000),
+    };
+    let (engine, lease) = warm_engine(mode, LocalSharding::Single);
+    let beyond_the_lease = CostUnits(2_000_000);
+    let counted = allocations_during(|| {
+        for _ in 0..100 {
+            let mut context = engine
+                .begin(ALICE, PermissionBits::bit(0), beyond_the_lease, at(1))
+                .unwrap();
+            assert_eq!(context.commit(at(2)), Ok(beyond_the_lease));
+        }
+    });
+    assert_eq!(counted, 0, "I5: an overage admission allocated");
+    assert_eq!(
+        lease.remaining(),
+        CostUnits(1_000_000),
+        "the lease funded none"
+    );
+    assert_eq!(engine.counters().read().admitted_overage, 100);
+
+    let counted = allocations_during(|| {
+        for _ in 0..100 {
+            let mut context = engine
+                .begin(ALICE, PermissionBits::bit(0), CostUnits(2), at(999))
+                .unwrap();
+            // The lease's window closed at 1 000 (no margin).
+            assert_eq!(context.commit(at(1_000)), Ok(CostUnits(2)));
+        }
+    });
+    assert_eq!(
+        counted, 0,
+        "I5: a lapsed commit's overage fallback allocated"
+    );
+    assert_eq!(
+        lease.remaining(),
+        CostUnits(1_000_000),
+        "each lapse gave its units back"
+    );
+    assert_eq!(engine.recorder().queued(), 200);
+}
+
 #[test]
 fn begin_and_drop_allocate_nothing() {
     let (engine, lease) = warm_engine(EnforcementMode::Strict, LocalSharding::Single);

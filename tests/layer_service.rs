@@ -33,6 +33,10 @@ use tollgate::{
 use tower::{Layer, Service, ServiceExt, service_fn};
 use tracing_subscriber::layer::SubscriberExt as _;
 
+#[global_allocator]
+static GLOBAL: support::counting_allocator::CountingAllocator =
+    support::counting_allocator::CountingAllocator;
+
 const RATE_LIMIT: http::HeaderName = http::HeaderName::from_static("ratelimit");
 
 const PRICE: u64 = 7;
@@ -274,6 +278,56 @@ async fn an_admitted_request_reaches_the_handler_and_is_charged_its_price_exactl
     assert_eq!(view.balance, CostUnits(INITIAL - 5 * PRICE));
     assert_eq!(view.leased, CostUnits::ZERO);
     assert!(w.store.audit().unwrap().is_empty());
+}
+
+/// Drives `service` through one request on this thread, without yielding
+/// to the runtime: ready, call, and one poll of a response future whose
+/// inner service answers at once.
+fn serve_now<S, B>(service: &mut S, request: Request<String>) -> Response<B>
+where
+    S: Service<Request<String>, Response = Response<B>, Error = Infallible>,
+{
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    assert!(service.poll_ready(&mut cx).is_ready());
+    let future = std::pin::pin!(service.call(request));
+    match future.poll(&mut cx) {
+        std::task::Poll::Ready(Ok(response)) => response,
+        std::task::Poll::Ready(Err(never)) => match never {},
+        std::task::Poll::Pending => panic!("the inner service answers at once"),
+    }
+}
+
+/// I5 at the HTTP layer: the engine's admission and commit allocate
+/// nothing, and the layer around them only for what the README lists for
+/// an admitted request: its `Admitted` extension and its request-id header.
+/// A new allocation on this path fails here rather than slipping in.
+#[tokio::test(start_paused = true)]
+async fn an_admitted_request_allocates_only_its_extension_and_request_id_header() {
+    // Within one lease (500 units), since nothing here lets its manager run.
+    const N: u64 = 50;
+    let mut w = world(INITIAL).await;
+    let mut service = w.layer().layer(service_fn(|_request: Request<String>| {
+        std::future::ready(Ok::<_, Infallible>(Response::new(String::new())))
+    }));
+    // Warm this thread: its locality, request-id counter and key memo.
+    let warm = serve_now(&mut service, w.bearer("/read"));
+    assert_eq!(warm.status(), StatusCode::OK);
+    let requests: Vec<Request<String>> = (0..N).map(|_| w.bearer("/read")).collect();
+    let mut responses = Vec::with_capacity(requests.len());
+    let counted = support::counting_allocator::allocations_during(|| {
+        for request in requests {
+            responses.push(serve_now(&mut service, request));
+        }
+    });
+    let statuses: Vec<u16> = responses.iter().map(|r| r.status().as_u16()).collect();
+    assert!(statuses.iter().all(|s| *s == 200), "{statuses:?}");
+    // The `Admitted` extension: the request's extension map (its box and
+    // its table) and the boxed value. The request-id header: its value's
+    // bytes, and the response's header map (its index and entry storage),
+    // empty until then.
+    assert_eq!(counted, N * 6, "allocations per admitted request");
+    drop(responses);
+    assert_eq!(w.shutdown_and_usage().await, vec![PRICE; 51]);
 }
 
 /// I4: a response future dropped before its first poll never started its
