@@ -870,6 +870,51 @@ async fn each_admission_is_one_span_with_route_key_prefix_and_outcome_never_the_
     }
 }
 
+/// I16: at every level, in every event and span the layer and the runtime
+/// behind it emit, an API key appears at most as its public prefix: never
+/// whole, and never its secret part.
+#[tokio::test(start_paused = true)]
+async fn no_event_or_span_at_any_level_carries_the_key() {
+    let w = world(INITIAL).await;
+    let logs = support::logs::Logs::default();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(logs.clone())
+        .with_ansi(false)
+        .with_max_level(tracing::Level::TRACE)
+        .with_span_events(tracing_subscriber::fmt::format::FmtSpan::FULL)
+        .finish();
+    let guard = tracing::subscriber::set_default(subscriber);
+    assert_eq!(send(&w, w.bearer("/read")).await.status, StatusCode::OK);
+    assert_eq!(
+        send(&w, w.bearer("/write")).await.status,
+        StatusCode::FORBIDDEN
+    );
+    let unknown = format!("{}x", &w.key[..w.key.len() - 1]);
+    let bearer = format!("Bearer {unknown}");
+    let refused = send(&w, request("/read", &[(AUTHORIZATION, bearer.as_bytes())])).await;
+    assert_eq!(refused.status, StatusCode::UNAUTHORIZED);
+    drop(guard);
+
+    let text = logs.text();
+    assert!(
+        text.contains("tollgate.admission"),
+        "the capture heard the layer: {text}"
+    );
+    let secret = &w.key[11..];
+    for (what, needle) in [
+        ("the key", w.key.as_str()),
+        ("its secret part", secret),
+        ("an unknown key", unknown.as_str()),
+        ("an unknown key's secret part", &unknown[11..]),
+    ] {
+        assert!(
+            !text.contains(needle),
+            "I16: {what} reached the logs: {}",
+            support::logs::Logs::lines(&text, needle).join("\n")
+        );
+    }
+}
+
 /// Records the fields of every `tollgate.admission` span.
 #[derive(Clone, Default)]
 struct SpanLog(Arc<Mutex<Vec<BTreeMap<String, String>>>>);

@@ -28,8 +28,12 @@ impl Logs {
 
     /// The captured lines that contain `needle`.
     pub(crate) fn lines_with(&self, needle: &str) -> Vec<String> {
-        self.text()
-            .lines()
+        Self::lines(&self.text(), needle)
+    }
+
+    /// The lines of `text` that contain `needle`.
+    pub(crate) fn lines(text: &str, needle: &str) -> Vec<String> {
+        text.lines()
             .filter(|line| line.contains(needle))
             .map(str::to_owned)
             .collect()
