@@ -537,6 +537,68 @@ async fn an_expired_lease_is_retired_at_the_next_poll_and_released_before_the_re
     assert!(h.ready());
 }
 
+/// I23: an expired serving lease is parked with the evidence withdrawn.
+/// Read against the empty slot until its release lands, the evidence would
+/// leave out the parked lease's units, which that release returns to the
+/// balance, and rule out a quote they fund (402, never retry).
+#[tokio::test(start_paused = true)]
+async fn an_expired_lease_is_parked_with_the_evidence_withdrawn() {
+    let allocator = Scripted::new();
+    let slot = Arc::new(LeaseSlot::new(ACCOUNT, LocalSharding::Single));
+    *lock(&allocator.slot) = Some(Arc::clone(&slot));
+    let clock = Arc::new(ManualClock::new(start()));
+    let watching = SlotWatchingClock::new(&clock, &slot);
+    let manager = LeaseManager::spawn(
+        Arc::clone(&allocator) as Arc<dyn LeaseAllocator>,
+        Arc::clone(&slot),
+        Arc::clone(&watching) as Arc<dyn Clock>,
+        config(),
+    )
+    .expect("the test configuration is valid");
+    allocator.calls_reach(1).await;
+    settle().await;
+    slot.publish_funding(Some(BalanceShortfall {
+        remaining: CostUnits(5),
+        period_end: None,
+    }));
+    clock.advance(TTL - MARGIN);
+    watching.armed.store(true, Ordering::SeqCst);
+    allocator.calls_reach(3).await;
+    settle().await;
+    assert_eq!(allocator.calls()[1], release(1, 100));
+    assert!(
+        watching.saw_empty.load(Ordering::SeqCst),
+        "the clock was read while the slot was empty"
+    );
+    assert!(
+        !watching.saw_evidence_without_lease.load(Ordering::SeqCst),
+        "evidence was published while the slot was empty"
+    );
+    drop(manager);
+}
+
+/// I23, I27: a fold refused for a reason that brings no evidence (a
+/// suspended account) changed nothing the withdrawn evidence described, so
+/// that evidence is published again with the lease.
+#[tokio::test(start_paused = true)]
+async fn a_fold_refused_without_evidence_puts_the_withdrawn_evidence_back() {
+    let allocator = Scripted::new();
+    allocator.plan_consolidations([Reply::Refuse(AllocateError::AccountInactive)]);
+    let h = Harness::started(allocator).await;
+    let shown = BalanceShortfall {
+        remaining: CostUnits(500),
+        period_end: None,
+    };
+    h.slot.publish_funding(Some(shown));
+    h.spend(70);
+    h.refused(50);
+    h.allocator.calls_reach(2).await;
+    settle().await;
+    assert!(matches!(h.allocator.calls()[1], Call::Consolidate { .. }));
+    assert_eq!(h.serving(), Some((1, 30)), "the lease is back");
+    assert_eq!(h.slot.funding_evidence(h.now()), Some(shown));
+}
+
 /// I28: expiry rings no doorbell, so a lease whose window would close
 /// before the next poll (plus one store call) is replaced at this poll,
 /// while it still serves: requests never meet a lapsed lease in between.
@@ -1197,6 +1259,10 @@ async fn a_release_credited_with_another_amount_than_claimed_faults() {
     let mut h = Harness::started(allocator).await;
     rotate_once(&h, 80).await;
     assert_eq!(h.serving(), Some((2, 100)));
+    h.slot.publish_funding(Some(BalanceShortfall {
+        remaining: CostUnits(5),
+        period_end: None,
+    }));
     sleep(POLL).await;
     settle().await;
     assert!(
@@ -1208,6 +1274,11 @@ async fn a_release_credited_with_another_amount_than_claimed_faults() {
     assert_eq!(h.manager().health(), LeaseHealth::Faulted);
     assert!(!h.ready());
     assert_eq!(h.serving(), None, "the account is no longer served");
+    assert_eq!(
+        h.slot.published_funding(),
+        None,
+        "no evidence is read against the emptied slot"
+    );
     assert_eq!(
         h.stats().released_units,
         25 + 100,

@@ -861,34 +861,35 @@ async fn a_refusal_names_the_period_end_only_when_the_refill_brings_more<S: Test
     let Some(store) = S::fresh(policy(1)).await else {
         return;
     };
-    let acct = refilled_account(&store, 500, 500).await;
+    // A balance of 500 the refill resets to 300: waiting loses units.
+    let shrinking = refilled_account(&store, 500, 300).await;
     let lease = store
-        .acquire(acct, CostUnits(100), TTL, at(1))
+        .acquire(shrinking, CostUnits(100), TTL, at(1))
         .await
         .unwrap();
     assert_eq!(lease.funding, None, "400 left");
     // A fold for a quote of 1000: 500 with the lease's 100 back.
-    let refused = store
-        .consolidate(
+    let fold_for = |lease: &Allocation, needed: u64| {
+        store.consolidate(
             lease.grant.lease_id,
             lease.grant.fencing_token,
             CostUnits(100),
             CostUnits(100),
-            CostUnits(1_000),
+            CostUnits(needed),
             TTL,
             at(2),
         )
-        .await;
+    };
     assert_eq!(
-        refused,
+        fold_for(&lease, 1_000).await,
         Err(AllocateError::BalanceInsufficient(BalanceShortfall {
             remaining: CostUnits(500),
             period_end: None
         })),
-        "the reset to 500 brings no more than the 500 there"
+        "after the reset: 300 and the lease's 100, less than the 500 now"
     );
     let spent = store
-        .acquire(acct, CostUnits(350), TTL, at(3))
+        .acquire(shrinking, CostUnits(350), TTL, at(3))
         .await
         .unwrap();
     assert_eq!(
@@ -897,7 +898,23 @@ async fn a_refusal_names_the_period_end_only_when_the_refill_brings_more<S: Test
             remaining: CostUnits(50),
             period_end: Some(at(100))
         }),
-        "50 left, and the reset brings 500"
+        "50 left, and the reset brings 300"
+    );
+
+    // A balance of 400 the refill resets to 500: the refused fold's lease
+    // keeps its 100 through the reset, so waiting brings 600 in all.
+    let growing = refilled_account(&store, 500, 500).await;
+    let lease = store
+        .acquire(growing, CostUnits(100), TTL, at(1))
+        .await
+        .unwrap();
+    assert_eq!(
+        fold_for(&lease, 550).await,
+        Err(AllocateError::BalanceInsufficient(BalanceShortfall {
+            remaining: CostUnits(500),
+            period_end: Some(at(100))
+        })),
+        "after the reset: 500 and the lease's 100, enough for 550"
     );
     audited(&store).await;
 }

@@ -1410,10 +1410,9 @@ impl Task {
                  max_ttl shorter than expiry_safety_margin?); returning it"
             );
             // The grant left the balance all the same: the evidence says
-            // what remains without it, and its release adds it back.
-            if allocation.funding.is_some() {
-                self.slot.publish_funding(allocation.funding);
-            }
+            // what remains without it (none: at least what was asked for),
+            // and its release adds it back.
+            self.slot.publish_funding(allocation.funding);
             self.park(lease);
             return;
         }
@@ -1937,6 +1936,11 @@ impl Task {
                  account is no longer served"
             );
         }
+        // As when an expired lease is parked (see `retire_expired`): and
+        // nothing is installed again, so a request meets a transient
+        // refusal for the faulted account, not a 402 on evidence that
+        // leaves the parked lease out.
+        self.slot.publish_funding(None);
         if let Some(serving) = self.slot.take() {
             self.park(serving);
         }

@@ -86,7 +86,10 @@ pub(crate) fn plan_consolidation(
         .consolidation_size(requested, needed, CostUnits(available))
         .ok_or(AllocateError::BalanceInsufficient(BalanceShortfall {
             remaining: CostUnits(available),
-            period_end: refill_above(refill, available),
+            // The fold is refused, so the lease keeps its unspent units
+            // through a reset (I14): the reset brings more than is here
+            // if it brings more than the balance alone.
+            period_end: refill_above(refill, balance),
         }))?
         .get();
     Ok(grant(size, available - size, requested.max(needed), refill))
@@ -258,36 +261,40 @@ mod tests {
             })),
             "a refill to nothing brings nothing"
         );
-        // 60 left of a balance the refill resets to 50: waiting loses units.
+        // A refused fold's lease keeps its unspent units through the reset,
+        // so only the balance is compared with the refill. 59 on the
+        // balance, which the refill resets to 50: waiting loses units.
         let above = plan_consolidation(
             &POLICY,
             active,
             59,
             Some(refill_to(50)),
-            CostUnits(1),
-            CostUnits(80),
-            CostUnits(80),
+            CostUnits(30),
+            CostUnits(100),
+            CostUnits(100),
         );
         assert_eq!(
             above,
             Err(AllocateError::BalanceInsufficient(BalanceShortfall {
-                remaining: CostUnits(60),
+                remaining: CostUnits(89),
                 period_end: None
             }))
         );
+        // 40 on the balance and 30 on the lease: after the reset, 50 and
+        // the lease's 30, more than the 70 now.
         let below = plan_consolidation(
             &POLICY,
             active,
-            48,
+            40,
             Some(refill_to(50)),
-            CostUnits(1),
-            CostUnits(80),
-            CostUnits(80),
+            CostUnits(30),
+            CostUnits(100),
+            CostUnits(100),
         );
         assert_eq!(
             below,
             Err(AllocateError::BalanceInsufficient(BalanceShortfall {
-                remaining: CostUnits(49),
+                remaining: CostUnits(70),
                 period_end: Some(at(100))
             }))
         );
