@@ -30,7 +30,7 @@ pub(super) struct ChargeCell {
 /// Where a deferred charge stands.
 enum Charge {
     Pending(RequestContext),
-    /// Committed at a commit point, or being committed there right now.
+    /// Committed at a commit point.
     Committed,
     /// Released for zero: the request ended before a commit point, or one
     /// refused the commit.
@@ -56,20 +56,31 @@ impl ChargeCell {
     /// the charge was already released: a handler must never run unpaid
     /// (I9). `None` when it committed now, or had committed before.
     pub(super) fn commit(&self) -> Option<Response<DenyBody>> {
-        let pending = std::mem::replace(&mut *self.lock(), Charge::Committed);
-        let reason = match pending {
-            Charge::Pending(context) => commit(context, &self.shared, self.request_id)?,
-            Charge::Committed => return None,
-            Charge::Released => {
-                // The request ended (its response future completed or was
-                // dropped) before this commit point was reached: a buffer
-                // that called it late, or work that carried the request on.
-                // Counted once, as released, when it was released.
-                *self.lock() = Charge::Released;
-                DenyReason::FundingExpiredAtStart
+        // Held across the commit: a second commit point on the same cell
+        // (reached through cloned extensions) waits for this one's answer
+        // rather than read "committed" before the charge is, and run its
+        // handler unpaid if the commit is then refused (I9). The commit
+        // is atomics only and never calls back into the cell.
+        let mut charge = self.lock();
+        let reason = match std::mem::replace(&mut *charge, Charge::Released) {
+            Charge::Pending(context) => match commit(context, &self.shared, self.request_id) {
+                None => {
+                    *charge = Charge::Committed;
+                    return None;
+                }
+                Some(refused) => refused,
+            },
+            Charge::Committed => {
+                *charge = Charge::Committed;
+                return None;
             }
+            // The request ended (its response future completed or was
+            // dropped) before this commit point was reached: a buffer that
+            // called it late, or work that carried the request on. Counted
+            // once, as released, when it was released.
+            Charge::Released => DenyReason::FundingExpiredAtStart,
         };
-        *self.lock() = Charge::Released;
+        drop(charge);
         Some(render(&self.shared, reason, Some(self.request_id)))
     }
 
