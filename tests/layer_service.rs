@@ -280,6 +280,60 @@ async fn an_admitted_request_reaches_the_handler_and_is_charged_its_price_exactl
     assert!(w.store.audit().unwrap().is_empty());
 }
 
+/// An inner service whose `call` panics.
+#[derive(Clone)]
+struct PanicsInCall;
+
+impl Service<Request<String>> for PanicsInCall {
+    type Response = Response<String>;
+    type Error = Infallible;
+    type Future = std::future::Ready<Result<Response<String>, Infallible>>;
+
+    fn poll_ready(
+        &mut self,
+        _cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Infallible>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, _request: Request<String>) -> Self::Future {
+        panic!("the inner service's call panics");
+    }
+}
+
+/// I4: an inner service that panics in `call`, which the layer makes from
+/// inside its own `call`, takes the admitted request down with it: the
+/// charge is released for zero and the release counted, in either commit
+/// mode, so admissions still add up to outcomes.
+#[tokio::test(start_paused = true)]
+async fn a_panic_in_the_inner_call_releases_the_charge_and_counts_it() {
+    let w = world(INITIAL).await;
+    let before = w.remaining();
+    let deferred = TollgateLayer::builder(w.handle.clone())
+        .price(|_: &http::request::Parts| Price {
+            units: CostUnits(PRICE),
+            required: READ,
+        })
+        .commit_in_handler()
+        .build()
+        .unwrap();
+    for (mode, layer) in [("default", w.layer()), ("deferred", deferred)] {
+        let mut service = layer.layer(PanicsInCall);
+        let request = w.bearer("/read");
+        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            drop(service.call(request));
+        }));
+        assert!(outcome.is_err(), "{mode}: the panic reached the caller");
+        assert_eq!(w.remaining(), before, "{mode}: I4, released for zero");
+    }
+    let counters = w.handle.counters();
+    assert_eq!(
+        (counters.admitted, counters.released),
+        (2, 2),
+        "each admission's release was counted"
+    );
+}
+
 /// Drives `service` through one request on this thread, without yielding
 /// to the runtime: ready, call, and one poll of a response future whose
 /// inner service answers at once.

@@ -97,38 +97,38 @@ pub(super) enum HandOver<S, R, F> {
 }
 
 impl<S, R, F> ResponseFuture<S, R, F> {
+    /// An admitted request committing at the hand-over `hand_over`
+    /// performs. The charge is built first, so if the inner service's
+    /// `poll_ready` or `call` panics in `hand_over`, its drop still
+    /// releases the context and counts the release.
     pub(super) fn admitted(
-        hand_over: HandOver<S, R, F>,
         context: RequestContext,
         shared: Arc<Shared>,
         cancellation: Option<CancelOnDrop>,
+        hand_over: impl FnOnce() -> HandOver<S, R, F>,
     ) -> Self {
         let request_id = context.request_id();
-        Self::started(
-            hand_over,
-            Charge::AtHandOver {
-                context: Some(context),
-                shared,
-                request_id,
-            },
-            cancellation,
-        )
+        let charge = Charge::AtHandOver {
+            context: Some(context),
+            shared,
+            request_id,
+        };
+        Self::started(hand_over(), charge, cancellation)
     }
 
+    /// An admitted request a commit point further in commits, as for
+    /// [`admitted`](Self::admitted).
     pub(super) fn deferred(
-        hand_over: HandOver<S, R, F>,
         cell: Arc<ChargeCell>,
         request_id: RequestId,
         cancellation: Option<CancelOnDrop>,
+        hand_over: impl FnOnce() -> HandOver<S, R, F>,
     ) -> Self {
-        Self::started(
-            hand_over,
-            Charge::Deferred {
-                guard: Some(ReleaseOnDrop(cell)),
-                request_id,
-            },
-            cancellation,
-        )
+        let charge = Charge::Deferred {
+            guard: Some(ReleaseOnDrop(cell)),
+            request_id,
+        };
+        Self::started(hand_over(), charge, cancellation)
     }
 
     pub(super) fn denied(

@@ -184,11 +184,13 @@ where
                     let request_id = context.request_id();
                     let cell = Arc::new(ChargeCell::new(context, Arc::clone(shared)));
                     parts.extensions.insert(PendingCharge(Arc::clone(&cell)));
-                    let hand_over = hand_over(&mut self.inner, Request::from_parts(parts, body));
-                    return ResponseFuture::deferred(hand_over, cell, request_id, cancel_on_drop);
+                    return ResponseFuture::deferred(cell, request_id, cancel_on_drop, || {
+                        hand_over(&mut self.inner, Request::from_parts(parts, body))
+                    });
                 }
-                let hand_over = hand_over(&mut self.inner, Request::from_parts(parts, body));
-                ResponseFuture::admitted(hand_over, context, Arc::clone(shared), cancel_on_drop)
+                ResponseFuture::admitted(context, Arc::clone(shared), cancel_on_drop, || {
+                    hand_over(&mut self.inner, Request::from_parts(parts, body))
+                })
             }
             Err(reason) => {
                 // A caller the runtime identified gets a request id to quote
