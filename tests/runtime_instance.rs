@@ -759,6 +759,73 @@ async fn an_integrity_fault_takes_the_instance_out_of_service_for_good() {
     runtime.shutdown().await;
 }
 
+/// I15: once the instance is out of service for good, its other accounts
+/// take no new leases. They answer from what they hold, but a faulted
+/// instance rotating every busy account's lease would keep those units
+/// from the instances still in service until someone restarted it.
+#[tokio::test(start_paused = true)]
+async fn a_faulted_instance_takes_no_new_lease_for_any_account() {
+    let w = world(10_000);
+    let start = w.clock.now();
+    let other = w
+        .store
+        .create_account(
+            AccountSpec {
+                balance: CostUnits(10_000),
+                mode: EnforcementMode::Strict,
+                status: AccountStatus::Active,
+                refill: None,
+            },
+            start,
+        )
+        .unwrap();
+    let other_principal = w
+        .store
+        .issue_key(other, PermissionBits::ALL, start)
+        .unwrap()
+        .principal;
+    let allocator = Misbehaving::new(&w.store, u32::MAX, 0, Releases::Refuse);
+    let mut config = config();
+    // A tiny grant rotates at once, so a release happens early.
+    config.leases.target_grant = CostUnits(10);
+    config.leases.low_water = CostUnits(5);
+    let supervisor_interval = config.supervisor_interval;
+    let (runtime, handle) = w.spawn_with(Arc::clone(&allocator) as _, config);
+    tokio::time::sleep(ms(200)).await;
+    assert!(handle.readiness());
+    for _ in 0..6 {
+        assert_eq!(w.begin(&handle, 1), Ok(CostUnits(1)));
+    }
+    tokio::time::sleep(ms(500) + supervisor_interval).await;
+    assert!(handle.report().faulted, "the refused release faulted it");
+    let acquired = allocator.acquires.load(std::sync::atomic::Ordering::SeqCst);
+
+    // The other account spends its lease down past its mark, to nothing.
+    let spend_other = || {
+        handle
+            .begin(
+                other_principal,
+                PermissionBits::NONE,
+                CostUnits(1),
+                w.clock.now(),
+            )
+            .map(|mut context| context.commit(w.clock.now()))
+    };
+    let mut served = 0;
+    while let Ok(Ok(_)) = spend_other() {
+        served += 1;
+        tokio::time::sleep(ms(50)).await;
+    }
+    assert_eq!(served, 10, "the lease it held still served");
+    tokio::time::sleep(4 * supervisor_interval).await;
+    assert_eq!(
+        allocator.acquires.load(std::sync::atomic::Ordering::SeqCst),
+        acquired,
+        "no lease was acquired after the fault"
+    );
+    drop(runtime);
+}
+
 /// I15, I29: a manager that found an integrity fault and then died is not
 /// restarted: a new one would spend on the books the fault disowned.
 #[tokio::test(start_paused = true)]

@@ -246,7 +246,8 @@ struct Shared {
     /// Set when a plane reported an integrity fault: readiness is withdrawn
     /// for good, so the instance is taken out of service. (The faulted
     /// account's own lease is withdrawn by its manager; other accounts
-    /// still answer whatever traffic reaches them.)
+    /// answer whatever traffic still reaches them from the leases they
+    /// hold, but take no new ones.)
     faulted: AtomicBool,
     shutdown: watch::Sender<bool>,
     snapshots_ready: watch::Receiver<bool>,
@@ -903,6 +904,25 @@ impl Shared {
             return;
         }
         let planes = &mut *planes;
+        // Out of service for good (faulted books, or a usage writer that
+        // stopped, so no commit can be billed): no lease is worth taking
+        // any more. Running managers stop acquiring, their serving leases
+        // go back as their windows close, and the units return to the
+        // balance the instances still in service draw on.
+        let writer_stopped = planes
+            .writer
+            .as_ref()
+            .is_some_and(|writer| writer.health() == WriterHealth::Stopped);
+        let out_of_service = writer_stopped || self.faulted.load(Ordering::Acquire);
+        if out_of_service {
+            for manager in planes
+                .accounts
+                .values()
+                .filter_map(|managed| managed.manager.as_ref())
+            {
+                manager.hold_grants();
+            }
+        }
         let mut known = std::collections::BTreeSet::new();
         for binding in bindings.accounts() {
             let account = binding.account;
@@ -920,7 +940,8 @@ impl Shared {
                     manager: None,
                     restart_at: None,
                 });
-                if let Some(dead) = self.keep_running(account, managed, instant, departing) {
+                let may_start = !departing && !out_of_service;
+                if let Some(dead) = self.keep_running(account, managed, instant, may_start) {
                     self.depart(planes, account, dead, true);
                 }
             } else if let Some(manager) = planes
@@ -965,6 +986,12 @@ impl Shared {
         manager: LeaseManager,
         died: bool,
     ) {
+        if manager.is_faulted() {
+            // I15: a fault found as the account leaves is booked now, not
+            // only once its wind-down reports: readiness must not come
+            // back meanwhile, nor another manager start on faulted books.
+            self.faulted.store(true, Ordering::Release);
+        }
         let counted = manager.stats();
         planes.retired = planes.retired.and_then(|sum| sum.checked_add(&counted));
         *planes.departing.entry(account).or_default() += 1;
@@ -1009,14 +1036,15 @@ impl Shared {
     }
 
     /// Keeps `account`'s manager running: starts one, or restarts a dead
-    /// one after the backoff. Returns a manager found dead, for the caller
-    /// to take off the books.
+    /// one after the backoff, if `may_start` (no predecessor still winding
+    /// down on the slot, and the instance in service). Returns a manager
+    /// found dead, for the caller to take off the books.
     fn keep_running(
         &self,
         account: AccountId,
         managed: &mut ManagedAccount,
         now: Instant,
-        departing: bool,
+        may_start: bool,
     ) -> Option<LeaseManager> {
         if let Some(manager) = &managed.manager {
             // Whether it ended, read before whether it faulted: a task that
@@ -1039,8 +1067,9 @@ impl Shared {
             return managed.manager.take();
         }
         // I15: once any manager faulted, the instance is out of service for
-        // good, and no manager starts again to spend on its books.
-        if departing
+        // good, and no manager starts again to spend on its books (nor
+        // once its usage writer stopped, when nothing could be billed).
+        if !may_start
             || managed.restart_at.is_some_and(|at| now < at)
             || self.faulted.load(Ordering::Acquire)
         {
