@@ -97,7 +97,11 @@ pub enum InstanceRuntimeConfigError {
     /// after a batch was taken: that batch's failed call, the backoff, its
     /// retry, then the charge's own flush interval and call. Otherwise, at
     /// low traffic, it can wait out the lease, be reclaimed unbilled, and
-    /// then be rejected as settled.
+    /// then be rejected as settled. The rule covers one batch ahead of the
+    /// charge: a backlog of several batches (a queue far larger than
+    /// `max_batch` filled behind a slow store) delivers later, and is
+    /// covered only by the allocator's reclaim grace, which should exceed
+    /// how long the queue takes to drain.
     UsageDeliveryOutlastsLeaseMargin,
     /// The snapshot manager's and the snapshot map's `max_staleness` must be
     /// the same limit: readiness and admission must agree on when policy is
@@ -301,7 +305,10 @@ struct ManagedAccount {
 pub struct AccountReport {
     /// The account.
     pub account: AccountId,
-    /// The lease manager's state, or `None` while it waits to be restarted.
+    /// The lease manager's state, or `None` while the account has none:
+    /// waiting out a restart backoff, or for a retiring predecessor to
+    /// finish with the slot, or not started (the instance is out of
+    /// service, or the manager refused its configuration).
     pub health: Option<LeaseHealth>,
     /// The manager's counters.
     pub stats: LeaseStats,
@@ -337,7 +344,8 @@ pub struct RuntimeReport {
     pub leases: Option<LeaseStats>,
     /// The reclaimer's counters, if this instance runs one.
     pub reclaimer: Option<ReclaimStats>,
-    /// Accounts with a lease manager.
+    /// Accounts the instance serves, with or without a running lease
+    /// manager (see [`AccountReport::health`]).
     pub accounts: usize,
     /// Lease managers restarted after dying.
     pub manager_restarts: u64,
@@ -713,9 +721,11 @@ impl RuntimeHandle {
     }
 
     /// Whether the instance should receive traffic: admission open, no
-    /// fault, snapshots loaded and fresh, the usage writer running, every
-    /// lease manager alive, and every account either funded or known by the
-    /// allocator's evidence to be out of funds (so it answers truthfully).
+    /// fault, snapshots loaded and fresh, the usage writer running, and
+    /// every account a usable principal is bound to either funded by its
+    /// live lease manager or known by the allocator's evidence to be out of
+    /// funds (so it answers truthfully). An account kept only for its
+    /// linger serves nobody, so its manager does not count.
     #[must_use]
     pub fn readiness(&self) -> bool {
         self.report().ready
@@ -748,7 +758,17 @@ impl RuntimeHandle {
             .iter()
             .map(|(account, managed)| {
                 let slot = self.shared.registry.get(*account);
-                let lease = slot.as_ref().and_then(|slot| slot.load_observed());
+                // Read in place: an owned reference, held by a scrape, would
+                // make the lease look busy to a fold deciding whether it is
+                // quiet, and split the balance over a needless replacement.
+                let (remaining, occupancy) = slot
+                    .as_ref()
+                    .and_then(|slot| {
+                        slot.with_lease(|lease| {
+                            lease.map(|lease| (lease.remaining(), lease.occupancy()))
+                        })
+                    })
+                    .unzip();
                 AccountReport {
                     account: *account,
                     health: managed.manager.as_ref().map(LeaseManager::health),
@@ -757,8 +777,8 @@ impl RuntimeHandle {
                         .as_ref()
                         .map(LeaseManager::stats)
                         .unwrap_or_default(),
-                    remaining: lease.as_ref().map(|lease| lease.remaining()),
-                    occupancy: lease.as_ref().map(|lease| lease.occupancy()),
+                    remaining,
+                    occupancy,
                     funding: slot.as_ref().and_then(|slot| slot.funding_evidence(now)),
                     contended_exchanges: slot.as_ref().map_or(0, |slot| slot.contended_exchanges()),
                 }
