@@ -280,6 +280,46 @@ async fn an_admitted_request_reaches_the_handler_and_is_charged_its_price_exactl
     assert!(w.store.audit().unwrap().is_empty());
 }
 
+/// A successful `CONNECT` response is complete with its headers: the
+/// connection becomes a tunnel, and the server drops any body unsent. So
+/// dropping that body must not cancel the request's token, which a tunnel
+/// task may be watching; a `GET` response dropped with its body unsent
+/// does cancel (the client left mid-stream).
+#[tokio::test(start_paused = true)]
+async fn a_tunnel_opened_by_connect_is_not_cancelled_when_its_unsent_body_drops() {
+    let w = world(INITIAL).await;
+    let layer = TollgateLayer::builder(w.handle.clone())
+        .price(|_: &http::request::Parts| Price {
+            units: CostUnits(PRICE),
+            required: READ,
+        })
+        .track_cancellation()
+        .build()
+        .unwrap();
+    let tokens = Arc::new(Mutex::new(Vec::new()));
+    let seen = Arc::clone(&tokens);
+    let mut service = layer.layer(service_fn(move |request: Request<String>| {
+        let admitted = request.extensions().get::<Admitted>().expect("admitted");
+        seen.lock()
+            .unwrap()
+            .push(admitted.cancellation.clone().expect("tracking is on"));
+        std::future::ready(Ok::<_, Infallible>(Response::new("tunnel".to_owned())))
+    }));
+    for method in [http::Method::CONNECT, http::Method::GET] {
+        let mut request = w.bearer("/read");
+        *request.method_mut() = method.clone();
+        let response = serve_now(&mut service, request);
+        assert_eq!(response.status(), StatusCode::OK, "{method}");
+        drop(response);
+    }
+    let tokens = tokens.lock().unwrap();
+    assert!(!tokens[0].is_cancelled(), "CONNECT: the tunnel stays up");
+    assert!(
+        tokens[1].is_cancelled(),
+        "GET: the body never reached the client"
+    );
+}
+
 /// An inner service whose `call` panics.
 #[derive(Clone)]
 struct PanicsInCall;

@@ -222,7 +222,7 @@ where
         // been sent: a body still to stream carries the token's guard, so
         // a client leaving mid-stream still cancels.
         let streaming = match (this.cancel_on_drop.take(), &outcome) {
-            (Some(cancel), Ok(response)) if cancel.bodied && streams(response) => {
+            (Some(cancel), Ok(response)) if cancel.sends_body(response) => {
                 Some((cancel.guard, declared_length(response)))
             }
             (Some(cancel), _) => {
@@ -264,6 +264,10 @@ pub(super) struct CancelOnDrop {
     /// Whether the response may have a body: false for `HEAD`, whose
     /// response is complete with its headers.
     bodied: bool,
+    /// Whether the request is a `CONNECT`, whose successful response is
+    /// complete with its headers too: the connection then becomes a
+    /// tunnel, and the server drops any body unsent.
+    connect: bool,
 }
 
 impl CancelOnDrop {
@@ -271,7 +275,13 @@ impl CancelOnDrop {
         Self {
             guard: token.drop_guard(),
             bodied: method != http::Method::HEAD,
+            connect: method == http::Method::CONNECT,
         }
+    }
+
+    /// Whether `response` still has a body to send for this request.
+    fn sends_body<B: http_body::Body>(&self, response: &Response<B>) -> bool {
+        self.bodied && !(self.connect && response.status().is_success()) && streams(response)
     }
 }
 
