@@ -37,7 +37,8 @@ pin_project! {
     /// In deferred mode
     /// ([`TollgateBuilder::commit_in_handler`](super::TollgateBuilder::commit_in_handler))
     /// it commits nothing itself; a charge no commit point took by the time
-    /// the inner future completes or is dropped is released for zero (I4).
+    /// the inner future completes with a response, or this future is
+    /// dropped (after an error, say), is released for zero (I4).
     pub struct ResponseFuture<S, R, F> {
         // The inner service's future, once it has taken the request.
         #[pin]
