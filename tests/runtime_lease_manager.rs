@@ -1289,6 +1289,34 @@ async fn a_release_credited_with_another_amount_than_claimed_faults() {
     assert!(report.faulted);
 }
 
+/// I23, I26: a lease found settled already (an earlier release whose
+/// answer was lost, or reclaim) put at least its unspent units back in the
+/// balance, so the published evidence grows by them as after a release.
+#[tokio::test(start_paused = true)]
+async fn a_lease_found_settled_adds_its_unspent_units_to_the_evidence() {
+    let allocator = Scripted::new();
+    allocator.plan_releases(1, [Reply::Refuse(AllocateError::LeaseNotActive)]);
+    let h = Harness::started(allocator).await;
+    rotate_once(&h, 80).await;
+    assert_eq!(h.serving(), Some((2, 100)));
+    let evidence = |remaining| {
+        Some(BalanceShortfall {
+            remaining: CostUnits(remaining),
+            period_end: None,
+        })
+    };
+    h.slot.publish_funding(evidence(0));
+    sleep(POLL).await;
+    settle().await;
+    assert!(
+        h.allocator.calls().contains(&release(1, 20)),
+        "{:?}",
+        h.allocator.calls()
+    );
+    assert_eq!(h.stats().released, 1);
+    assert_eq!(h.slot.funding_evidence(h.now()), evidence(20));
+}
+
 /// I15, I29: a grant of another account is an integrity fault, not a
 /// panic: the manager stops spending, withdraws readiness for good, and
 /// hands the grant back rather than serve it.

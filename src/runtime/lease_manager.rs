@@ -1868,6 +1868,12 @@ impl Task {
         match release_refusal(&error) {
             ReleaseRefusal::Settled => {
                 bump(&counters.released, 1);
+                // Settled by an earlier release whose answer was lost, or by
+                // reclaim: either put at least the unspent units back in the
+                // balance the evidence describes.
+                if lease.grant().account_id == self.slot.account() {
+                    self.slot.raise_funding(unspent);
+                }
                 tracing::debug!(
                     lease = %lease_id,
                     %error,
