@@ -7,9 +7,12 @@ use crate::model::{AccountId, CostUnits, FencingToken, KeyId, LeaseId, PolicyRev
 /// What funded a committed charge.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum UsageSource {
-    /// Units of a granted lease. The sink checks the capability: an event
-    /// naming a settled lease is rejected, because settlement already
-    /// credited the lease's remainder and the units would count twice.
+    /// Units of a granted lease. The sink checks the capability, and the
+    /// grant: an event naming a settled lease is accepted only while the
+    /// usage accepted for it plus what its settlement credited stays within
+    /// the grant, so no unit counts twice (I15). A released lease takes the
+    /// trailing events of charges committed before its release; a reclaimed
+    /// one, nothing more.
     Leased {
         /// The lease that funded the charge.
         lease_id: LeaseId,
@@ -54,7 +57,11 @@ pub struct UsageEvent {
     pub units: CostUnits,
     /// When the charge was committed.
     pub at: Timestamp,
-    /// The pricing policy that priced the request.
+    /// The policy generation behind the charge: the application's pricing
+    /// revision when the layer was built with one
+    /// (`TollgateBuilder::policy_revision`), otherwise the revision of the
+    /// principal's snapshot, which moves whenever its key or account
+    /// changes.
     pub policy_revision: PolicyRevision,
     /// The key that made the request, when the principal has one.
     pub key_id: Option<KeyId>,

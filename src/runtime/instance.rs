@@ -122,6 +122,7 @@ pub enum InstanceRuntimeConfigError {
     /// [`UsageDeliveryOutlastsLeaseMargin`](Self::UsageDeliveryOutlastsLeaseMargin):
     /// a clock that reads behind commits that much later than it says, and
     /// the charge must still reach the store before its lease expires.
+    /// Checked by [`InstanceRuntime::spawn`], which has the clock.
     SafetyMarginBelowClockStaleness,
 }
 
@@ -164,7 +165,10 @@ impl fmt::Display for InstanceRuntimeConfigError {
 impl std::error::Error for InstanceRuntimeConfigError {}
 
 impl InstanceRuntimeConfig {
-    /// Checks every rule, in field order, and names the first one broken.
+    /// Checks every rule, in field order, and names the first one broken:
+    /// every rule but
+    /// [`SafetyMarginBelowClockStaleness`](InstanceRuntimeConfigError::SafetyMarginBelowClockStaleness),
+    /// which needs the clock and is checked by [`InstanceRuntime::spawn`].
     ///
     /// # Errors
     ///
@@ -375,13 +379,15 @@ pub struct RuntimeShutdownReport {
 }
 
 impl RuntimeShutdownReport {
-    /// Leases returned to the allocator.
+    /// Leases returned to the allocator during the shutdown, or found
+    /// settled (or disowned) by it.
     #[must_use]
     pub fn released(&self) -> u64 {
         self.leases.iter().map(|(_, report)| report.released).sum()
     }
 
-    /// Leases left to TTL reclaim because a request still held them.
+    /// Leases left to TTL reclaim: still held by a request at the deadline,
+    /// left unanswered by the store, or withheld after an integrity fault.
     #[must_use]
     pub fn abandoned(&self) -> u64 {
         self.leases.iter().map(|(_, report)| report.abandoned).sum()
@@ -409,12 +415,18 @@ impl RuntimeShutdownReport {
 impl InstanceRuntime {
     /// Validates `config` and starts every plane: the usage writer, the
     /// snapshot manager, the optional reclaimer, and the supervisor that
-    /// runs one lease manager per account in use. Call inside a tokio
-    /// runtime.
+    /// runs one lease manager per account in use.
     ///
     /// # Errors
     ///
-    /// The first rule `config` breaks.
+    /// The first rule `config` breaks, then
+    /// [`InstanceRuntimeConfigError::SafetyMarginBelowClockStaleness`] (the
+    /// one rule that needs the clock) and
+    /// [`InstanceRuntimeConfigError::Randomness`].
+    ///
+    /// # Panics
+    ///
+    /// When called outside a tokio runtime.
     pub fn spawn(
         source: Arc<dyn SnapshotSource>,
         allocator: Arc<dyn LeaseAllocator>,

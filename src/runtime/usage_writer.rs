@@ -186,8 +186,11 @@ pub struct WriterReport {
     ///
     /// Given up means not confirmed: an ingest cut off by the deadline may
     /// have written its batch after all (I22). The store's ledger is the
-    /// record of what was billed; the lease such an event names is left to
-    /// reclaim, which settles it against what the store holds.
+    /// record of what was billed. Giving the events up drops the holds of
+    /// their charges, so the leases they name are released at shutdown
+    /// with the units those charges committed counted as spent: unless a
+    /// cut-off ingest did record them, the store shows them as settled but
+    /// unbilled (`AccountView::settled_unbilled`).
     pub lost: u64,
     /// Places still held at the end by permits whose requests had not
     /// committed. Once the writer has given up, a commit is refused (the

@@ -56,25 +56,42 @@ pub struct CoarseClock {
 pub enum CoarseClockError {
     /// The tick must be positive.
     TickZero,
+    /// The tick is shorter than tokio's timer resolution (one
+    /// millisecond): the ticker would refresh only once a millisecond, and
+    /// the clock would lag more than the two ticks it vouches for.
+    TickBelowTimerResolution,
 }
 
 impl fmt::Display for CoarseClockError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("coarse clock: tick must be positive")
+        f.write_str(match self {
+            Self::TickZero => "coarse clock: tick must be positive",
+            Self::TickBelowTimerResolution => {
+                "coarse clock: tick must be at least one millisecond (the timer's resolution)"
+            }
+        })
     }
 }
 
 impl std::error::Error for CoarseClockError {}
 
 impl CoarseClock {
-    /// Starts a clock refreshed every `tick`. Call inside a tokio runtime.
+    /// Starts a clock refreshed every `tick`.
     ///
     /// # Errors
     ///
-    /// [`CoarseClockError::TickZero`].
+    /// [`CoarseClockError::TickZero`], then
+    /// [`CoarseClockError::TickBelowTimerResolution`].
+    ///
+    /// # Panics
+    ///
+    /// When called outside a tokio runtime.
     pub fn start(tick: Duration) -> Result<Self, CoarseClockError> {
         if tick.is_zero() {
             return Err(CoarseClockError::TickZero);
+        }
+        if tick < Duration::from_millis(1) {
+            return Err(CoarseClockError::TickBelowTimerResolution);
         }
         let nanos = Arc::new(AtomicI64::new(system_nanos()));
         let written = Arc::clone(&nanos);
@@ -182,6 +199,11 @@ mod tests {
         assert_eq!(
             CoarseClock::start(Duration::ZERO).unwrap_err(),
             CoarseClockError::TickZero
+        );
+        assert_eq!(
+            CoarseClock::start(Duration::from_micros(999)).unwrap_err(),
+            CoarseClockError::TickBelowTimerResolution,
+            "a tick the timer cannot keep would lag more than it vouches for"
         );
         let clock = CoarseClock::start(Duration::from_millis(1)).unwrap();
         assert_eq!(clock.staleness_bound(), Duration::from_millis(2));

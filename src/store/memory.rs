@@ -465,7 +465,8 @@ impl MemoryStore {
     ///
     /// # Errors
     ///
-    /// [`AdminError::UnknownAccount`].
+    /// [`AdminError::Invalid`] for an overage cap no store can hold (above
+    /// `i64::MAX`), then [`AdminError::UnknownAccount`].
     pub fn set_mode(&self, account: AccountId, mode: EnforcementMode) -> Result<(), AdminError> {
         check_mode(mode)?;
         let mut ledger = self.lock()?;

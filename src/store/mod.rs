@@ -87,6 +87,21 @@ pub trait LeaseAllocator: Send + Sync {
     ) -> Result<Allocation, AllocateError>;
 
     /// Settles a lease, crediting its `unspent` units back to the balance.
+    ///
+    /// # Implementors
+    ///
+    /// The lease manager acts on the answer (I26), so it must mean this:
+    /// - `Ok` credits exactly `unspent` (`Released::credited == unspent`);
+    ///   any other amount is an integrity fault that takes the instance out
+    ///   of service for good;
+    /// - a lease already settled (an earlier release whose answer was lost,
+    ///   or TTL reclaim) is `UnknownLease` or `LeaseNotActive`, never `Ok`;
+    /// - a capability the store does not recognise is `Fenced`;
+    /// - a failure whose outcome is unknown is `Storage` (it is retried);
+    /// - a balance with no room for the units yet is `BalanceOverflow`;
+    /// - anything else (a refusal for a suspended account included) is an
+    ///   integrity fault: a release draws no grant, so nothing about the
+    ///   account may refuse it.
     async fn release(
         &self,
         lease_id: LeaseId,
@@ -99,6 +114,15 @@ pub trait LeaseAllocator: Send + Sync {
     /// one of up to `requested` units but at least `needed` whenever the
     /// account, counting the credited units, can fund it. A refusal leaves
     /// the old lease active and untouched.
+    ///
+    /// # Implementors
+    ///
+    /// As for [`release`](Self::release), with these differences: a refusal
+    /// about the account or the grant (`BalanceExhausted`,
+    /// `BalanceInsufficient`, `InsufficientBalance`, `AccountInactive`,
+    /// `UnknownAccount`, `InvalidTtl`, `InvalidRequest`, `BalanceOverflow`)
+    /// must have rolled everything back, and an over-claimed `unspent`
+    /// (`InvalidRelease`) is an integrity fault.
     #[allow(clippy::too_many_arguments)]
     async fn consolidate(
         &self,

@@ -30,9 +30,9 @@ pub struct GrantPolicy {
 ///
 /// While the balance could fund `instances` full requests, a request gets
 /// what it asked for. Below that, a grant is at most the balance divided by
-/// `instances` (rounded up), but never less than `min_grant` (or the whole
-/// balance, if that is smaller), so grants do not shrink to slivers that
-/// rotate for every request.
+/// `instances` (rounded up), but never less than `min_grant` (or the request
+/// or the whole balance, if smaller), so grants do not shrink to slivers
+/// that rotate for every request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TailSharing {
     /// How many instances are expected to share an account's tail; at least

@@ -104,8 +104,9 @@ pub struct PostgresStore {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Movement<'a> {
     /// Makes the movement idempotent: a second movement with the same key
-    /// and the same account and amount changes nothing and reports the
-    /// first one's outcome. Non-empty, at most 200 bytes.
+    /// and the same account, kind and amount changes nothing and reports
+    /// the first one's outcome (with anything else different it is refused
+    /// as a conflict). Non-empty, at most 200 bytes.
     pub idempotency_key: &'a str,
     /// Why the balance moved, for the journal. Non-empty, at most 200 bytes.
     pub reason: &'a str,
