@@ -290,6 +290,19 @@ struct Planes {
     stopped: StoppedPlanes,
 }
 
+impl Planes {
+    /// Stops every running lease manager asking for grants.
+    fn hold_grants(&self) {
+        for manager in self
+            .accounts
+            .values()
+            .filter_map(|managed| managed.manager.as_ref())
+        {
+            manager.hold_grants();
+        }
+    }
+}
+
 /// The last counts of the planes a shutdown has taken.
 #[derive(Default)]
 struct StoppedPlanes {
@@ -905,14 +918,7 @@ impl Shared {
         // Requests still in flight hold their reservations; no new lease is
         // needed, and one being acquired when the release phase stops its
         // manager could be left to reclaim.
-        for manager in self
-            .lock_planes()
-            .accounts
-            .values()
-            .filter_map(|managed| managed.manager.as_ref())
-        {
-            manager.hold_grants();
-        }
+        self.lock_planes().hold_grants();
     }
 
     fn lock_planes(&self) -> MutexGuard<'_, Planes> {
@@ -947,13 +953,7 @@ impl Shared {
             .is_some_and(|writer| writer.health() == WriterHealth::Stopped);
         let out_of_service = writer_stopped || self.faulted.load(Ordering::Acquire);
         if out_of_service {
-            for manager in planes
-                .accounts
-                .values()
-                .filter_map(|managed| managed.manager.as_ref())
-            {
-                manager.hold_grants();
-            }
+            planes.hold_grants();
         }
         let mut known = std::collections::BTreeSet::new();
         for binding in bindings.accounts() {
@@ -999,6 +999,11 @@ impl Shared {
             {
                 self.depart(planes, account, manager, false);
             }
+        }
+        // A fault booked during this pass holds every manager now, not a
+        // pass later.
+        if !out_of_service && self.faulted.load(Ordering::Acquire) {
+            planes.hold_grants();
         }
         // Finished departures have reported through `departed`.
         while planes.departures.try_join_next().is_some() {}

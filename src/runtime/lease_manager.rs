@@ -1870,9 +1870,12 @@ impl Task {
                 bump(&counters.released, 1);
                 // Settled by an earlier release whose answer was lost, or by
                 // reclaim: either put at least the unspent units back in the
-                // balance the evidence describes.
+                // balance, but when is unknown, so evidence published since
+                // may count them already. Withdrawn rather than raised: a
+                // request meanwhile is answered transiently, and the next
+                // grant call publishes the store's word again.
                 if lease.grant().account_id == self.slot.account() {
-                    self.slot.raise_funding(unspent);
+                    self.slot.publish_funding(None);
                 }
                 tracing::debug!(
                     lease = %lease_id,

@@ -186,11 +186,13 @@ pub struct WriterReport {
     ///
     /// Given up means not confirmed: an ingest cut off by the deadline may
     /// have written its batch after all (I22). The store's ledger is the
-    /// record of what was billed. Giving the events up drops the holds of
-    /// their charges, so the leases they name are released at shutdown
-    /// with the units those charges committed counted as spent: unless a
-    /// cut-off ingest did record them, the store shows them as settled but
-    /// unbilled (`AccountView::settled_unbilled`).
+    /// record of what was billed. A writer that gives its events up at its
+    /// deadline drops the holds of their charges, so the leases they name
+    /// are released at shutdown with the units those charges committed
+    /// counted as spent: unless a cut-off ingest did record them, the store
+    /// shows them as settled but unbilled (`AccountView::settled_unbilled`).
+    /// A writer whose task died drops nothing: its events' leases stay
+    /// held, are abandoned at shutdown, and settle at TTL reclaim.
     pub lost: u64,
     /// Places still held at the end by permits whose requests had not
     /// committed. Once the writer has given up, a commit is refused (the

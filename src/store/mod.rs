@@ -117,11 +117,14 @@ pub trait LeaseAllocator: Send + Sync {
     ///
     /// # Implementors
     ///
-    /// As for [`release`](Self::release), with these differences: a refusal
-    /// about the account or the grant (`BalanceExhausted`,
-    /// `BalanceInsufficient`, `InsufficientBalance`, `AccountInactive`,
-    /// `UnknownAccount`, `InvalidTtl`, `InvalidRequest`, `BalanceOverflow`)
-    /// must have rolled everything back, and an over-claimed `unspent`
+    /// As for [`release`](Self::release), with these differences: `Ok` means
+    /// the old lease was settled with exactly `unspent` credited (the answer
+    /// carries no amount to check); a refusal about the account or the
+    /// grant (`BalanceExhausted`, `BalanceInsufficient`,
+    /// `InsufficientBalance`, `AccountInactive`, `UnknownAccount`,
+    /// `InvalidTtl`, `InvalidRequest`, `BalanceOverflow`) must have rolled
+    /// everything back; `Storage` is not retried as a fold, the old lease is
+    /// parked and released instead; and an over-claimed `unspent`
     /// (`InvalidRelease`) is an integrity fault.
     #[allow(clippy::too_many_arguments)]
     async fn consolidate(
