@@ -160,6 +160,8 @@ fn runtime_config() -> InstanceRuntimeConfig {
             interval: ms(5_000),
             batch_limit: 100,
             store_call_timeout: ms(1_000),
+            // The writers' backlog after an outage drains within seconds.
+            outage_hold: ms(30_000),
         }),
         supervisor_interval: ms(500),
         account_linger: ms(60_000),

@@ -924,6 +924,7 @@ async fn report_totals_never_go_down_through_shutdown() {
         interval: ms(500),
         batch_limit: 10,
         store_call_timeout: ms(200),
+        outage_hold: ms(1_000),
     });
     let (runtime, handle) = w.spawn_with(Arc::clone(&w.store) as _, config);
     tokio::time::sleep(ms(200)).await;

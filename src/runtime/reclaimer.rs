@@ -29,6 +29,15 @@
 //! side, so what it settled is never reported to this process: its warning
 //! says so, and the store's journal (`reclaim` entries) is the full record.
 //!
+//! After a store outage every instance's usage writer has a backlog to
+//! deliver, naming leases that may have come due meanwhile; settled first,
+//! such a lease would take its holder's usage as settled and refuse it, and
+//! those served units would go back to the balance unbilled (I15). So once
+//! a call fails, times out or panics, the reclaimer settles nothing that
+//! came due after that failure until `outage_hold` after the store answers
+//! again: meanwhile it asks with the time of the failure, so leases due
+//! before the outage still come back.
+//!
 //! [`Reclaimer::shutdown`] stops the task at once, abandoning a call in
 //! flight (store calls are cancellable). Dropping the [`Reclaimer`] instead
 //! aborts the task and logs it.
@@ -64,6 +73,11 @@ pub struct ReclaimerConfig {
     pub batch_limit: usize,
     /// The bound on every reclaim call (I22). Must be positive.
     pub store_call_timeout: Duration,
+    /// How long after a failed, cut-off or panicked call the store must
+    /// answer again before leases that came due since the failure are
+    /// settled (see the module docs). Longer than the usage writers take to
+    /// deliver what queued up during an outage. Must be positive.
+    pub outage_hold: Duration,
 }
 
 /// The first rule a [`ReclaimerConfig`] breaks, in field order.
@@ -76,6 +90,8 @@ pub enum ReclaimerConfigError {
     BatchLimitZero,
     /// `store_call_timeout` is zero.
     StoreCallTimeoutZero,
+    /// `outage_hold` is zero.
+    OutageHoldZero,
 }
 
 impl ReclaimerConfig {
@@ -93,6 +109,7 @@ impl ReclaimerConfig {
                 !self.store_call_timeout.is_zero(),
                 Broken::StoreCallTimeoutZero,
             ),
+            (!self.outage_hold.is_zero(), Broken::OutageHoldZero),
         ];
         rules
             .into_iter()
@@ -107,6 +124,7 @@ impl fmt::Display for ReclaimerConfigError {
             Self::IntervalZero => "reclaimer: interval must be positive",
             Self::BatchLimitZero => "reclaimer: batch_limit must be positive",
             Self::StoreCallTimeoutZero => "reclaimer: store_call_timeout must be positive",
+            Self::OutageHoldZero => "reclaimer: outage_hold must be positive",
         })
     }
 }
@@ -174,6 +192,7 @@ impl Reclaimer {
             clock,
             config,
             batch: config.batch_limit,
+            held: None,
             counters: Arc::clone(&counters),
             stop: stop_rx,
         };
@@ -264,6 +283,17 @@ impl Counters {
 /// The task was told to stop (or its handle is gone).
 struct Stopped;
 
+/// What the reclaimer holds back after a failed call.
+#[derive(Clone, Copy)]
+struct Hold {
+    /// The clock's reading at the first failed call: what calls ask with
+    /// until the hold ends.
+    since: jiff::Timestamp,
+    /// When the hold ends: `outage_hold` after the first call the store
+    /// answered since the failure; `None` until it answers.
+    until: Option<tokio::time::Instant>,
+}
+
 /// What the reclaimer should do after one batch.
 enum Next {
     /// More leases are due: ask again at once.
@@ -279,6 +309,8 @@ struct Task {
     /// The batch the next call asks for: `batch_limit`, less after
     /// timeouts.
     batch: usize,
+    /// Set by a failed call: settle nothing that came due after it.
+    held: Option<Hold>,
     counters: Arc<Counters>,
     stop: watch::Receiver<bool>,
 }
@@ -299,6 +331,51 @@ impl Task {
         }
     }
 
+    /// The time the next call settles leases at: the clock's, or, while a
+    /// hold lasts, the time of the failure that began it.
+    fn reclaim_time(&mut self) -> jiff::Timestamp {
+        let now = self.clock.now();
+        match self.held {
+            Some(Hold {
+                until: Some(until), ..
+            }) if tokio::time::Instant::now() >= until => {
+                self.held = None;
+                tracing::info!(
+                    "reclaimer: the store has answered for the outage hold; settling all that is due"
+                );
+                now
+            }
+            Some(hold) => hold.since.min(now),
+            None => now,
+        }
+    }
+
+    /// A call failed, timed out or panicked: settle nothing that comes due
+    /// from now until `outage_hold` after the store answers again.
+    fn hold_after_failure(&mut self, now: jiff::Timestamp) {
+        let since = self.held.map_or(now, |hold| hold.since);
+        if self.held.is_none() {
+            tracing::warn!(
+                hold = ?self.config.outage_hold,
+                "reclaimer: holding back leases that come due from now until the store has \
+                 answered for the outage hold, so usage queued meanwhile is delivered first"
+            );
+        }
+        self.held = Some(Hold { since, until: None });
+    }
+
+    /// The store answered: a hold's time starts now, if it has not yet.
+    fn answered(&mut self) {
+        if let Some(hold) = &mut self.held
+            && hold.until.is_none()
+        {
+            hold.until = Some(crate::runtime::after(
+                tokio::time::Instant::now(),
+                self.config.outage_hold,
+            ));
+        }
+    }
+
     /// Settles batches until the store says nothing more is due, or a call
     /// fails.
     async fn pass(&mut self) -> Result<(), Stopped> {
@@ -306,7 +383,7 @@ impl Task {
         // pass.
         let mut named = HashSet::new();
         loop {
-            let now = self.clock.now();
+            let now = self.reclaim_time();
             let limit = self.config.store_call_timeout;
             // I22: the call is bounded; a stop abandons it (store calls are
             // cancellable, and the store settles each lease once, I19).
@@ -331,6 +408,7 @@ impl Task {
             let next = match answer {
                 Ok(Err(panicked)) => {
                     bump(&self.counters.errors, 1);
+                    self.hold_after_failure(now);
                     tracing::error!(
                         error = %panicked,
                         "reclaimer: the store call panicked; trying again next interval"
@@ -338,6 +416,7 @@ impl Task {
                     Next::Done
                 }
                 Ok(Ok(Ok(batch))) => {
+                    self.answered();
                     self.batch = self
                         .batch
                         .saturating_add((self.batch / 8).max(1))
@@ -346,11 +425,13 @@ impl Task {
                 }
                 Ok(Ok(Err(error))) => {
                     bump(&self.counters.errors, 1);
+                    self.hold_after_failure(now);
                     tracing::warn!(%error, "reclaimer: the store failed; trying again next interval");
                     Next::Done
                 }
                 Err(_) => {
                     bump(&self.counters.timeouts, 1);
+                    self.hold_after_failure(now);
                     // The store may be slow for other reasons, but a batch
                     // too long for one call would otherwise never settle.
                     self.batch = (self.batch / 2).max(1);
