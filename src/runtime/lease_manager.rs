@@ -342,16 +342,21 @@ pub struct LeaseStats {
     pub acquired_units: u64,
     /// Acquires and consolidations cut off by `store_call_timeout`.
     pub acquire_timeouts: u64,
-    /// Acquires and consolidations whose outcome is unknown: timed out,
-    /// answered with a storage error, or cut off by shutdown. Each may have
-    /// created a grant nobody holds, which comes back at TTL reclaim.
+    /// Acquires and consolidations whose outcome is not known here: timed
+    /// out, answered with a storage error, or cut off by shutdown. Each may
+    /// have created a grant nobody holds, which comes back at TTL reclaim;
+    /// an upper bound, since a storage error can also mean the call never
+    /// reached the store (no connection to be had, say).
     pub uncertain_acquires: u64,
     /// Refusals of acquires and consolidations, by [`AllocateError::index`].
     pub refused: [u64; AllocateError::COUNT],
     /// Leases that left this manager's books settled: released, folded into
     /// a consolidation, or found settled or disowned (fenced) by the store.
     pub released: u64,
-    /// The units credited back by releases and consolidations.
+    /// The units credited back by releases and consolidations the store
+    /// answered. A lease found settled already (an earlier release whose
+    /// answer was lost, or reclaim) counts in `released` but adds nothing
+    /// here: what it credited is the store's to say.
     pub released_units: u64,
     /// Releases cut off by `store_call_timeout` or a pass budget.
     pub release_timeouts: u64,
