@@ -544,19 +544,12 @@ async fn an_expired_lease_is_retired_at_the_next_poll_and_released_before_the_re
 #[tokio::test(start_paused = true)]
 async fn an_expired_lease_is_parked_with_the_evidence_withdrawn() {
     let allocator = Scripted::new();
-    let slot = Arc::new(LeaseSlot::new(ACCOUNT, LocalSharding::Single));
-    *lock(&allocator.slot) = Some(Arc::clone(&slot));
-    let clock = Arc::new(ManualClock::new(start()));
-    let watching = SlotWatchingClock::new(&clock, &slot);
-    let manager = LeaseManager::spawn(
-        Arc::clone(&allocator) as Arc<dyn LeaseAllocator>,
-        Arc::clone(&slot),
-        Arc::clone(&watching) as Arc<dyn Clock>,
-        config(),
-    )
-    .expect("the test configuration is valid");
-    allocator.calls_reach(1).await;
-    settle().await;
+    let Watched {
+        slot,
+        clock,
+        watching,
+        manager,
+    } = Watched::started(&allocator).await;
     slot.publish_funding(Some(BalanceShortfall {
         remaining: CostUnits(5),
         period_end: None,
@@ -2686,6 +2679,40 @@ impl Clock for SlotWatchingClock {
     }
 }
 
+/// A manager on a single-shard slot whose clock watches that slot.
+struct Watched {
+    slot: Arc<LeaseSlot>,
+    clock: Arc<ManualClock>,
+    watching: Arc<SlotWatchingClock>,
+    manager: LeaseManager,
+}
+
+impl Watched {
+    /// Spawns the manager over `allocator`, and waits for its cold-start
+    /// acquire to be answered.
+    async fn started(allocator: &Arc<Scripted>) -> Self {
+        let slot = Arc::new(LeaseSlot::new(ACCOUNT, LocalSharding::Single));
+        *lock(&allocator.slot) = Some(Arc::clone(&slot));
+        let clock = Arc::new(ManualClock::new(start()));
+        let watching = SlotWatchingClock::new(&clock, &slot);
+        let manager = LeaseManager::spawn(
+            Arc::clone(allocator) as Arc<dyn LeaseAllocator>,
+            Arc::clone(&slot),
+            Arc::clone(&watching) as Arc<dyn Clock>,
+            config(),
+        )
+        .expect("the test configuration is valid");
+        allocator.calls_reach(1).await;
+        settle().await;
+        Self {
+            slot,
+            clock,
+            watching,
+            manager,
+        }
+    }
+}
+
 /// I23, I27: while a quiet lease is out of the slot to be folded, no
 /// evidence is published. Read against an empty slot, evidence leaves out
 /// the lease's units and rules out a quote the lease funds (402, never
@@ -2700,19 +2727,12 @@ async fn no_evidence_is_published_while_a_folded_lease_is_out_of_the_slot() {
             period_end: None,
         },
     ))]);
-    let slot = Arc::new(LeaseSlot::new(ACCOUNT, LocalSharding::Single));
-    *lock(&allocator.slot) = Some(Arc::clone(&slot));
-    let clock = Arc::new(ManualClock::new(start()));
-    let watching = SlotWatchingClock::new(&clock, &slot);
-    let manager = LeaseManager::spawn(
-        Arc::clone(&allocator) as Arc<dyn LeaseAllocator>,
-        Arc::clone(&slot),
-        Arc::clone(&watching) as Arc<dyn Clock>,
-        config(),
-    )
-    .expect("the test configuration is valid");
-    allocator.calls_reach(1).await;
-    settle().await;
+    let Watched {
+        slot,
+        clock,
+        watching,
+        manager,
+    } = Watched::started(&allocator).await;
     let plenty = BalanceShortfall {
         remaining: CostUnits(500),
         period_end: None,
@@ -2758,19 +2778,12 @@ async fn no_evidence_is_published_while_a_folded_lease_is_out_of_the_slot() {
 #[tokio::test(start_paused = true)]
 async fn a_busy_lease_that_refused_a_quote_never_leaves_the_slot() {
     let allocator = Scripted::new();
-    let slot = Arc::new(LeaseSlot::new(ACCOUNT, LocalSharding::Single));
-    *lock(&allocator.slot) = Some(Arc::clone(&slot));
-    let clock = Arc::new(ManualClock::new(start()));
-    let watching = SlotWatchingClock::new(&clock, &slot);
-    let manager = LeaseManager::spawn(
-        Arc::clone(&allocator) as Arc<dyn LeaseAllocator>,
-        Arc::clone(&slot),
-        Arc::clone(&watching) as Arc<dyn Clock>,
-        config(),
-    )
-    .expect("the test configuration is valid");
-    allocator.calls_reach(1).await;
-    settle().await;
+    let Watched {
+        slot,
+        clock,
+        watching,
+        manager,
+    } = Watched::started(&allocator).await;
     let now = clock.now();
     let busy = slot
         .with_lease(|lease| {
