@@ -33,9 +33,13 @@ fn start() -> Timestamp {
     Timestamp::from_second(1_700_000_000).expect("a test instant is in range")
 }
 
-/// How long the store must answer after a failure before leases that came
-/// due since are settled.
+/// How long the store must answer after a failure before anything is
+/// settled again.
 const OUTAGE_HOLD: Duration = Duration::from_secs(3);
+
+/// The Unix epoch in the calls' record (seconds after `start()`): what a
+/// held reclaimer asks as of.
+const EPOCH: i64 = -1_700_000_000;
 
 fn config(interval_secs: u64, batch_limit: usize, timeout_secs: u64) -> ReclaimerConfig {
     ReclaimerConfig {
@@ -540,9 +544,12 @@ async fn storage_errors_and_hangs_are_counted_and_never_fatal() {
 
     run_for(&clock, 5).await;
     // Halved after the timeout, then grown back by one lease per batch. The
-    // calls after the failure at 0 ask with its time until the store has
-    // answered for the outage hold (from 10 to 13).
-    assert_eq!(allocator.calls(), vec![(0, 4), (0, 4), (0, 2), (15, 3)]);
+    // calls after the failure at 0 settle nothing (they ask as of the
+    // epoch) until the store has answered for the outage hold (10 to 13).
+    assert_eq!(
+        allocator.calls(),
+        vec![(0, 4), (EPOCH, 4), (EPOCH, 2), (15, 3)]
+    );
     assert_eq!(
         reclaimer.shutdown().await,
         ReclaimStats {
@@ -555,10 +562,11 @@ async fn storage_errors_and_hangs_are_counted_and_never_fatal() {
 
 /// I15: after an outage the usage writers deliver what queued up, naming
 /// leases that may have come due meanwhile. The reclaimer settles nothing
-/// that came due after its first failed call until the store has answered
-/// for `outage_hold`, so that usage is accepted rather than refused as
-/// settled, its units going back unbilled. Leases due before the outage
-/// still come back at once. A failure during the hold starts it again.
+/// after a failed call until the store has answered for `outage_hold`, so
+/// that usage is accepted rather than refused as settled, its units going
+/// back unbilled. Meanwhile it asks as of the epoch, which settles nothing
+/// and writes nothing but finds out whether the store answers. A failure
+/// during the hold starts it again.
 #[tokio::test(start_paused = true)]
 async fn after_an_outage_nothing_due_since_is_reclaimed_until_the_store_has_answered_a_while() {
     let allocator = ScriptedAllocator::new([
@@ -572,16 +580,19 @@ async fn after_an_outage_nothing_due_since_is_reclaimed_until_the_store_has_answ
     let clock = Arc::new(ManualClock::new(start()));
     let reclaimer = spawn(allocator.clone(), &clock, config(1, 4, 1));
     settle().await;
-    // 0: answered. 1, 2: the store is down; the hold begins at 1.
+    // 0: answered. 1: the store is down; the hold begins. 2: down.
     run_for(&clock, 2).await;
-    // 3: answered, asked with 1; the hold now lasts until 6.
+    // 3: answered; the hold now lasts until 6.
     // 4: fails again: the hold waits for the next answer.
-    // 5: answered, asked with 1; the hold lasts until 8.
+    // 5: answered; the hold lasts until 8.
     run_for(&clock, 3).await;
-    // 6, 7: still asked with 1. 8: the hold is over.
+    // 6, 7: still held. 8: the hold is over.
     run_for(&clock, 4).await;
     let asked: Vec<i64> = allocator.calls().iter().map(|&(at, _)| at).collect();
-    assert_eq!(asked, vec![0, 1, 1, 1, 1, 1, 1, 1, 8, 9]);
+    assert_eq!(
+        asked,
+        vec![0, 1, EPOCH, EPOCH, EPOCH, EPOCH, EPOCH, EPOCH, 8, 9]
+    );
     let stats = reclaimer.shutdown().await;
     assert_eq!((stats.errors, stats.passes), (3, 7));
 }
@@ -603,8 +614,8 @@ async fn a_store_call_that_panics_fails_one_pass_and_the_reclaimer_goes_on() {
         }
     );
     run_for(&clock, 5).await;
-    // Asked with the failure's time: the outage hold has only begun.
-    assert_eq!(allocator.calls(), vec![(0, 4), (0, 4)]);
+    // Asked as of the epoch: the outage hold has only begun.
+    assert_eq!(allocator.calls(), vec![(0, 4), (EPOCH, 4)]);
     assert_eq!(
         reclaimer.shutdown().await,
         ReclaimStats {

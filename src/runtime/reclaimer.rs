@@ -33,10 +33,12 @@
 //! deliver, naming leases that may have come due meanwhile; settled first,
 //! such a lease would take its holder's usage as settled and refuse it, and
 //! those served units would go back to the balance unbilled (I15). So once
-//! a call fails, times out or panics, the reclaimer settles nothing that
-//! came due after that failure until `outage_hold` after the store answers
-//! again: meanwhile it asks with the time of the failure, so leases due
-//! before the outage still come back.
+//! a call fails, times out or panics, the reclaimer settles nothing until
+//! the store has answered again for `outage_hold`; meanwhile its calls ask
+//! as of the Unix epoch, which settles nothing and only finds out whether
+//! the store answers. A reclaimer started after an outage (or a one-off
+//! `tollgate reclaim`) knows nothing of it: start it `outage_hold` after
+//! the store is back.
 //!
 //! [`Reclaimer::shutdown`] stops the task at once, abandoning a call in
 //! flight (store calls are cancellable). Dropping the [`Reclaimer`] instead
@@ -74,9 +76,9 @@ pub struct ReclaimerConfig {
     /// The bound on every reclaim call (I22). Must be positive.
     pub store_call_timeout: Duration,
     /// How long after a failed, cut-off or panicked call the store must
-    /// answer again before leases that came due since the failure are
-    /// settled (see the module docs). Longer than the usage writers take to
-    /// deliver what queued up during an outage. Must be positive.
+    /// answer again before anything is settled (see the module docs).
+    /// Longer than the usage writers take to deliver what queued up during
+    /// an outage. Must be positive.
     pub outage_hold: Duration,
 }
 
@@ -283,14 +285,11 @@ impl Counters {
 /// The task was told to stop (or its handle is gone).
 struct Stopped;
 
-/// What the reclaimer holds back after a failed call.
+/// The reclaimer settling nothing after a failed call.
 #[derive(Clone, Copy)]
 struct Hold {
-    /// The clock's reading at the first failed call: what calls ask with
-    /// until the hold ends.
-    since: jiff::Timestamp,
     /// When the hold ends: `outage_hold` after the first call the store
-    /// answered since the failure; `None` until it answers.
+    /// answered since the last failure; `None` until it answers.
     until: Option<tokio::time::Instant>,
 }
 
@@ -332,36 +331,35 @@ impl Task {
     }
 
     /// The time the next call settles leases at: the clock's, or, while a
-    /// hold lasts, the time of the failure that began it.
+    /// hold lasts, the Unix epoch. No lease granted since comes due that
+    /// early, so such a call settles nothing and writes nothing (no journal
+    /// entry, no refill applied at an old time): it only finds out whether
+    /// the store answers.
     fn reclaim_time(&mut self) -> jiff::Timestamp {
-        let now = self.clock.now();
         match self.held {
-            Some(Hold {
-                until: Some(until), ..
-            }) if tokio::time::Instant::now() >= until => {
+            Some(Hold { until: Some(until) }) if tokio::time::Instant::now() >= until => {
                 self.held = None;
                 tracing::info!(
-                    "reclaimer: the store has answered for the outage hold; settling all that is due"
+                    "reclaimer: the store has answered for the outage hold; settling what is due"
                 );
-                now
+                self.clock.now()
             }
-            Some(hold) => hold.since.min(now),
-            None => now,
+            Some(_) => jiff::Timestamp::UNIX_EPOCH,
+            None => self.clock.now(),
         }
     }
 
-    /// A call failed, timed out or panicked: settle nothing that comes due
-    /// from now until `outage_hold` after the store answers again.
-    fn hold_after_failure(&mut self, now: jiff::Timestamp) {
-        let since = self.held.map_or(now, |hold| hold.since);
+    /// A call failed, timed out or panicked: settle nothing until the store
+    /// has answered again for `outage_hold`.
+    fn hold_after_failure(&mut self) {
         if self.held.is_none() {
             tracing::warn!(
                 hold = ?self.config.outage_hold,
-                "reclaimer: holding back leases that come due from now until the store has \
-                 answered for the outage hold, so usage queued meanwhile is delivered first"
+                "reclaimer: settling nothing until the store has answered for the outage \
+                 hold, so usage queued meanwhile is delivered first"
             );
         }
-        self.held = Some(Hold { since, until: None });
+        self.held = Some(Hold { until: None });
     }
 
     /// The store answered: a hold's time starts now, if it has not yet.
@@ -408,7 +406,7 @@ impl Task {
             let next = match answer {
                 Ok(Err(panicked)) => {
                     bump(&self.counters.errors, 1);
-                    self.hold_after_failure(now);
+                    self.hold_after_failure();
                     tracing::error!(
                         error = %panicked,
                         "reclaimer: the store call panicked; trying again next interval"
@@ -425,13 +423,13 @@ impl Task {
                 }
                 Ok(Ok(Err(error))) => {
                     bump(&self.counters.errors, 1);
-                    self.hold_after_failure(now);
+                    self.hold_after_failure();
                     tracing::warn!(%error, "reclaimer: the store failed; trying again next interval");
                     Next::Done
                 }
                 Err(_) => {
                     bump(&self.counters.timeouts, 1);
-                    self.hold_after_failure(now);
+                    self.hold_after_failure();
                     // The store may be slow for other reasons, but a batch
                     // too long for one call would otherwise never settle.
                     self.batch = (self.batch / 2).max(1);
