@@ -89,7 +89,11 @@
 //!
 //! # Time limits
 //!
-//! Every allocator call is cut off after `store_call_timeout` (I22). A release
+//! Every allocator call is cut off after `store_call_timeout` (I22). An
+//! acquire without an answer (cut off, or a storage error) may have left a
+//! grant nobody holds until reclaim, so acquires back off while the store
+//! does not answer: one poll after the first, then two, four and eight,
+//! back to every poll at the first answer. A release
 //! pass shares one such budget across all parked leases, each call capped by
 //! what is left of it, so a store that hangs costs one timeout per pass
 //! however many leases are parked; a lease whose call used up the budget goes
@@ -557,6 +561,8 @@ impl LeaseManager {
             withheld: Vec::new(),
             rotation_fell_short: false,
             warned_short_window: false,
+            unanswered_acquires: 0,
+            acquire_after: None,
             early_wakes: EarlyWakes::default(),
         };
         let span = tracing::info_span!("lease_manager", account = %config.account);
@@ -1041,6 +1047,13 @@ struct Task {
     /// Whether a grant too short-lived to outlast the replacement lead has
     /// been reported; once per task, as every later grant is the same.
     warned_short_window: bool,
+    /// Acquires in a row that got no answer (timed out, or a storage
+    /// error), and when the next may be made. Each may have created a
+    /// grant nobody holds until reclaim, so while the store does not
+    /// answer, acquires back off: one poll after the first, then two, four
+    /// and eight, rather than strand a grant every poll of a slow spell.
+    unanswered_acquires: u32,
+    acquire_after: Option<Instant>,
     /// The wake-ups before the next poll already spent on the serving lease
     /// (see [`Task::early_wake`]).
     early_wakes: EarlyWakes,
@@ -1317,7 +1330,11 @@ impl Task {
 
     async fn acquire_sized(&mut self, requested: CostUnits) -> Result<Option<CostUnits>, Stopped> {
         self.no_grant_call_after_stop()?;
-        if self.grants_held() {
+        if self.grants_held()
+            || self
+                .acquire_after
+                .is_some_and(|after| Instant::now() < after)
+        {
             return Ok(None);
         }
         // A lease parked earlier in this inspection (one that expired) is
@@ -1339,6 +1356,11 @@ impl Task {
             .grant_call_in_flight
             .store(false, Ordering::Release);
         let counters = Arc::clone(&self.shared.counters);
+        let answered = match &end {
+            CallEnd::Answered(answer) => !matches!(answer, Err(AllocateError::Storage(_))),
+            CallEnd::TimedOut | CallEnd::Stopped(_) => false,
+        };
+        self.note_acquire_answered(answered);
         match end {
             CallEnd::Answered(Ok(allocation)) => {
                 let granted = allocation.grant.units;
@@ -1368,6 +1390,22 @@ impl Task {
             }
         }
         Ok(None)
+    }
+
+    /// Books whether an acquire got an answer; without one, the next waits
+    /// (see `unanswered_acquires`).
+    fn note_acquire_answered(&mut self, answered: bool) {
+        if answered {
+            self.unanswered_acquires = 0;
+            self.acquire_after = None;
+            return;
+        }
+        self.unanswered_acquires = self.unanswered_acquires.saturating_add(1);
+        let polls = 1_u32 << (self.unanswered_acquires - 1).min(3);
+        self.acquire_after = Some(after(
+            Instant::now(),
+            self.config.poll_interval.saturating_mul(polls),
+        ));
     }
 
     /// Logs a failed acquire at the level of its consequence: routine while
