@@ -90,10 +90,11 @@
 //! # Time limits
 //!
 //! Every allocator call is cut off after `store_call_timeout` (I22). An
-//! acquire without an answer (cut off, or a storage error) may have left a
-//! grant nobody holds until reclaim, so acquires back off while the store
-//! does not answer: one poll after the first, then two, four and eight,
-//! back to every poll at the first answer. A release
+//! acquire or fold without an answer (cut off, or a storage error) may
+//! have left a grant nobody holds until reclaim, so from the second such
+//! call in a row acquires back off: one poll, then two, four and eight,
+//! back to the usual cadence at the store's first answer to any call. A
+//! release
 //! pass shares one such budget across all parked leases, each call capped by
 //! what is left of it, so a store that hangs costs one timeout per pass
 //! however many leases are parked; a lease whose call used up the budget goes
@@ -167,7 +168,9 @@ pub struct LeaseManagerConfig {
     pub expiry_safety_margin: SignedDuration,
     /// How long after one inspection ends the next one starts when no lease
     /// rings. Bounds how long a parked lease that went quiet waits, and is
-    /// the pause before a failed call is retried. Expiry rings no doorbell,
+    /// the pause before a failed call is retried (acquires that keep
+    /// getting no answer wait longer: one poll, two, four, eight; see the
+    /// module docs). Expiry rings no doorbell,
     /// so a lease is replaced `poll_interval + store_call_timeout` before
     /// its usable window closes ([`replacement_lead`](Self::replacement_lead)),
     /// which must be shorter than that window. (A grant the allocator cuts
@@ -1047,11 +1050,13 @@ struct Task {
     /// Whether a grant too short-lived to outlast the replacement lead has
     /// been reported; once per task, as every later grant is the same.
     warned_short_window: bool,
-    /// Acquires in a row that got no answer (timed out, or a storage
-    /// error), and when the next may be made. Each may have created a
-    /// grant nobody holds until reclaim, so while the store does not
-    /// answer, acquires back off: one poll after the first, then two, four
-    /// and eight, rather than strand a grant every poll of a slow spell.
+    /// Grant calls in a row that got no answer (timed out, or a storage
+    /// error), and when the next acquire may be made. Each may have
+    /// created a grant nobody holds until reclaim, so while the store does
+    /// not answer, acquires back off: after the second miss in a row one
+    /// poll, then two, four and eight, rather than strand a grant every
+    /// poll of a slow spell. Any answer from the store (to an acquire, a
+    /// fold or a release) puts the cadence back.
     unanswered_acquires: u32,
     acquire_after: Option<Instant>,
     /// The wake-ups before the next poll already spent on the serving lease
@@ -1166,7 +1171,11 @@ impl Task {
             self.publish_readiness();
             let next_poll = after(Instant::now(), self.config.poll_interval);
             let early = self.early_wake().filter(|(at, _)| *at < next_poll);
-            let wake = early.map_or(next_poll, |(at, _)| at);
+            // A backed-off acquire is tried when its wait is over, not a
+            // poll after whichever inspection last skipped it.
+            let wake = early
+                .map_or(next_poll, |(at, _)| at)
+                .min(self.acquire_after.unwrap_or(next_poll));
             tokio::select! {
                 biased;
                 deadline = stop_requested(&mut self.stop) => return Stopped(deadline),
@@ -1401,11 +1410,16 @@ impl Task {
             return;
         }
         self.unanswered_acquires = self.unanswered_acquires.saturating_add(1);
-        let polls = 1_u32 << (self.unanswered_acquires - 1).min(3);
-        self.acquire_after = Some(after(
-            Instant::now(),
-            self.config.poll_interval.saturating_mul(polls),
-        ));
+        // One miss is retried at the next inspection, as any failure is (a
+        // lease near its window's end gets its last try then); from the
+        // second in a row, one poll, two, four, eight.
+        self.acquire_after = (self.unanswered_acquires > 1).then(|| {
+            let polls = 1_u32 << (self.unanswered_acquires - 2).min(3);
+            after(
+                Instant::now(),
+                self.config.poll_interval.saturating_mul(polls),
+            )
+        });
     }
 
     /// Logs a failed acquire at the level of its consequence: routine while
@@ -1415,7 +1429,7 @@ impl Task {
             tracing::debug!(%reason, "lease manager: no replacement lease; still serving");
         } else {
             // I5: the slot stays empty and requests are denied while the
-            // task retries on every poll.
+            // task retries (backing off while the store does not answer).
             tracing::warn!(
                 %reason,
                 "lease manager: no lease; requests on this account are denied"
@@ -1655,6 +1669,10 @@ impl Task {
             .grant_call_in_flight
             .store(false, Ordering::Release);
         let counters = Arc::clone(&self.shared.counters);
+        self.note_acquire_answered(match &end {
+            CallEnd::Answered(answer) => !matches!(answer, Err(AllocateError::Storage(_))),
+            CallEnd::TimedOut | CallEnd::Stopped(_) => false,
+        });
         let error = match end {
             CallEnd::Answered(Ok(allocation)) => {
                 // The store settled the old lease in the same step (I18):
@@ -1869,6 +1887,7 @@ impl Task {
         let counters = Arc::clone(&self.shared.counters);
         let error = match end {
             CallEnd::Answered(Ok(released)) => {
+                self.note_acquire_answered(true);
                 counters.settled(released.credited);
                 // The credited units are back in the balance the published
                 // evidence describes: without them, a quote the account can
@@ -1895,7 +1914,12 @@ impl Task {
                 );
                 return Judged::Done;
             }
-            CallEnd::Answered(Err(error)) => error,
+            CallEnd::Answered(Err(error)) => {
+                if !matches!(error, AllocateError::Storage(_)) {
+                    self.note_acquire_answered(true);
+                }
+                error
+            }
             CallEnd::TimedOut => {
                 // I22: it may have settled; the next attempt finds out.
                 bump(&counters.release_timeouts, 1);
