@@ -169,6 +169,9 @@ impl LeaseAllocator for ScriptedAllocator {
         let scripted = lock(&self.script).pop_front();
         let answer = match scripted {
             Some(answer) => answer,
+            // A held reclaimer's probe: nothing the backlog holds came
+            // due as early as the epoch.
+            None if now < start() => Answer::Batch(Vec::new(), false),
             None => self.settle_backlog(limit).await,
         };
         match answer {
@@ -510,9 +513,14 @@ async fn every_due_lease_is_settled_in_one_pass_of_several_batches() {
 /// once.
 #[tokio::test(start_paused = true)]
 async fn storage_errors_and_hangs_are_counted_and_never_fatal() {
+    // After each failure the next pass is a probe (it asks as of the
+    // epoch and settles nothing), answered, which holds reclaim for the
+    // outage hold (3 s) and so until the pass after.
     let allocator = ScriptedAllocator::new([
         Answer::Fail,
+        Answer::Batch(Vec::new(), false),
         Answer::Hang,
+        Answer::Batch(Vec::new(), false),
         Answer::Batch(vec![(1, 9)], false),
         Answer::Batch(Vec::new(), true),
     ]);
@@ -528,33 +536,36 @@ async fn storage_errors_and_hangs_are_counted_and_never_fatal() {
     );
 
     run_for(&clock, 5).await;
-    assert_eq!(reclaimer.stats().timeouts, 0, "the call at t=5 hangs");
+    assert_eq!(reclaimer.stats().held, 1, "the probe at t=5 is answered");
+    run_for(&clock, 5).await;
+    assert_eq!(reclaimer.stats().timeouts, 0, "the call at t=10 hangs");
     run_for(&clock, 1).await;
-    assert_eq!(reclaimer.stats().timeouts, 1, "cut off at t=6");
+    assert_eq!(reclaimer.stats().timeouts, 1, "cut off at t=11");
 
-    run_for(&clock, 4).await;
+    run_for(&clock, 9).await;
     assert_eq!(
         reclaimer.stats(),
         ReclaimStats {
             errors: 1,
             timeouts: 1,
+            held: 2,
             ..stats(1, 1, 9)
         }
     );
 
     run_for(&clock, 5).await;
-    // Halved after the timeout, then grown back by one lease per batch. The
-    // calls after the failure at 0 settle nothing (they ask as of the
-    // epoch) until the store has answered for the outage hold (10 to 13).
+    // Halved after the timeout (a probe leaves the size alone), then grown
+    // back by one lease per batch.
     assert_eq!(
         allocator.calls(),
-        vec![(0, 4), (EPOCH, 4), (EPOCH, 2), (15, 3)]
+        vec![(0, 4), (EPOCH, 4), (10, 4), (EPOCH, 2), (20, 2), (25, 3)]
     );
     assert_eq!(
         reclaimer.shutdown().await,
         ReclaimStats {
             errors: 2,
             timeouts: 1,
+            held: 2,
             ..stats(1, 1, 9)
         }
     );
@@ -573,9 +584,9 @@ async fn after_an_outage_nothing_due_since_is_reclaimed_until_the_store_has_answ
         Answer::Batch(Vec::new(), false),
         Answer::Fail,
         Answer::Fail,
-        Answer::Batch(Vec::new(), false),
+        Answer::Batch(vec![(1, 5)], false),
         Answer::Fail,
-        Answer::Batch(Vec::new(), false),
+        Answer::Batch(vec![(2, 5)], false),
     ]);
     let clock = Arc::new(ManualClock::new(start()));
     let reclaimer = spawn(allocator.clone(), &clock, config(1, 4, 1));
@@ -594,7 +605,15 @@ async fn after_an_outage_nothing_due_since_is_reclaimed_until_the_store_has_answ
         vec![0, 1, EPOCH, EPOCH, EPOCH, EPOCH, EPOCH, EPOCH, 8, 9]
     );
     let stats = reclaimer.shutdown().await;
-    assert_eq!((stats.errors, stats.passes), (3, 7));
+    assert_eq!(
+        (stats.errors, stats.held, stats.passes),
+        (3, 4, 3),
+        "probes at 3, 5, 6 and 7; real passes at 0, 8 and 9"
+    );
+    assert_eq!(
+        stats.reclaimed_leases, 0,
+        "what a probe's answer names is not taken as settled"
+    );
 }
 
 /// A store client that panics fails that pass, counted as an error; the
@@ -602,7 +621,11 @@ async fn after_an_outage_nothing_due_since_is_reclaimed_until_the_store_has_answ
 /// else.
 #[tokio::test(start_paused = true)]
 async fn a_store_call_that_panics_fails_one_pass_and_the_reclaimer_goes_on() {
-    let allocator = ScriptedAllocator::new([Answer::Panic, Answer::Batch(vec![(1, 9)], false)]);
+    let allocator = ScriptedAllocator::new([
+        Answer::Panic,
+        Answer::Batch(Vec::new(), false),
+        Answer::Batch(vec![(1, 9)], false),
+    ]);
     let clock = Arc::new(ManualClock::new(start()));
     let reclaimer = spawn(allocator.clone(), &clock, config(5, 4, 1));
     settle().await;
@@ -613,13 +636,14 @@ async fn a_store_call_that_panics_fails_one_pass_and_the_reclaimer_goes_on() {
             ..ReclaimStats::default()
         }
     );
-    run_for(&clock, 5).await;
-    // Asked as of the epoch: the outage hold has only begun.
-    assert_eq!(allocator.calls(), vec![(0, 4), (EPOCH, 4)]);
+    // 5: a probe, answered (the outage hold); 10: reclaiming again.
+    run_for(&clock, 10).await;
+    assert_eq!(allocator.calls(), vec![(0, 4), (EPOCH, 4), (10, 4)]);
     assert_eq!(
         reclaimer.shutdown().await,
         ReclaimStats {
             errors: 1,
+            held: 1,
             ..stats(1, 1, 9)
         }
     );
@@ -635,14 +659,20 @@ async fn a_batch_too_large_for_the_timeout_shrinks_until_the_backlog_drains() {
     let allocator = ScriptedAllocator::with_backlog(40, Duration::from_millis(150));
     let clock = Arc::new(ManualClock::new(start()));
     let reclaimer = spawn(allocator.clone(), &clock, config(5, 64, 1));
-    run_for(&clock, 60).await;
+    // Each timeout also holds reclaim for a probe's pass (the outage hold).
+    run_for(&clock, 180).await;
     let stats = reclaimer.shutdown().await;
     assert_eq!(
         (stats.reclaimed_leases, stats.reclaimed_units),
         (40, 40),
         "the whole backlog is settled"
     );
-    let limits: Vec<usize> = allocator.calls().iter().map(|&(_, limit)| limit).collect();
+    let limits: Vec<usize> = allocator
+        .calls()
+        .iter()
+        .filter(|&&(at, _)| at != EPOCH)
+        .map(|&(_, limit)| limit)
+        .collect();
     assert_eq!(
         &limits[..5],
         [64, 32, 16, 8, 4],

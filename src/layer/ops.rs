@@ -107,7 +107,7 @@ where
 /// | `tollgate_snapshot_last_success_timestamp_seconds` | gauge | |
 /// | `tollgate_lease_{acquired,acquired_units,acquire_timeouts,uncertain_acquires,released,released_units,release_timeouts,abandoned,consolidated,consolidations_deferred}_total` | counter | |
 /// | `tollgate_lease_refused_total`, `tollgate_lease_release_refused_total` | counter | `reason` ([`AllocateError::NAMES`]) |
-/// | `tollgate_reclaim_{passes,reclaimed_leases,reclaimed_units,errors,timeouts}_total` | counter | |
+/// | `tollgate_reclaim_{passes,held,reclaimed_leases,reclaimed_units,errors,timeouts}_total` | counter | |
 /// | `tollgate_reclaim_blocked_leases` | gauge | |
 /// | `tollgate_manager_restarts_total` | counter | |
 /// | `tollgate_unrecovered_grants_total` (leases held by managers that died, left to TTL reclaim) | counter | |
@@ -304,6 +304,7 @@ fn publish_leases(leases: &LeaseStats) {
 
 fn publish_reclaimer(reclaimer: &ReclaimStats) {
     metrics::counter!("tollgate_reclaim_passes_total").absolute(reclaimer.passes);
+    metrics::counter!("tollgate_reclaim_held_total").absolute(reclaimer.held);
     metrics::counter!("tollgate_reclaim_reclaimed_leases_total")
         .absolute(reclaimer.reclaimed_leases);
     metrics::counter!("tollgate_reclaim_reclaimed_units_total").absolute(reclaimer.reclaimed_units);

@@ -136,8 +136,8 @@ impl std::error::Error for ReclaimerConfigError {}
 /// What the reclaimer has done so far.
 ///
 /// Every pass ends exactly one way: counted in `passes` (the store said
-/// nothing more is due), in `errors`, in `timeouts`, or cut short by
-/// shutdown.
+/// nothing more is due), in `held` (a probe during an outage hold), in
+/// `errors`, in `timeouts`, or cut short by shutdown.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct ReclaimStats {
     /// Passes that ran until the store said nothing more was due.
@@ -157,6 +157,9 @@ pub struct ReclaimStats {
     /// count, and at most `batch_limit`. They are retried on every pass and
     /// logged once a pass.
     pub blocked_leases: u64,
+    /// Passes that settled nothing on purpose, only finding out whether the
+    /// store answers, while an outage hold lasted (see the module docs).
+    pub held: u64,
 }
 
 /// The owner's handle on the reclaimer task.
@@ -266,6 +269,7 @@ struct Counters {
     errors: AtomicU64,
     timeouts: AtomicU64,
     blocked_leases: AtomicU64,
+    held: AtomicU64,
 }
 
 impl Counters {
@@ -278,6 +282,7 @@ impl Counters {
             errors: read(&self.errors),
             timeouts: read(&self.timeouts),
             blocked_leases: read(&self.blocked_leases),
+            held: read(&self.held),
         }
     }
 }
@@ -382,6 +387,8 @@ impl Task {
         let mut named = HashSet::new();
         loop {
             let now = self.reclaim_time();
+            // A held call only finds out whether the store answers.
+            let probe = self.held.is_some();
             let limit = self.config.store_call_timeout;
             // I22: the call is bounded; a stop abandons it (store calls are
             // cancellable, and the store settles each lease once, I19).
@@ -411,6 +418,14 @@ impl Task {
                         error = %panicked,
                         "reclaimer: the store call panicked; trying again next interval"
                     );
+                    Next::Done
+                }
+                Ok(Ok(Ok(_))) if probe => {
+                    // Settled nothing, so it says nothing of whether a batch
+                    // this size fits the timeout, nor of blocked leases:
+                    // the batch and the blocked count stand.
+                    self.answered();
+                    bump(&self.counters.held, 1);
                     Next::Done
                 }
                 Ok(Ok(Ok(batch))) => {
