@@ -1581,6 +1581,49 @@ async fn unanswered_acquires_back_off_until_the_store_answers() {
     assert_eq!(h.stats().uncertain_acquires, 6);
 }
 
+/// A backoff whose wait is over while no lease is wanted (here the lease
+/// went back above its mark as a reservation was released) is no reason
+/// to wake: the task sleeps until the next poll instead of spinning on a
+/// deadline in the past. (A spinning task never lets paused time move, so
+/// a watchdog on real time turns that hang into a failure.)
+#[tokio::test(start_paused = true)]
+async fn a_backoff_that_ran_out_while_no_lease_is_wanted_does_not_spin() {
+    let finished = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let watched = Arc::clone(&finished);
+    std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_secs(60));
+        if !watched.load(Ordering::SeqCst) {
+            eprintln!("the lease manager spins on a past deadline");
+            std::process::abort();
+        }
+    });
+    let allocator = Scripted::new();
+    allocator.plan_acquires([
+        Reply::Grant(TARGET),
+        Reply::Refuse(storage_error()),
+        Reply::Refuse(storage_error()),
+    ]);
+    let h = Harness::started(allocator).await;
+    let pending = h.reserve(85);
+    h.allocator.calls_reach(2).await;
+    sleep(POLL).await;
+    h.allocator.calls_reach(3).await;
+    settle().await;
+    // Two misses in a row: the next acquire waits a poll. The reservation
+    // goes back, and the lease with it above its mark.
+    drop(pending);
+    sleep(POLL * 5).await;
+    settle().await;
+    assert_eq!(
+        h.allocator.calls().len(),
+        3,
+        "no acquire once the lease is whole again: {:?}",
+        h.allocator.calls()
+    );
+    assert_eq!(h.serving(), Some((1, 100)));
+    finished.store(true, Ordering::SeqCst);
+}
+
 // ------------------------------------------------------------ time bounds
 
 /// I22: a hung acquire is cut off after the store call timeout and the task

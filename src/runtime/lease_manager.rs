@@ -1172,17 +1172,24 @@ impl Task {
             let next_poll = after(Instant::now(), self.config.poll_interval);
             let early = self.early_wake().filter(|(at, _)| *at < next_poll);
             // A backed-off acquire is tried when its wait is over, not a
-            // poll after whichever inspection last skipped it.
-            let wake = early
-                .map_or(next_poll, |(at, _)| at)
-                .min(self.acquire_after.unwrap_or(next_poll));
+            // poll after whichever inspection last skipped it. A wait
+            // already over is no reason to wake: the inspection just made
+            // either called, or wanted no lease.
+            let backoff_ends = self
+                .acquire_after
+                .filter(|at| *at > Instant::now())
+                .unwrap_or(next_poll);
+            let wake = early.map_or(next_poll, |(at, _)| at).min(backoff_ends);
             tokio::select! {
                 biased;
                 deadline = stop_requested(&mut self.stop) => return Stopped(deadline),
                 // I28: a ring is answered at once; the poll is the backstop.
                 () = self.doorbell.answer() => {}
                 () = sleep_until(wake) => {
-                    if let Some((_, kind)) = early {
+                    // Spent only if it is the wake-up that came.
+                    if let Some((at, kind)) = early
+                        && at <= wake
+                    {
                         self.early_wakes.spend(kind);
                     }
                 }
