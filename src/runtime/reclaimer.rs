@@ -420,12 +420,14 @@ impl Task {
                     );
                     Next::Done
                 }
-                Ok(Ok(Ok(_))) if probe => {
-                    // Settled nothing, so it says nothing of whether a batch
-                    // this size fits the timeout, nor of blocked leases:
-                    // the batch and the blocked count stand.
+                Ok(Ok(Ok(batch))) if probe => {
+                    // It settles nothing (a lease due as early as the epoch
+                    // would be reported all the same), so it says nothing of
+                    // whether a batch this size fits the timeout, nor of
+                    // blocked leases: the batch and the blocked count stand.
                     self.answered();
                     bump(&self.counters.held, 1);
+                    self.report_reclaimed(&batch);
                     Next::Done
                 }
                 Ok(Ok(Ok(batch))) => {
@@ -465,11 +467,10 @@ impl Task {
         }
     }
 
-    /// Counts and reports one batch, and says whether the pass goes on.
-    fn settle(&self, batch: &ReclaimBatch, named: &mut HashSet<LeaseId>) -> Next {
+    /// Logs and counts every lease `batch` says was settled: the crash
+    /// exposure of the ledger being settled, reported, never silent.
+    fn report_reclaimed(&self, batch: &ReclaimBatch) {
         for lease in &batch.reclaimed {
-            // The crash exposure of the ledger being settled: reported,
-            // never silent.
             tracing::info!(
                 lease_id = %lease.lease_id,
                 account_id = %lease.account_id,
@@ -480,6 +481,11 @@ impl Task {
             bump(&self.counters.reclaimed_leases, 1);
             bump(&self.counters.reclaimed_units, lease.credited.get());
         }
+    }
+
+    /// Counts and reports one batch, and says whether the pass goes on.
+    fn settle(&self, batch: &ReclaimBatch, named: &mut HashSet<LeaseId>) -> Next {
+        self.report_reclaimed(batch);
         for lease in batch
             .blocked
             .iter()
