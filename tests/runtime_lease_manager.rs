@@ -1588,15 +1588,17 @@ async fn unanswered_acquires_back_off_until_the_store_answers() {
 /// a watchdog on real time turns that hang into a failure.)
 #[tokio::test(start_paused = true)]
 async fn a_backoff_that_ran_out_while_no_lease_is_wanted_does_not_spin() {
-    let finished = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let watched = Arc::clone(&finished);
+    // Told the test ended however it ended, so only a hang aborts.
+    let (ended, watched) = std::sync::mpsc::channel::<()>();
     std::thread::spawn(move || {
-        std::thread::sleep(Duration::from_secs(60));
-        if !watched.load(Ordering::SeqCst) {
+        if let Err(std::sync::mpsc::RecvTimeoutError::Timeout) =
+            watched.recv_timeout(Duration::from_secs(60))
+        {
             eprintln!("the lease manager spins on a past deadline");
             std::process::abort();
         }
     });
+    let _ended = ended;
     let allocator = Scripted::new();
     allocator.plan_acquires([
         Reply::Grant(TARGET),
@@ -1621,7 +1623,6 @@ async fn a_backoff_that_ran_out_while_no_lease_is_wanted_does_not_spin() {
         h.allocator.calls()
     );
     assert_eq!(h.serving(), Some((1, 100)));
-    finished.store(true, Ordering::SeqCst);
 }
 
 // ------------------------------------------------------------ time bounds

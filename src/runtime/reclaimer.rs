@@ -35,7 +35,8 @@
 //! those served units would go back to the balance unbilled (I15). So once
 //! a call fails, times out or panics, the reclaimer settles nothing until
 //! the store has answered again for `outage_hold`; meanwhile its calls ask
-//! as of the Unix epoch, which settles nothing and only finds out whether
+//! as of the Unix epoch, which settles nothing granted since (and reports
+//! anything it does settle like any pass) and only finds out whether
 //! the store answers. A reclaimer started after an outage (or a one-off
 //! `tollgate reclaim`) knows nothing of it: start it `outage_hold` after
 //! the store is back.
@@ -157,7 +158,8 @@ pub struct ReclaimStats {
     /// count, and at most `batch_limit`. They are retried on every pass and
     /// logged once a pass.
     pub blocked_leases: u64,
-    /// Passes that settled nothing on purpose, only finding out whether the
+    /// Passes that asked as of the Unix epoch, settling nothing granted
+    /// since on purpose, only finding out whether the
     /// store answers, while an outage hold lasted (see the module docs).
     pub held: u64,
 }
