@@ -8,7 +8,7 @@ mod support;
 
 use std::collections::BTreeMap;
 use std::convert::Infallible;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -364,6 +364,78 @@ async fn a_panic_in_the_inner_call_releases_the_charge_and_counts_it() {
             drop(service.call(request));
         }));
         assert!(outcome.is_err(), "{mode}: the panic reached the caller");
+        assert_eq!(w.remaining(), before, "{mode}: I4, released for zero");
+    }
+    let counters = w.handle.counters();
+    assert_eq!(
+        (counters.admitted, counters.released),
+        (2, 2),
+        "each admission's release was counted"
+    );
+}
+
+/// An inner service that fails its readiness once and, polled again after
+/// that, never becomes ready: tower's contract says a failed service is
+/// not polled again, and this one would hang whoever does.
+#[derive(Clone, Default)]
+struct FailsOnce {
+    polls: Arc<AtomicUsize>,
+    calls: Arc<AtomicUsize>,
+}
+
+impl Service<Request<String>> for FailsOnce {
+    type Response = Response<String>;
+    type Error = &'static str;
+    type Future = std::future::Ready<Result<Response<String>, &'static str>>;
+
+    fn poll_ready(
+        &mut self,
+        _cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), &'static str>> {
+        if self.polls.fetch_add(1, Ordering::SeqCst) == 0 {
+            std::task::Poll::Ready(Err("the inner service failed"))
+        } else {
+            std::task::Poll::Pending
+        }
+    }
+
+    fn call(&mut self, _request: Request<String>) -> Self::Future {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        std::future::ready(Ok(Response::new(String::new())))
+    }
+}
+
+/// I4: an inner service that fails its readiness at the hand-over answers
+/// the request with its error at the first poll, in either commit mode.
+/// It is not polled again (a failed service may never be ready), the
+/// handler never runs, and the charge is released for zero and counted.
+#[tokio::test(start_paused = true)]
+async fn an_inner_service_that_fails_its_readiness_answers_with_its_error_uncharged() {
+    let w = world(INITIAL).await;
+    let before = w.remaining();
+    let deferred = TollgateLayer::builder(w.handle.clone())
+        .price(|_: &http::request::Parts| Price {
+            units: CostUnits(PRICE),
+            required: READ,
+        })
+        .commit_in_handler()
+        .build()
+        .unwrap();
+    for (mode, layer) in [("default", w.layer()), ("deferred", deferred)] {
+        let inner = FailsOnce::default();
+        let mut service = layer.layer(inner.clone());
+        let future = std::pin::pin!(service.call(w.bearer("/read")));
+        match futures_poll_once(future).await {
+            Some(Err(error)) => assert_eq!(error, "the inner service failed", "{mode}"),
+            Some(Ok(response)) => panic!("{mode}: answered {}", response.status()),
+            None => panic!("{mode}: the request waits on a failed service"),
+        }
+        assert_eq!(inner.polls.load(Ordering::SeqCst), 1, "{mode}: polled once");
+        assert_eq!(
+            inner.calls.load(Ordering::SeqCst),
+            0,
+            "{mode}: never called"
+        );
         assert_eq!(w.remaining(), before, "{mode}: I4, released for zero");
     }
     let counters = w.handle.counters();

@@ -32,19 +32,25 @@ pin_project! {
     /// is handed over when it is. By default the charge commits at the
     /// first poll after the hand-over, just before the inner future is
     /// polled; dropped before that, the future drops the reservation, which
-    /// charges zero (I4). Nothing on this path is boxed.
+    /// charges zero (I4). An inner service that fails its readiness is not
+    /// polled again: the request gets its error (`E`), and the charge is
+    /// released for zero as the error is returned. Nothing on this path is
+    /// boxed.
     ///
     /// In deferred mode
     /// ([`TollgateBuilder::commit_in_handler`](super::TollgateBuilder::commit_in_handler))
     /// it commits nothing itself; a charge no commit point took by the time
     /// the inner future completes with a response, or this future is
     /// dropped (after an error, say), is released for zero (I4).
-    pub struct ResponseFuture<S, R, F> {
+    pub struct ResponseFuture<S, R, F, E> {
         // The inner service's future, once it has taken the request.
         #[pin]
         future: Option<F>,
         // The inner service and the request, until the service is ready.
         waiting: Option<(S, R)>,
+        // The inner service's readiness error at the hand-over, answered
+        // at the first poll: a failed service is not polled again.
+        failed: Option<E>,
         charge: Charge,
         // Cancels the request's token if this future is dropped before it
         // completes. On completion it is disarmed, or handed to a response
@@ -78,26 +84,40 @@ impl Drop for Charge {
     fn drop(&mut self) {
         // I4: a context never handed over is released for zero as it drops
         // with this; the release is counted where operators can see it.
-        if let Self::AtHandOver {
-            context: Some(_),
-            shared,
-            ..
-        } = self
-        {
-            shared.handle.engine().counters().released();
+        self.release();
+    }
+}
+
+impl Charge {
+    /// Releases a charge not committed (yet) for zero, and counts the
+    /// release: the request ended before its handler ran, or (deferred)
+    /// without reaching its commit point. A committed charge stands.
+    fn release(&mut self) {
+        match self {
+            Self::AtHandOver {
+                context, shared, ..
+            } => {
+                if context.take().is_some() {
+                    shared.handle.engine().counters().released();
+                }
+            }
+            Self::Deferred { guard, .. } => drop(guard.take()),
+            Self::Denied { .. } => {}
         }
     }
 }
 
 /// How an admitted request reaches the inner service.
-pub(super) enum HandOver<S, R, F> {
+pub(super) enum HandOver<S, R, F, E> {
     /// The service was ready at admission and has taken the request.
     Done(F),
     /// The service was not ready: the request waits for it.
     Waiting(S, R),
+    /// The service failed: the request gets its error, uncharged.
+    Failed(E),
 }
 
-impl<S, R, F> ResponseFuture<S, R, F> {
+impl<S, R, F, E> ResponseFuture<S, R, F, E> {
     /// An admitted request committing at the hand-over `hand_over`
     /// performs. The charge is built first, so if the inner service's
     /// `poll_ready` or `call` panics in `hand_over`, its drop still
@@ -106,7 +126,7 @@ impl<S, R, F> ResponseFuture<S, R, F> {
         context: RequestContext,
         shared: Arc<Shared>,
         cancellation: Option<CancelOnDrop>,
-        hand_over: impl FnOnce() -> HandOver<S, R, F>,
+        hand_over: impl FnOnce() -> HandOver<S, R, F, E>,
     ) -> Self {
         let request_id = context.request_id();
         let charge = Charge::AtHandOver {
@@ -123,7 +143,7 @@ impl<S, R, F> ResponseFuture<S, R, F> {
         cell: Arc<ChargeCell>,
         request_id: RequestId,
         cancellation: Option<CancelOnDrop>,
-        hand_over: impl FnOnce() -> HandOver<S, R, F>,
+        hand_over: impl FnOnce() -> HandOver<S, R, F, E>,
     ) -> Self {
         let charge = Charge::Deferred {
             guard: Some(ReleaseOnDrop(cell)),
@@ -140,6 +160,7 @@ impl<S, R, F> ResponseFuture<S, R, F> {
         Self {
             future: None,
             waiting: None,
+            failed: None,
             charge: Charge::Denied {
                 response: Some(render(shared, reason, request_id)),
             },
@@ -148,28 +169,26 @@ impl<S, R, F> ResponseFuture<S, R, F> {
     }
 
     fn started(
-        hand_over: HandOver<S, R, F>,
+        hand_over: HandOver<S, R, F, E>,
         charge: Charge,
         cancel_on_drop: Option<CancelOnDrop>,
     ) -> Self {
-        match hand_over {
-            HandOver::Done(future) => Self {
-                future: Some(future),
-                waiting: None,
-                charge,
-                cancel_on_drop,
-            },
-            HandOver::Waiting(service, request) => Self {
-                future: None,
-                waiting: Some((service, request)),
-                charge,
-                cancel_on_drop,
-            },
+        let (future, waiting, failed) = match hand_over {
+            HandOver::Done(future) => (Some(future), None, None),
+            HandOver::Waiting(service, request) => (None, Some((service, request)), None),
+            HandOver::Failed(error) => (None, None, Some(error)),
+        };
+        Self {
+            future,
+            waiting,
+            failed,
+            charge,
+            cancel_on_drop,
         }
     }
 }
 
-impl<S, R, B> Future for ResponseFuture<S, R, S::Future>
+impl<S, R, B> Future for ResponseFuture<S, R, S::Future, S::Error>
 where
     S: Service<R, Response = Response<B>>,
     B: http_body::Body,
@@ -185,13 +204,21 @@ where
             return Poll::Ready(Ok(response.map(TollgateBody::denial)));
         }
         if this.future.is_none() {
+            // A failed service drops the request, never handed over: its
+            // charge is released for zero now, not when this future is
+            // dropped (I4).
+            if let Some(error) = this.failed.take() {
+                this.charge.release();
+                disarm(this.cancel_on_drop);
+                return Poll::Ready(Err(error));
+            }
             let (service, _) = this
                 .waiting
                 .as_mut()
                 .expect("an admitted request waits for its service until it is handed over");
-            // An error drops the request; the charge, never committed, is
-            // released with this future (I4).
             if let Err(error) = ready!(service.poll_ready(cx)) {
+                this.waiting.take();
+                this.charge.release();
                 disarm(this.cancel_on_drop);
                 return Poll::Ready(Err(error));
             }
@@ -232,13 +259,12 @@ where
             }
             (None, _) => None,
         };
+        // I4: the request is over; a deferred charge no commit point took
+        // is released for zero, whether the handler answered or failed.
+        this.charge.release();
         let mut response = outcome?;
         let request_id = match this.charge {
-            Charge::AtHandOver { request_id, .. } => *request_id,
-            Charge::Deferred { guard, request_id } => {
-                // I4: the request is over; a charge no commit point took is
-                // released for zero.
-                drop(guard.take());
+            Charge::AtHandOver { request_id, .. } | Charge::Deferred { request_id, .. } => {
                 *request_id
             }
             Charge::Denied { .. } => unreachable!("a denied request has no inner future"),
@@ -392,7 +418,7 @@ fn insert_request_id<B>(response: &mut Response<B>, request_id: RequestId) {
     response.headers_mut().insert(REQUEST_ID_HEADER, value);
 }
 
-impl<S, R, F> fmt::Debug for ResponseFuture<S, R, F> {
+impl<S, R, F, E> fmt::Debug for ResponseFuture<S, R, F, E> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match &self.charge {
             Charge::AtHandOver {

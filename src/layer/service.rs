@@ -90,7 +90,7 @@ where
 {
     type Response = Response<TollgateBody<ResBody>>;
     type Error = S::Error;
-    type Future = ResponseFuture<S, Request<ReqBody>, S::Future>;
+    type Future = ResponseFuture<S, Request<ReqBody>, S::Future, S::Error>;
 
     /// Always ready: admission happens in `call`, at the outer edge, so a
     /// request without funds is refused at once instead of waiting for a
@@ -214,17 +214,21 @@ where
 /// unless something inside the layer makes requests wait. Otherwise the
 /// request waits for it in its response future, on the service as it
 /// stands (with whatever wait `poll_ready` has begun), and `inner` becomes
-/// a fresh clone for the next request.
-fn hand_over<S, R>(inner: &mut S, request: R) -> HandOver<S, R, S::Future>
+/// a fresh clone for the next request. A service that fails is not polled
+/// again for this request: its error is the request's answer.
+fn hand_over<S, R>(inner: &mut S, request: R) -> HandOver<S, R, S::Future, S::Error>
 where
     S: Service<R> + Clone,
 {
     let mut cx = Context::from_waker(Waker::noop());
-    if let Poll::Ready(Ok(())) = inner.poll_ready(&mut cx) {
-        return HandOver::Done(inner.call(request));
+    match inner.poll_ready(&mut cx) {
+        Poll::Ready(Ok(())) => HandOver::Done(inner.call(request)),
+        Poll::Ready(Err(error)) => HandOver::Failed(error),
+        Poll::Pending => {
+            let fresh = inner.clone();
+            HandOver::Waiting(std::mem::replace(inner, fresh), request)
+        }
     }
-    let fresh = inner.clone();
-    HandOver::Waiting(std::mem::replace(inner, fresh), request)
 }
 
 /// Whether a denial at admission came after the key was identified: every
