@@ -1581,6 +1581,126 @@ async fn unanswered_acquires_back_off_until_the_store_answers() {
     assert_eq!(h.stats().uncertain_acquires, 6);
 }
 
+/// Any answer from the store ends the backoff, not only an acquire's: a
+/// superseded lease's release answered while acquires back off puts the
+/// cadence back, so the next acquire comes at that inspection rather than
+/// when the wait would have been over.
+#[tokio::test(start_paused = true)]
+async fn a_release_answered_during_the_backoff_puts_the_acquire_cadence_back() {
+    let allocator = Scripted::new();
+    allocator.plan_acquires([
+        Reply::Grant(TARGET),
+        Reply::Grant(TARGET),
+        Reply::Refuse(storage_error()),
+        Reply::Refuse(storage_error()),
+        Reply::Refuse(storage_error()),
+    ]);
+    let h = Harness::started(allocator).await;
+    // Lease 1 runs low and is replaced at once; the reservation keeps it
+    // from being released.
+    let first = h.reserve(85);
+    h.allocator.calls_reach(2).await;
+    settle().await;
+    assert_eq!(h.serving(), Some((2, 100)));
+    // Lease 2 runs low; three acquires in a row go unanswered, so the
+    // next would wait two polls.
+    let second = h.reserve(85);
+    h.allocator.calls_reach(5).await;
+    settle().await;
+    // Lease 1 goes quiet, its reservation released for nothing; its
+    // release is answered at the next inspection.
+    drop(first);
+    h.allocator.calls_reach(7).await;
+    settle().await;
+    let calls = h.allocator.timed_calls();
+    assert_eq!(
+        calls
+            .iter()
+            .map(|(_, call)| call.clone())
+            .collect::<Vec<_>>(),
+        [
+            acquire(),
+            acquire(),
+            acquire(),
+            acquire(),
+            acquire(),
+            release(1, 100),
+            acquire(),
+        ]
+    );
+    let (missed_last, _) = calls[4];
+    let (released_at, _) = calls[5];
+    let (acquired_at, _) = calls[6];
+    assert_eq!(
+        released_at,
+        missed_last + POLL,
+        "released at the next inspection"
+    );
+    assert_eq!(
+        acquired_at, released_at,
+        "the release's answer ended the wait of two polls"
+    );
+    assert_eq!(h.serving(), Some((3, 100)));
+    drop(second);
+}
+
+/// The same for a fold's answer: a lease that refused a quote is folded
+/// while acquires back off, and the fold's answer puts the cadence back.
+#[tokio::test(start_paused = true)]
+async fn a_fold_answered_during_the_backoff_puts_the_acquire_cadence_back() {
+    let allocator = Scripted::new();
+    allocator.plan_acquires([
+        Reply::Grant(TARGET),
+        Reply::Refuse(storage_error()),
+        Reply::Refuse(storage_error()),
+        Reply::Refuse(storage_error()),
+    ]);
+    // Small enough that its first debit rings for a successor.
+    allocator.plan_consolidations([Reply::Grant(LOW_WATER)]);
+    let h = Harness::started(allocator).await;
+    h.spend(85);
+    h.allocator.calls_reach(4).await;
+    settle().await;
+    sleep(POLL / 2).await;
+    // 15 left: a quote of 20 is refused, recorded, and folded.
+    h.refused(20);
+    h.allocator.calls_reach(5).await;
+    settle().await;
+    assert_eq!(h.serving(), Some((2, LOW_WATER)));
+    h.spend(1);
+    h.allocator.calls_reach(6).await;
+    settle().await;
+    let calls = h.allocator.timed_calls();
+    assert_eq!(
+        calls
+            .iter()
+            .map(|(_, call)| call.clone())
+            .collect::<Vec<_>>(),
+        [
+            acquire(),
+            acquire(),
+            acquire(),
+            acquire(),
+            Call::Consolidate {
+                lease: 1,
+                unspent: 15,
+                requested: TARGET,
+                needed: 20,
+            },
+            acquire(),
+        ]
+    );
+    let (missed_last, _) = calls[3];
+    let (folded_at, _) = calls[4];
+    let (acquired_at, _) = calls[5];
+    assert_eq!(folded_at, missed_last + POLL / 2, "folded when rung");
+    assert_eq!(
+        acquired_at, folded_at,
+        "the fold's answer ended the wait of two polls: rung, acquired"
+    );
+    assert_eq!(h.serving(), Some((3, TARGET)));
+}
+
 /// A backoff whose wait is over while no lease is wanted (here the lease
 /// went back above its mark as a reservation was released) is no reason
 /// to wake: the task sleeps until the next poll instead of spinning on a
