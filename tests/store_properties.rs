@@ -95,6 +95,26 @@ fn policy() -> GrantPolicy {
     }
 }
 
+/// The grant for `requested` units out of `balance`, computed from
+/// [`TailSharing`]'s documented rule for `policy()`'s three instances and
+/// five-unit floor rather than by the library: the whole request while the
+/// balance could fund three of them, else a third of the balance (rounded
+/// up) but no less than five units, and never more than was asked for or
+/// is there.
+fn tail_grant(requested: u64, balance: u64) -> u64 {
+    if u128::from(balance) >= u128::from(requested) * 3 {
+        return requested;
+    }
+    let floor = 5.min(requested).min(balance);
+    balance.div_ceil(3).max(floor).min(requested).min(balance)
+}
+
+/// A consolidation's grant: as [`tail_grant`] for the larger of what it
+/// asks for and what it needs, and never less than what it needs.
+fn consolidation_grant(requested: u64, needed: u64, available: u64) -> u64 {
+    tail_grant(requested.max(needed), available).max(needed)
+}
+
 #[derive(Debug, Clone, Copy)]
 struct ModelLease {
     id: LeaseId,
@@ -255,7 +275,7 @@ async fn step<S: TestStore>(store: &S, model: &mut Model, op: Op) -> Result<(), 
                 prop_assert_eq!(outcome, Err(AllocateError::BalanceExhausted(exhausted)));
             } else {
                 let allocation = outcome.expect("a funded acquire succeeds");
-                let size = policy().grant_size(CostUnits(requested), CostUnits(model.balance));
+                let size = CostUnits(tail_grant(requested, model.balance));
                 prop_assert_eq!(allocation.grant.units, size);
                 prop_assert_eq!(
                     allocation.grant.expires_at,
@@ -354,13 +374,7 @@ async fn step<S: TestStore>(store: &S, model: &mut Model, op: Op) -> Result<(), 
                     allocation.grant.units >= CostUnits(needed),
                     "the floor holds"
                 );
-                let size = policy()
-                    .consolidation_size(
-                        CostUnits(requested),
-                        CostUnits(needed),
-                        CostUnits(available),
-                    )
-                    .unwrap();
+                let size = CostUnits(consolidation_grant(requested, needed, available));
                 prop_assert_eq!(allocation.grant.units, size);
                 model.leases[index].settled = true;
                 model.leases[index].credited = claim;
