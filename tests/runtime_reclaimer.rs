@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use jiff::{SignedDuration, Timestamp};
+use tokio::sync::Notify;
 use tokio::time::Instant;
 use tollgate::runtime::{ReclaimStats, Reclaimer, ReclaimerConfig, ReclaimerConfigError};
 use tollgate::store::{
@@ -102,6 +103,8 @@ struct ScriptedAllocator {
     /// How long settling each lease of a backlog batch takes, as a store's
     /// transaction grows with its batch.
     per_lease: Duration,
+    /// Told as each answer leaves the store, before the caller sees it.
+    answering: Arc<Notify>,
 }
 
 impl ScriptedAllocator {
@@ -174,6 +177,7 @@ impl LeaseAllocator for ScriptedAllocator {
             None if now < start() => Answer::Batch(Vec::new(), false),
             None => self.settle_backlog(limit).await,
         };
+        self.answering.notify_waiters();
         match answer {
             Answer::Batch(leases, more) => Ok(ReclaimBatch {
                 reclaimed: leases
@@ -613,6 +617,54 @@ async fn after_an_outage_nothing_due_since_is_reclaimed_until_the_store_has_answ
         "probes at 3, 5, 6 and 7; real passes at 0, 8 and 9"
     );
     assert_eq!((stats.reclaimed_leases, stats.reclaimed_units), (1, 5));
+}
+
+/// A probe settles nothing, so its timeout says nothing of whether a batch
+/// of this size fits the timeout: the batch stands, and a long outage of
+/// hanging calls does not leave the backlog to drain a lease at a time.
+#[tokio::test(start_paused = true)]
+async fn a_probe_that_times_out_leaves_the_batch_size_alone() {
+    let allocator = ScriptedAllocator::new([
+        Answer::Fail,
+        Answer::Hang,
+        Answer::Hang,
+        Answer::Batch(Vec::new(), false),
+    ]);
+    let clock = Arc::new(ManualClock::new(start()));
+    let reclaimer = spawn(allocator.clone(), &clock, config(5, 4, 1));
+    settle().await;
+    // 0: fails. 5, 10: probes hang and are cut off. 15: a probe is
+    // answered; the hold lasts until 18. 20: reclaiming again.
+    run_for(&clock, 20).await;
+    assert_eq!(
+        allocator.calls(),
+        vec![(0, 4), (EPOCH, 4), (EPOCH, 4), (EPOCH, 4), (20, 4)]
+    );
+    let stats = reclaimer.shutdown().await;
+    assert_eq!(
+        (stats.errors, stats.timeouts, stats.held, stats.passes),
+        (1, 2, 1, 1)
+    );
+}
+
+/// A call whose answer is in when the stop comes is reported, not thrown
+/// away: what the store settled shows in the counts `shutdown` returns, and
+/// no call follows the stop, though the answer said more leases are due.
+#[tokio::test(start_paused = true)]
+async fn an_answer_already_in_when_the_stop_comes_is_reported() {
+    let allocator = ScriptedAllocator::new([Answer::Batch(vec![(1, 9)], true)]);
+    let clock = Arc::new(ManualClock::new(start()));
+    let reclaimer = spawn(allocator.clone(), &clock, config(5, 4, 1));
+    // Told as the store answers, this task runs before the reclaimer task
+    // the answer wakes, and so stops it before it has read the answer.
+    let answering = Arc::clone(&allocator.answering);
+    let stopper = tokio::spawn(async move {
+        answering.notified().await;
+        reclaimer.shutdown().await
+    });
+    let stats = stopper.await.expect("the shutdown completes");
+    assert_eq!((stats.reclaimed_leases, stats.reclaimed_units), (1, 9));
+    assert_eq!(allocator.calls(), vec![(0, 4)], "no call after the stop");
 }
 
 /// A store client that panics fails that pass, counted as an error; the

@@ -42,7 +42,8 @@
 //! the store is back.
 //!
 //! [`Reclaimer::shutdown`] stops the task at once, abandoning a call in
-//! flight (store calls are cancellable). Dropping the [`Reclaimer`] instead
+//! flight (store calls are cancellable); a call whose answer is already in
+//! is reported first. Dropping the [`Reclaimer`] instead
 //! aborts the task and logs it.
 
 use std::collections::HashSet;
@@ -388,6 +389,10 @@ impl Task {
         // pass.
         let mut named = HashSet::new();
         loop {
+            // A stop that came with the last answer: no call after it.
+            if *self.stop.borrow() {
+                return Err(Stopped);
+            }
             let now = self.reclaim_time();
             // A held call only finds out whether the store answers.
             let probe = self.held.is_some();
@@ -402,14 +407,17 @@ impl Task {
             let call = AbortOnDropHandle::new(tokio::spawn(async move {
                 allocator.reclaim_expired_batch(now, batch).await
             }));
-            let answer = match until_stopped(&mut self.stop, timeout(limit, call)).await {
-                Ok(answer) => answer,
-                Err(stopped) => {
+            let answer = tokio::select! {
+                biased;
+                // An answer already in is taken even with a stop beside it,
+                // so what it settled is reported.
+                answer = timeout(limit, call) => answer,
+                _ = self.stop.wait_for(|stopping| *stopping) => {
                     tracing::info!(
                         "reclaimer: stopped with a reclaim call in flight; it may still settle \
                          leases, which only the store's journal (reclaim entries) will show"
                     );
-                    return Err(stopped);
+                    return Err(Stopped);
                 }
             };
             let next = match answer {
@@ -451,7 +459,11 @@ impl Task {
                     self.hold_after_failure();
                     // The store may be slow for other reasons, but a batch
                     // too long for one call would otherwise never settle.
-                    self.batch = (self.batch / 2).max(1);
+                    // A probe settles nothing, so its timeout says nothing
+                    // of the batch.
+                    if !probe {
+                        self.batch = (self.batch / 2).max(1);
+                    }
                     tracing::warn!(
                         timeout = ?limit,
                         next_batch = self.batch,
