@@ -16,8 +16,8 @@ use support::stores::{TestStore, store_tests};
 use tollgate::store::PostgresStore;
 use tollgate::store::{
     AccountSpec, AdminError, AllocateError, Allocation, BlockedLease, GrantPolicy, IngestOutcome,
-    KeyHash, LeaseAllocator, MemoryStore, RefillSchedule, RejectReason, SnapshotCursor,
-    TailSharing,
+    KeyHash, LeaseAllocator, MemoryStore, ReclaimBatch, RefillSchedule, RejectReason,
+    SnapshotCursor, TailSharing,
 };
 use tollgate::{
     AccountId, AccountStatus, BalanceExhaustion, BalanceShortfall, CostUnits, EnforcementMode,
@@ -586,6 +586,17 @@ async fn reclaim_waits_for_the_grace_and_credits_the_remainder_net_of_usage<S: T
     let early = store.reclaim_expired_batch(just_before, 10).await.unwrap();
     assert!(early.reclaimed.is_empty());
     assert!(!early.more);
+    // A limit of zero settles nothing and says whether anything is due.
+    let none_due = store.reclaim_expired_batch(just_before, 0).await.unwrap();
+    assert_eq!(none_due, ReclaimBatch::default());
+    let one_due = store.reclaim_expired_batch(at(40), 0).await.unwrap();
+    assert_eq!(
+        one_due,
+        ReclaimBatch {
+            more: true,
+            ..ReclaimBatch::default()
+        }
+    );
     let batch = store.reclaim_expired_batch(at(40), 10).await.unwrap();
     assert_eq!(batch.reclaimed.len(), 1);
     assert_eq!(batch.reclaimed[0].lease_id, a.grant.lease_id);

@@ -143,7 +143,9 @@ pub trait LeaseAllocator: Send + Sync {
     /// usage. Safe to run from many processes at once: each lease is settled
     /// once. A lease whose credit would overflow its account's balance is
     /// passed over and reported in [`ReclaimBatch::blocked`], so one account
-    /// never holds up the others (I19).
+    /// never holds up the others (I19). A `limit` of zero settles nothing;
+    /// `more` then says whether any lease is due (so a caller paging on
+    /// `more` must ask for at least one).
     async fn reclaim_expired_batch(
         &self,
         now: Timestamp,
