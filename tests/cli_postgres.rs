@@ -554,6 +554,69 @@ async fn usage_is_listed_by_window_reclaim_settles_expired_leases_and_audit_catc
     assert!(audit.stdout.contains(&id), "{}", audit.stdout);
 }
 
+/// A store may end a page early when a lease it selected turned out
+/// blocked (two leases of one account each fit its balance alone, not
+/// together); the reclaimer's next pass goes on, and so does the command,
+/// which has no next pass: it asks again while pages settle anything, so
+/// a lease of another account due after them is settled too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reclaim_goes_on_past_a_page_that_ended_early_on_a_blocked_lease() {
+    let Some(cli) = Cli::new("cli_reclaim_blocked") else {
+        return;
+    };
+    cli.run(&["migrate"]).ok();
+    let top = u64::try_from(i64::MAX).unwrap();
+    let full = account_of(
+        &cli.run(&[
+            "account",
+            "create",
+            "--balance",
+            &(top - 210).to_string(),
+            "--mode",
+            "strict",
+        ])
+        .ok(),
+    );
+    let other = account_of(
+        &cli.run(&["account", "create", "--balance", "1000", "--mode", "strict"])
+            .ok(),
+    );
+    let store = cli.store().await;
+    let long_ago = |second: i64| Timestamp::from_second(1_700_000_000 + second).unwrap();
+    let ttl = SignedDuration::from_secs(30);
+    for (account, second) in [(full, 0), (full, 1), (other, 2)] {
+        store
+            .acquire(account, CostUnits(100), ttl, long_ago(second))
+            .await
+            .unwrap();
+    }
+    // 100 units of room below the top: one of its two leases comes back.
+    cli.run(&[
+        "balance",
+        "top-up",
+        &full.to_string(),
+        "300",
+        "--idempotency-key",
+        "near-the-top",
+        "--reason",
+        "test",
+    ])
+    .ok();
+    let reclaimed = cli
+        .run(&["reclaim", "--reclaim-grace", "10s", "--batch", "2"])
+        .ok();
+    assert!(
+        reclaimed.contains("2 leases reclaimed, 200 units credited"),
+        "the first lease of each account: {reclaimed}"
+    );
+    assert!(reclaimed.contains("1 leases blocked"), "{reclaimed}");
+    assert!(
+        cli.run(&["account", "show", &other.to_string()])
+            .ok()
+            .contains("balance=1000 leased=0")
+    );
+}
+
 #[test]
 fn settings_come_from_a_file_then_the_environment_then_flags() {
     let Some(cli) = Cli::new("cli_settings") else {

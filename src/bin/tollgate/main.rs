@@ -1,9 +1,12 @@
 //! `tollgate`: the operator's command for a PostgreSQL-backed deployment.
 //!
 //! Accounts, balances, refills, keys, usage, reclaim and the ledger audit,
-//! against the same database the gateway instances share. Every command
-//! that changes something is one transaction: it happens entirely or not
-//! at all. Run `tollgate --help` for the commands.
+//! against the same database the gateway instances share. Every change a
+//! command makes is one transaction: it happens entirely or not at all.
+//! `reclaim` settles a transaction per page and, should a page fail, says
+//! what the pages before it settled; a command that reads back what it
+//! changed says so if the read fails. Run `tollgate --help` for the
+//! commands.
 //!
 //! Configuration is layered, later layers winning: the file named by
 //! `--config` (or `TOLLGATE_CONFIG`, default `tollgate.toml` when it
@@ -267,6 +270,13 @@ macro_rules! say {
     };
 }
 
+/// Writes a line to stderr. A failure to write it is ignored: there is
+/// nowhere left to report it, and the exit code still tells.
+fn complain(line: std::fmt::Arguments<'_>) {
+    let mut err = std::io::stderr().lock();
+    let _ = err.write_fmt(line).and_then(|()| err.write_all(b"\n"));
+}
+
 fn emit(line: std::fmt::Arguments<'_>) -> Result<(), Failure> {
     let mut out = std::io::stdout().lock();
     out.write_fmt(line)
@@ -291,14 +301,16 @@ fn main() -> ExitCode {
     {
         Ok(runtime) => runtime,
         Err(error) => {
-            eprintln!("tollgate: error: cannot start the async runtime: {error}");
+            complain(format_args!(
+                "tollgate: error: cannot start the async runtime: {error}"
+            ));
             return ExitCode::FAILURE;
         }
     };
     match runtime.block_on(run(cli)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(Failure::Error(message)) => {
-            eprintln!("tollgate: error: {message}");
+            complain(format_args!("tollgate: error: {message}"));
             ExitCode::FAILURE
         }
         Err(Failure::Finding) => ExitCode::from(3),
@@ -469,10 +481,10 @@ async fn key(store: &PostgresStore, command: KeyCommand, now: Timestamp) -> Resu
             // The id first: should the key fail to reach stdout (a closed
             // pipe, a full disk), the operator still knows which key to
             // revoke, and the failure is an error, not a panic.
-            eprintln!(
+            complain(format_args!(
                 "{} for {account}, permissions {permissions}: shown once, store it now",
                 issued.key_id
-            );
+            ));
             let mut out = std::io::stdout().lock();
             writeln!(out, "{}", issued.key.expose())
                 .and_then(|()| out.flush())
@@ -512,7 +524,9 @@ async fn refill(
                 interval: every,
             };
             store.configure_refill(account, Some(schedule), now).await?;
-            let view = store.account(account, now).await?;
+            let view = store.account(account, now).await.map_err(|error| {
+                format!("{account}: the refill is set, but reading it back failed: {error}")
+            })?;
             say!("{}", render::account(&view));
         }
         RefillCommand::Clear { account } => {
@@ -529,7 +543,17 @@ async fn reclaim(store: &PostgresStore, batch: usize, now: Timestamp) -> Result<
     // Every page reports the blocked leases again; name each once.
     let mut blocked = std::collections::BTreeSet::new();
     loop {
-        let page = store.reclaim_expired_batch(now, batch).await?;
+        let page = match store.reclaim_expired_batch(now, batch).await {
+            Ok(page) => page,
+            // The pages before it are settled: say so with the error.
+            Err(error) if settled > 0 => {
+                return Err(Failure::Error(format!(
+                    "{settled} leases reclaimed ({credited} units credited) before a page \
+                     failed: {error}"
+                )));
+            }
+            Err(error) => return Err(error.into()),
+        };
         for lease in &page.reclaimed {
             say!(
                 "reclaimed {} of {}: {} units credited",
@@ -550,7 +574,10 @@ async fn reclaim(store: &PostgresStore, batch: usize, now: Timestamp) -> Result<
             }
         }
         settled += page.reclaimed.len();
-        if !page.more {
+        // A store may end a page early when a lease it selected turned out
+        // blocked, leaving the next pass to go on; this command has no next
+        // pass, so it asks again while pages settle anything.
+        if !page.more && page.reclaimed.is_empty() {
             break;
         }
     }
