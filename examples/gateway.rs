@@ -217,11 +217,13 @@ impl Backend {
             return Ok(Self::Memory(Arc::new(MemoryStore::new(grant_policy())?)));
         }
         if !args.store.starts_with("postgres://") && !args.store.starts_with("postgresql://") {
-            return Err(format!(
-                "--store takes `memory` or a postgres:// URL, not {:?}",
-                args.store
-            )
-            .into());
+            // A URL is named by its scheme only: a mistyped one may carry a
+            // password.
+            let given = match args.store.split_once(':') {
+                Some((scheme, _)) => format!("a {scheme}: URL"),
+                None => format!("{:?}", args.store),
+            };
+            return Err(format!("--store takes `memory` or a postgres:// URL, not {given}").into());
         }
         Self::postgres(args).await
     }
