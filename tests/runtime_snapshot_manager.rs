@@ -98,6 +98,9 @@ enum Page {
         next: u64,
         complete: bool,
     },
+    /// That page, after which the directory changes: a change that lands
+    /// between two pages of one enumeration.
+    ThenSet(Box<Page>, Box<PrincipalSnapshot>),
     Fail,
     Hang,
 }
@@ -239,12 +242,17 @@ impl SnapshotSource for ScriptedSource {
             limit,
             at: seconds_since_start(now),
         });
-        let answer = lock(&self.pages).pop_front().unwrap_or(Page::Of {
+        let mut answer = lock(&self.pages).pop_front().unwrap_or(Page::Of {
             principals: Vec::new(),
             next: since.0,
             complete: true,
         });
-        match answer {
+        let mut then = None;
+        if let Page::ThenSet(page, snapshot) = answer {
+            answer = *page;
+            then = Some(*snapshot);
+        }
+        let answer = match answer {
             Page::Of {
                 principals,
                 next,
@@ -259,7 +267,12 @@ impl SnapshotSource for ScriptedSource {
             }
             Page::Fail => Err(StoreError::new("scripted outage")),
             Page::Hang => std::future::pending().await,
+            Page::ThenSet(..) => unreachable!("one change per page"),
+        };
+        if let Some(snapshot) = then {
+            self.set(snapshot);
         }
+        answer
     }
 
     async fn lookup_key(
@@ -713,6 +726,62 @@ async fn a_restriction_is_published_with_its_page_while_the_enumeration_goes_on(
         DenyReason::LeaseUnavailable,
         "the batch goes out when the page fails"
     );
+}
+
+/// I34: a principal that changes during an enumeration can appear in two
+/// of its pages: first with a change held for the batch, then (at a later
+/// revision) with a restriction published at once. The held snapshot is
+/// superseded, not the source going back: the refresh succeeds and vouches
+/// for the map, and the restriction stands.
+#[tokio::test(start_paused = true)]
+async fn a_held_snapshot_superseded_by_a_restriction_in_the_same_enumeration_is_not_a_regression() {
+    let source = ScriptedSource::new([active(1, ALPHA), active(2, ALPHA)]);
+    source.plan_pages([Page::Of {
+        principals: vec![1, 2],
+        next: 2,
+        complete: true,
+    }]);
+    let h = Harness::new(
+        source.clone(),
+        PrincipalSelection::All {
+            page_size: PAGE_SIZE,
+        },
+    );
+    settle().await;
+    assert_eq!(h.verdict(p(1)), DenyReason::LeaseUnavailable);
+    // Principal 1 gains a permission (revision 2, held for the batch), and
+    // its key is revoked (revision 3) as the first page is read.
+    source.set(PrincipalSnapshot {
+        policy_revision: PolicyRevision(2),
+        ..active(1, ALPHA)
+    });
+    source.plan_pages([
+        Page::ThenSet(
+            Box::new(Page::Of {
+                principals: vec![1],
+                next: 3,
+                complete: false,
+            }),
+            Box::new(PrincipalSnapshot {
+                key_status: KeyStatus::Revoked,
+                policy_revision: PolicyRevision(3),
+                ..active(1, ALPHA)
+            }),
+        ),
+        Page::Of {
+            principals: vec![1],
+            next: 4,
+            complete: true,
+        },
+    ]);
+    h.run_for(10).await;
+    assert_eq!(h.verdict(p(1)), DenyReason::KeyRevoked);
+    assert_eq!(
+        h.map.get(p(1)).map(|snapshot| snapshot.policy_revision),
+        Some(PolicyRevision(3))
+    );
+    let stats = h.manager.stats();
+    assert_eq!((stats.refreshes, stats.failures), (2, 0), "{stats:?}");
 }
 
 /// I24: an enumeration confirms the published snapshots only when it

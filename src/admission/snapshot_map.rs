@@ -867,8 +867,9 @@ impl ArcSwapSnapshotMap {
     }
 
     fn lock_writer(&self) -> MutexGuard<'_, Writer> {
-        // The writer's bookkeeping is rebuilt on every publish; a panic
-        // mid-update leaves nothing requests read inconsistent.
+        // Nothing under the lock panics but an allocation failure, which
+        // aborts; a poisoned lock could only come from a bug, and failing
+        // every later publish for it would stop policy updates for good.
         self.writer.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }

@@ -102,7 +102,9 @@ use tokio::time::{Instant, sleep_until, timeout};
 
 use super::after;
 use crate::admission::ArcSwapSnapshotMap;
-use crate::model::{AccountId, AccountStatus, CostUnits, KeyStatus, Principal, PrincipalSnapshot};
+use crate::model::{
+    AccountId, AccountStatus, CostUnits, KeyStatus, PolicyRevision, Principal, PrincipalSnapshot,
+};
 use crate::store::{Clock, SnapshotCursor, SnapshotSource, StoreError};
 
 /// Which principals the snapshot manager keeps loaded.
@@ -796,6 +798,7 @@ impl Task {
             trusted_from_the_ask(&mut page.snapshots, now);
             let (restricting, rest) = split_restrictions(&self.map, page.snapshots);
             if !restricting.is_empty() {
+                drop_superseded(&mut unpublished, &restricting);
                 self.publish(restricting);
             }
             unpublished.extend(rest);
@@ -1270,6 +1273,26 @@ fn trusted_from_the_ask(snapshots: &mut [PrincipalSnapshot], asked_at: Timestamp
             "snapshot manager: snapshots stamped after the ask are trusted from the ask"
         );
     }
+}
+
+/// Drops the held snapshots that `restricting`, published ahead of them in
+/// the same enumeration, supersedes: a principal that changed between two
+/// pages is read in both, and publishing its older snapshot after the newer
+/// one would be refused as the source going back (I34), failing a refresh
+/// that read nothing wrong.
+fn drop_superseded(held: &mut Vec<PrincipalSnapshot>, restricting: &[PrincipalSnapshot]) {
+    let mut newest: HashMap<Principal, PolicyRevision> = HashMap::new();
+    for snapshot in restricting {
+        let revision = newest
+            .entry(snapshot.principal)
+            .or_insert(snapshot.policy_revision);
+        *revision = (*revision).max(snapshot.policy_revision);
+    }
+    held.retain(|snapshot| {
+        newest
+            .get(&snapshot.principal)
+            .is_none_or(|&newer| snapshot.policy_revision > newer)
+    });
 }
 
 /// Splits `snapshots` into those that take away something `map` now

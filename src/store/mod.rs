@@ -188,6 +188,12 @@ pub trait SnapshotSource: Send + Sync {
     /// Principals whose policy changed after `since`, oldest change first,
     /// at most `limit` of them. Start from [`SnapshotCursor::START`]; pass
     /// each page's `next` to the following call.
+    ///
+    /// A principal, once reported, is never left out of later pages by
+    /// deletion: taking it away is a change like any other (a revoked key
+    /// or a suspended account at a new revision). A page cannot report a
+    /// principal that is gone, so a runtime enumerating every principal
+    /// would keep serving the last snapshot it read of one.
     async fn changed_since(
         &self,
         since: SnapshotCursor,
