@@ -1644,13 +1644,16 @@ async fn a_release_answered_during_the_backoff_puts_the_acquire_cadence_back() {
     drop(second);
 }
 
-/// The same for a fold's answer: a lease that refused a quote is folded
-/// while acquires back off, and the fold's answer puts the cadence back.
+/// A fold is a grant call too: while acquires back off it waits, the lease
+/// serving what it can, and is made when the wait is over. Its answer then
+/// puts the cadence back, so a later miss is retried at the next poll, not
+/// after the four polls a fourth miss in a row would wait.
 #[tokio::test(start_paused = true)]
-async fn a_fold_answered_during_the_backoff_puts_the_acquire_cadence_back() {
+async fn a_fold_waits_out_the_backoff_and_its_answer_puts_the_cadence_back() {
     let allocator = Scripted::new();
     allocator.plan_acquires([
         Reply::Grant(TARGET),
+        Reply::Refuse(storage_error()),
         Reply::Refuse(storage_error()),
         Reply::Refuse(storage_error()),
         Reply::Refuse(storage_error()),
@@ -1662,13 +1665,17 @@ async fn a_fold_answered_during_the_backoff_puts_the_acquire_cadence_back() {
     h.allocator.calls_reach(4).await;
     settle().await;
     sleep(POLL / 2).await;
-    // 15 left: a quote of 20 is refused, recorded, and folded.
+    // 15 left: a quote of 20 is refused and recorded; the fold waits.
     h.refused(20);
+    settle().await;
+    assert_eq!(h.allocator.calls().len(), 4, "no fold during the backoff");
+    assert_eq!(h.serving(), Some((1, 15)), "the lease keeps serving");
     h.allocator.calls_reach(5).await;
     settle().await;
     assert_eq!(h.serving(), Some((2, LOW_WATER)));
+    // Its first debit rings: an acquire, missed, is retried a poll later.
     h.spend(1);
-    h.allocator.calls_reach(6).await;
+    h.allocator.calls_reach(7).await;
     settle().await;
     let calls = h.allocator.timed_calls();
     assert_eq!(
@@ -1688,15 +1695,23 @@ async fn a_fold_answered_during_the_backoff_puts_the_acquire_cadence_back() {
                 needed: 20,
             },
             acquire(),
+            acquire(),
         ]
     );
     let (missed_last, _) = calls[3];
     let (folded_at, _) = calls[4];
-    let (acquired_at, _) = calls[5];
-    assert_eq!(folded_at, missed_last + POLL / 2, "folded when rung");
+    let (missed_again, _) = calls[5];
+    let (retried_at, _) = calls[6];
     assert_eq!(
-        acquired_at, folded_at,
-        "the fold's answer ended the wait of two polls: rung, acquired"
+        folded_at,
+        missed_last + POLL * 2,
+        "folded when the wait of two polls was over"
+    );
+    assert_eq!(missed_again, folded_at, "rung, acquired");
+    assert_eq!(
+        retried_at,
+        missed_again + POLL,
+        "the fold's answer put the cadence back"
     );
     assert_eq!(h.serving(), Some((3, TARGET)));
 }

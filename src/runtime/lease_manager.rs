@@ -1614,6 +1614,17 @@ impl Task {
     /// Folds the serving lease, which refused a quote, into one grant large
     /// enough for that quote.
     async fn consolidate(&mut self) -> Result<(), Stopped> {
+        // A fold is a grant call too, and one cut off may have granted a
+        // lease nobody holds: while grant calls back off (I22), the lease
+        // keeps serving what it can, its refusal recorded for the fold
+        // when the wait is over. (Folded and cut off, it would be parked,
+        // leaving the slot empty for the rest of the slow spell.)
+        if self
+            .acquire_after
+            .is_some_and(|after| Instant::now() < after)
+        {
+            return Ok(());
+        }
         // A lease a request holds is found busy where it serves: taken out
         // of the slot to find that out, it would leave the slot empty, and
         // the account's requests denied, for a moment.
