@@ -1716,6 +1716,39 @@ async fn a_fold_waits_out_the_backoff_and_its_answer_puts_the_cadence_back() {
     assert_eq!(h.serving(), Some((3, TARGET)));
 }
 
+/// I27: a quote refused by a lease whose window is about to close is
+/// chased by its replacement, not forgotten with it: the replacement is
+/// asked for enough to fund it, so the client's retry is admitted instead
+/// of being refused again and folded.
+#[tokio::test(start_paused = true)]
+async fn a_quote_refused_as_the_window_closes_is_chased_by_the_replacement() {
+    let allocator = Scripted::new();
+    // The replacement made at the poll at 50 s, within a poll and a call
+    // of the window's close at 55 s, goes unanswered, so lease 1 still
+    // serves when the quote comes.
+    allocator.plan_acquires([
+        Reply::Grant(TARGET),
+        Reply::Refuse(storage_error()),
+        Reply::Grant(150),
+    ]);
+    let h = Harness::started(allocator).await;
+    for _ in 0..51 {
+        h.clock.advance(SignedDuration::from_secs(1));
+        tokio::time::advance(secs(1)).await;
+        settle().await;
+    }
+    assert_eq!(h.allocator.calls(), [acquire(), acquire()]);
+    assert_eq!(h.serving(), Some((1, 100)), "still serving, 4 s to go");
+    h.refused(150);
+    h.allocator.calls_reach(3).await;
+    settle().await;
+    assert_eq!(
+        h.allocator.calls(),
+        [acquire(), acquire(), Call::Acquire { requested: 150 },]
+    );
+    assert_eq!(h.serving(), Some((2, 150)), "the retry is funded");
+}
+
 /// A backoff whose wait is over while no lease is wanted (here the lease
 /// went back above its mark as a reservation was released) is no reason
 /// to wake: the task sleeps until the next poll instead of spinning on a

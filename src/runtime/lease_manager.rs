@@ -1105,6 +1105,9 @@ struct Stopped(Instant);
 enum Step {
     Idle,
     Acquire,
+    /// Replace a lease whose window is about to close with one large
+    /// enough for the quote it refused.
+    Chase(CostUnits),
     Consolidate,
 }
 
@@ -1256,6 +1259,7 @@ impl Task {
         match self.next_step() {
             Step::Idle => Ok(()),
             Step::Acquire => self.acquire().await,
+            Step::Chase(needed) => self.chase(needed).await,
             Step::Consolidate => self.consolidate().await,
         }
     }
@@ -1271,7 +1275,13 @@ impl Task {
             } else if lease.usable_until().duration_since(now) <= self.config.replacement_lead() {
                 // Expiry rings no doorbell. A lease whose window closes
                 // before the next inspection could have a replacement in
-                // place is replaced now, while it still serves (I28).
+                // place is replaced now, while it still serves (I28); by
+                // one large enough for a quote it refused, since folding it
+                // would only replace it again as its window closes (I27).
+                let needed = lease.largest_refused_quote();
+                if !needed.is_zero() {
+                    return Step::Chase(needed);
+                }
                 Some(RefillVerdict::Draining)
             } else {
                 Some(lease.refill_due_or_rearm())
@@ -1588,6 +1598,21 @@ impl Task {
             chase,
             draining,
         }
+    }
+
+    /// Replaces a lease whose window is about to close and which refused a
+    /// quote of `needed`: chased as a deferred fold's quote is, unless the
+    /// allocator's evidence rules it out or a replacement already fell
+    /// short of it.
+    async fn chase(&mut self, needed: CostUnits) -> Result<(), Stopped> {
+        let evidence = self.slot.funding_evidence(self.clock.now());
+        let might_fund = evidence.is_none_or(|evidence| !evidence.rules_out(needed));
+        self.rotate_for(DeferredFold {
+            needed,
+            chase: !self.rotation_fell_short && might_fund,
+            draining: true,
+        })
+        .await
     }
 
     /// Acts on a deferred fold: chases its quote with a replacement, or
