@@ -1749,6 +1749,58 @@ async fn a_quote_refused_as_the_window_closes_is_chased_by_the_replacement() {
     assert_eq!(h.serving(), Some((2, 150)), "the retry is funded");
 }
 
+/// I11: an account refused for an exhausted balance is told to retry at
+/// the period end, when the refill brings more. With no lease, nothing
+/// rings for it, so the manager wakes then and acquires, rather than leave
+/// the account refused (and the instance unready) until the next poll.
+#[tokio::test(start_paused = true)]
+async fn an_exhausted_account_is_funded_again_at_its_period_end_not_the_next_poll() {
+    let period_end = start() + SignedDuration::from_secs(25);
+    let exhausted = || {
+        Reply::Refuse(AllocateError::BalanceExhausted(BalanceExhaustion {
+            period_end: Some(period_end),
+        }))
+    };
+    let allocator = Scripted::new();
+    allocator.plan_acquires([exhausted(), exhausted(), exhausted()]);
+    let h = Harness::started(allocator).await;
+    assert_eq!(h.serving(), None);
+    for _ in 0..26 {
+        h.clock.advance(SignedDuration::from_secs(1));
+        tokio::time::advance(secs(1)).await;
+        settle().await;
+    }
+    let at: Vec<Duration> = h
+        .allocator
+        .timed_calls()
+        .iter()
+        .map(|(at, _)| *at)
+        .collect();
+    assert_eq!(at, [0, 10, 20, 25].map(secs).to_vec());
+    assert_eq!(h.serving(), Some((1, 100)));
+    assert!(h.ready());
+}
+
+/// The period end's wake-up comes once: with a clock that stands still a
+/// millisecond before it, the manager does not wake (and ask the store)
+/// every millisecond, but at the period end once and then at each poll.
+#[tokio::test(start_paused = true)]
+async fn a_clock_that_reads_behind_does_not_turn_the_refill_wake_up_into_a_loop() {
+    let period_end = start() + SignedDuration::from_millis(1);
+    let allocator = Scripted::new();
+    allocator.plan_acquires(std::iter::repeat_n(
+        Reply::Refuse(AllocateError::BalanceExhausted(BalanceExhaustion {
+            period_end: Some(period_end),
+        })),
+        64,
+    ));
+    let h = Harness::started(allocator).await;
+    sleep(secs(60)).await;
+    let acquires = h.allocator.calls().len();
+    // The cold start, the wake-up, and a poll every 10 s after it.
+    assert_eq!(acquires, 1 + 1 + 5, "{:?}", h.allocator.timed_calls());
+}
+
 /// A backoff whose wait is over while no lease is wanted (here the lease
 /// went back above its mark as a reservation was released) is no reason
 /// to wake: the task sleeps until the next poll instead of spinning on a

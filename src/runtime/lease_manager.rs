@@ -124,7 +124,7 @@ use std::task::Poll;
 use std::time::Duration;
 
 use atomic_waker::AtomicWaker;
-use jiff::SignedDuration;
+use jiff::{SignedDuration, Timestamp};
 use tokio::sync::watch;
 use tokio::task::{JoinError, JoinHandle};
 use tokio::time::{Instant, sleep_until, timeout_at};
@@ -567,6 +567,7 @@ impl LeaseManager {
             unanswered_acquires: 0,
             acquire_after: None,
             early_wakes: EarlyWakes::default(),
+            refill_woken: None,
         };
         let span = tracing::info_span!("lease_manager", account = %config.account);
         Ok(Self {
@@ -1062,6 +1063,9 @@ struct Task {
     /// The wake-ups before the next poll already spent on the serving lease
     /// (see [`Task::early_wake`]).
     early_wakes: EarlyWakes,
+    /// The period end the last refill wake-up came for: each comes once,
+    /// so a clock that reads behind cannot turn it into a loop.
+    refill_woken: Option<Timestamp>,
 }
 
 /// Which of its early wake-ups a lease has had: each at most once, so a
@@ -1182,7 +1186,11 @@ impl Task {
                 .acquire_after
                 .filter(|at| *at > Instant::now())
                 .unwrap_or(next_poll);
-            let wake = early.map_or(next_poll, |(at, _)| at).min(backoff_ends);
+            let refill = self.refill_wake();
+            let wake = early
+                .map_or(next_poll, |(at, _)| at)
+                .min(backoff_ends)
+                .min(refill.map_or(next_poll, |(at, _)| at));
             tokio::select! {
                 biased;
                 deadline = stop_requested(&mut self.stop) => return Stopped(deadline),
@@ -1194,6 +1202,11 @@ impl Task {
                         && at <= wake
                     {
                         self.early_wakes.spend(kind);
+                    }
+                    if let Some((at, period_end)) = refill
+                        && at <= wake
+                    {
+                        self.refill_woken = Some(period_end);
                     }
                 }
             }
@@ -1242,6 +1255,30 @@ impl Task {
             return None;
         };
         Some((after(Instant::now(), wait), kind))
+    }
+
+    /// When an account without a lease may be funded again: the period
+    /// end its evidence names, by when the refill brings more than is left
+    /// (I11). Clients are told to retry then, and an empty slot rings no
+    /// doorbell: without this wake-up they would be refused, and readiness
+    /// withdrawn, from then until the next poll. Awaited for the clock's
+    /// staleness bound past it, as a lease's close is, and once per period
+    /// end.
+    fn refill_wake(&self) -> Option<(Instant, Timestamp)> {
+        if self.slot.with_lease(|lease| lease.is_some()) {
+            return None;
+        }
+        let now = self.clock.now();
+        let period_end = self.slot.funding_evidence(now)?.period_end?;
+        if self.refill_woken == Some(period_end) {
+            return None;
+        }
+        let left = Duration::try_from(period_end.duration_since(now)).ok()?;
+        let at = after(
+            Instant::now(),
+            left.saturating_add(self.clock.staleness_bound()),
+        );
+        Some((at, period_end))
     }
 
     async fn inspect(&mut self) -> Result<(), Stopped> {
