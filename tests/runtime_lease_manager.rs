@@ -575,14 +575,15 @@ async fn an_expired_lease_is_parked_with_the_evidence_withdrawn() {
 /// that evidence is published again with the lease.
 #[tokio::test(start_paused = true)]
 async fn a_fold_refused_without_evidence_puts_the_withdrawn_evidence_back() {
-    let allocator = Scripted::new();
-    allocator.plan_consolidations([Reply::Refuse(AllocateError::AccountInactive)]);
-    let h = Harness::started(allocator).await;
     let shown = BalanceShortfall {
         remaining: CostUnits(500),
         period_end: None,
     };
-    h.slot.publish_funding(Some(shown));
+    let allocator = Scripted::new();
+    allocator.plan_acquires([Reply::GrantShort(TARGET, shown)]);
+    allocator.plan_consolidations([Reply::Refuse(AllocateError::AccountInactive)]);
+    let h = Harness::started(allocator).await;
+    assert_eq!(h.slot.funding_evidence(h.now()), Some(shown));
     h.spend(70);
     h.refused(50);
     h.allocator.calls_reach(2).await;
@@ -724,14 +725,18 @@ async fn a_refused_quote_folds_the_unspent_units_into_one_grant_large_enough_for
 /// account.
 #[tokio::test(start_paused = true)]
 async fn a_waiting_consolidation_still_replaces_a_draining_lease() {
-    let h = Harness::started(Scripted::new()).await;
     // Ten units beyond the lease: the lease and the balance together could
     // fund the quote, the balance alone cannot, so it is kept but not
     // chased.
-    h.slot.publish_funding(Some(BalanceShortfall {
-        remaining: CostUnits(10),
-        period_end: None,
-    }));
+    let allocator = Scripted::new();
+    allocator.plan_acquires([Reply::GrantShort(
+        TARGET,
+        BalanceShortfall {
+            remaining: CostUnits(10),
+            period_end: None,
+        },
+    )]);
+    let h = Harness::started(allocator).await;
     let held = h.reserve(10);
     h.refused(95);
     settle().await;
@@ -858,11 +863,15 @@ async fn a_rotation_that_falls_short_of_the_quote_is_not_repeated() {
 /// lease's first quiet moment.
 #[tokio::test(start_paused = true)]
 async fn a_quote_the_lease_and_the_balance_fund_together_waits_for_a_fold() {
-    let h = Harness::started(Scripted::new()).await;
-    h.slot.publish_funding(Some(BalanceShortfall {
-        remaining: CostUnits(30),
-        period_end: None,
-    }));
+    let allocator = Scripted::new();
+    allocator.plan_acquires([Reply::GrantShort(
+        TARGET,
+        BalanceShortfall {
+            remaining: CostUnits(30),
+            period_end: None,
+        },
+    )]);
+    let h = Harness::started(allocator).await;
     h.spend(40);
     let busy = h.reserve(10);
     h.refused(70);
@@ -1075,11 +1084,20 @@ async fn a_refused_fold_of_a_draining_lease_is_followed_by_a_plain_replacement()
     assert_eq!(h.serving(), Some((2, 40)));
     assert_eq!(
         h.slot.funding_evidence(h.now()),
-        Some(tail),
-        "the newest word on the account's funds"
+        None,
+        "withheld while lease 1 is parked with 15 units the balance lacks"
     );
     h.allocator.calls_reach(4).await;
+    settle().await;
     assert_eq!(h.allocator.calls()[3], release(1, 15));
+    assert_eq!(
+        h.slot.funding_evidence(h.now()),
+        Some(BalanceShortfall {
+            remaining: CostUnits(15),
+            ..tail
+        }),
+        "the newest word on the account's funds, with lease 1's units back"
+    );
 }
 
 /// A consolidation that may have committed: the old lease must not serve
@@ -2748,7 +2766,11 @@ async fn on_a_memory_store_the_tail_of_a_balance_is_regranted_and_its_evidence_p
     assert_eq!(serve_request(&store, &slot, 1, 80).await, Some(80));
     settle().await;
     assert_eq!(serving_units(), Some(50), "the tail grant is what is left");
-    assert_eq!(slot.funding_evidence(start()), nothing_left);
+    assert_eq!(
+        slot.funding_evidence(start()),
+        None,
+        "withheld while lease 1 is parked with 20 units"
+    );
 
     assert_eq!(serve_request(&store, &slot, 2, 50).await, Some(50));
     settle().await;
@@ -2782,11 +2804,13 @@ async fn on_a_memory_store_the_tail_of_a_balance_is_regranted_and_its_evidence_p
     assert_eq!(view.settled_unbilled, CostUnits::ZERO);
 }
 
-/// I26, I23: a release returns its unspent units to the balance the
-/// published evidence describes, so the evidence grows by them. Left as it
-/// was, it would rule out a quote the account can fund again (402, never
-/// retry) until the next grant call, which an idle serving lease does not
-/// make.
+/// I26, I23: while a lease is parked its units are in neither the balance
+/// the allocator's evidence describes nor the slot, so the evidence is
+/// withheld (requests meanwhile are answered transiently); its release
+/// returns them to the balance, and the evidence is shown again, grown by
+/// them. Shown as it was, it would rule out a quote the account can fund
+/// (402, never retry) until the next grant call, which an idle serving
+/// lease does not make.
 #[tokio::test(start_paused = true)]
 async fn a_release_adds_the_units_it_returns_to_the_published_evidence() {
     let (store, account) = memory_store(150, start());
@@ -2800,10 +2824,13 @@ async fn a_release_adds_the_units_it_returns_to_the_published_evidence() {
             period_end: None,
         })
     };
+    // The tail grant took all that was left (0), but lease 1 is parked
+    // with 20 units: read now, that word would rule out a quote of 60 that
+    // lease 2's 50 and those 20 fund.
     assert_eq!(
         slot.funding_evidence(start()),
-        evidence(0),
-        "the tail grant took all that was left; lease 1 is parked with 20"
+        None,
+        "withheld while lease 1 is parked"
     );
     let serving = slot.load_observed().expect("lease 2 serves");
     let serving_units = serving.remaining();

@@ -10,9 +10,7 @@ use jiff::Timestamp;
 use rustc_hash::FxBuildHasher;
 use tokio::sync::watch;
 
-use crate::model::{
-    AccountId, AccountOverage, BalanceShortfall, CostUnits, LocalLease, LocalSharding,
-};
+use crate::model::{AccountId, AccountOverage, BalanceShortfall, LocalLease, LocalSharding};
 
 /// The one place per account that holds the lease currently serving
 /// requests, with the account's overage counter and the allocator's latest
@@ -137,26 +135,6 @@ impl LeaseSlot {
     #[must_use]
     pub fn published_funding(&self) -> Option<BalanceShortfall> {
         self.evidence.load().as_deref().copied()
-    }
-
-    /// Adds `units` returned to the account's balance (a lease released
-    /// with them unspent) to the published evidence, if any: the balance
-    /// it described now holds that much more. Only the lease manager
-    /// publishes evidence, so this read and write do not race another
-    /// writer.
-    pub fn raise_funding(&self, units: CostUnits) {
-        if units.is_zero() {
-            return;
-        }
-        if let Some(evidence) = self.published_funding() {
-            self.publish_funding(Some(BalanceShortfall {
-                remaining: evidence
-                    .remaining
-                    .checked_add(units)
-                    .unwrap_or(CostUnits::MAX),
-                ..evidence
-            }));
-        }
     }
 
     /// Records whether the allocator answered the lease manager's last

@@ -568,6 +568,7 @@ impl LeaseManager {
             acquire_after: None,
             early_wakes: EarlyWakes::default(),
             refill_woken: None,
+            evidence: None,
         };
         let span = tracing::info_span!("lease_manager", account = %config.account);
         Ok(Self {
@@ -1066,6 +1067,10 @@ struct Task {
     /// The period end the last refill wake-up came for: each comes once,
     /// so a clock that reads behind cannot turn it into a loop.
     refill_woken: Option<Timestamp>,
+    /// The allocator's last word on the account's funds, raised by what
+    /// releases returned since: what the slot shows while it describes
+    /// every unit of this manager's (see [`Task::show_evidence`]).
+    evidence: Option<BalanceShortfall>,
 }
 
 /// Which of its early wake-ups a lease has had: each at most once, so a
@@ -1269,7 +1274,7 @@ impl Task {
             return None;
         }
         let now = self.clock.now();
-        let period_end = self.slot.funding_evidence(now)?.period_end?;
+        let period_end = self.evidence?.in_force(now)?.period_end?;
         if self.refill_woken == Some(period_end) {
             return None;
         }
@@ -1435,7 +1440,8 @@ impl Task {
                     .publish_allocator_reachable(!matches!(error, AllocateError::Storage(_)));
                 counters.grant_refused(&error);
                 if let Some(evidence) = error.evidence() {
-                    self.slot.publish_funding(Some(evidence));
+                    self.evidence = Some(evidence);
+                    self.show_evidence();
                 }
                 self.log_unfunded(&error);
             }
@@ -1523,8 +1529,9 @@ impl Task {
             // The grant left the balance all the same: the evidence says
             // what remains without it (none: at least what was asked for),
             // and its release adds it back.
-            self.slot.publish_funding(allocation.funding);
+            self.evidence = allocation.funding;
             self.park(lease);
+            self.show_evidence();
             return;
         }
         let window = lease.usable_until().duration_since(now);
@@ -1557,7 +1564,8 @@ impl Task {
             // hold it, and is released once they let go (I26).
             self.park(previous);
         }
-        self.slot.publish_funding(allocation.funding);
+        self.evidence = allocation.funding;
+        self.show_evidence();
         tracing::debug!(
             lease = %grant.lease_id,
             units = grant.units.get(),
@@ -1710,7 +1718,7 @@ impl Task {
         let shown = self.slot.published_funding();
         self.slot.publish_funding(None);
         let Some((live, counted)) = self.slot.take_counted() else {
-            self.slot.publish_funding(shown);
+            self.show_evidence();
             return self.acquire().await;
         };
         if !is_quiescent(&live) {
@@ -1718,7 +1726,7 @@ impl Task {
             let now = self.clock.now();
             let deferred = self.defer_fold(&live, shown.and_then(|shown| shown.in_force(now)));
             self.reinstate(live, counted);
-            self.slot.publish_funding(shown);
+            self.show_evidence();
             return self.rotate_for(deferred).await;
         }
         let grant = *live.grant();
@@ -1793,21 +1801,19 @@ impl Task {
             }
         };
         counters.grant_refused(&error);
-        self.after_refused_fold(live, counted, unspent, &error, shown)
+        self.after_refused_fold(live, counted, unspent, &error)
             .await
     }
 
     /// Acts on a refused consolidation of `live`, by what the refusal says
-    /// about the old lease.
-    /// `shown` is the evidence withdrawn for the fold, put back when the
-    /// refusal brings none of its own.
+    /// about the old lease. The evidence withdrawn for the fold is shown
+    /// again, replaced by the refusal's own if it brings any.
     async fn after_refused_fold(
         &mut self,
         live: Arc<LocalLease>,
         counted: u64,
         unspent: CostUnits,
         error: &AllocateError,
-        shown: Option<BalanceShortfall>,
     ) -> Result<(), Stopped> {
         let lease_id = live.grant().lease_id;
         // I27: a refused fold puts the still-active lease back; an ambiguous
@@ -1845,7 +1851,10 @@ impl Task {
                 self.reinstate(live, counted);
                 // A refusal without evidence (a suspended account, say)
                 // changed nothing the withdrawn evidence described.
-                self.slot.publish_funding(evidence.or(shown));
+                if evidence.is_some() {
+                    self.evidence = evidence;
+                }
+                self.show_evidence();
                 if draining {
                     return self.acquire().await;
                 }
@@ -1952,6 +1961,9 @@ impl Task {
             }
         };
         self.parked.extend(unsettled);
+        // With every parked lease released, the evidence describes all of
+        // this manager's units again.
+        self.show_evidence();
         ended
     }
 
@@ -1974,8 +1986,13 @@ impl Task {
                 // now fund would be ruled out (402, never retry) until the
                 // next grant call, which an idle serving lease may not make
                 // for minutes.
-                if lease.grant().account_id == self.slot.account() {
-                    self.slot.raise_funding(released.credited);
+                if lease.grant().account_id == self.slot.account()
+                    && let Some(evidence) = &mut self.evidence
+                {
+                    evidence.remaining = evidence
+                        .remaining
+                        .checked_add(released.credited)
+                        .unwrap_or(CostUnits::MAX);
                 }
                 if released.credited != unspent {
                     // The books disagree: units were counted twice or lost.
@@ -2022,6 +2039,7 @@ impl Task {
                 // request meanwhile is answered transiently, and the next
                 // grant call publishes the store's word again.
                 if lease.grant().account_id == self.slot.account() {
+                    self.evidence = None;
                     self.slot.publish_funding(None);
                 }
                 tracing::debug!(
@@ -2105,6 +2123,22 @@ impl Task {
 
     fn park(&mut self, lease: Arc<LocalLease>) {
         self.parked.push_back(lease);
+    }
+
+    /// Publishes the evidence while it describes every unit of this
+    /// manager's: those of a parked lease are in neither the balance it
+    /// describes nor the slot until the lease is released, so read
+    /// meanwhile it would rule out quotes the account can fund (402, never
+    /// retry). Withheld, a request meanwhile is answered transiently (I23);
+    /// the release pass that empties the parked list shows it again,
+    /// raised by what the releases returned.
+    fn show_evidence(&self) {
+        let shown = if self.parked.is_empty() {
+            self.evidence
+        } else {
+            None
+        };
+        self.slot.publish_funding(shown);
     }
 
     /// Returns what it can until `deadline`, then abandons the rest (I25).
