@@ -1267,13 +1267,19 @@ async fn a_consolidation_refused_as_an_over_claim_faults_and_stops_spending() {
 async fn a_release_credited_with_another_amount_than_claimed_faults() {
     let allocator = Scripted::new();
     allocator.plan_releases(1, [Reply::Credit(25)]);
+    allocator.plan_acquires([
+        Reply::Grant(TARGET),
+        Reply::GrantShort(
+            TARGET,
+            BalanceShortfall {
+                remaining: CostUnits(5),
+                period_end: None,
+            },
+        ),
+    ]);
     let mut h = Harness::started(allocator).await;
     rotate_once(&h, 80).await;
     assert_eq!(h.serving(), Some((2, 100)));
-    h.slot.publish_funding(Some(BalanceShortfall {
-        remaining: CostUnits(5),
-        period_end: None,
-    }));
     sleep(POLL).await;
     settle().await;
     assert!(
@@ -1288,7 +1294,8 @@ async fn a_release_credited_with_another_amount_than_claimed_faults() {
     assert_eq!(
         h.slot.published_funding(),
         None,
-        "no evidence is read against the emptied slot"
+        "no evidence is read against the emptied slot, even once the leases \
+         it held are released"
     );
     assert_eq!(
         h.stats().released_units,

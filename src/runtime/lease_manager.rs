@@ -2094,7 +2094,9 @@ impl Task {
     /// is parked, never dropped: it may well still be ours, and a release
     /// either returns its units or says it is not.
     fn clear_slot_after_fence(&mut self) {
-        // As when an expired lease is parked (see `retire_expired`).
+        // As when an expired lease is parked (see `retire_expired`), and
+        // the books are in doubt: nothing is shown until a grant call.
+        self.evidence = None;
         self.slot.publish_funding(None);
         if let Some(serving) = self.slot.take() {
             self.park(serving);
@@ -2113,7 +2115,9 @@ impl Task {
         // As when an expired lease is parked (see `retire_expired`): and
         // nothing is installed again, so a request meets a transient
         // refusal for the faulted account, not a 402 on evidence that
-        // leaves the parked lease out.
+        // leaves the parked lease out, nor one on evidence shown again once
+        // it is released.
+        self.evidence = None;
         self.slot.publish_funding(None);
         if let Some(serving) = self.slot.take() {
             self.park(serving);
