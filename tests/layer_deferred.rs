@@ -238,3 +238,53 @@ async fn a_marker_on_the_handlers_leaves_unrouted_requests_uncharged() {
         "only the request a handler served paid"
     );
 }
+
+/// I23, fail closed: a commit point on a route no tollgate layer admitted
+/// (here the layer wraps only the routes added before it, as axum's
+/// `Router::layer` does) does not let its handler run unmetered: the
+/// marker and the `Charged` extractor each answer 500 naming the cause,
+/// and the handler never runs.
+#[tokio::test]
+async fn a_commit_point_on_a_route_outside_the_layer_answers_500_and_runs_nothing() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use tower::ServiceExt as _;
+    let ran = Arc::new(AtomicUsize::new(0));
+    let (marked, charged) = (Arc::clone(&ran), Arc::clone(&ran));
+    let app: Router = Router::new()
+        .route(
+            "/marked",
+            get(move || async move {
+                marked.fetch_add(1, Ordering::SeqCst);
+                "ran"
+            })
+            .route_layer(CommitMarkerLayer::new()),
+        )
+        .route(
+            "/charged",
+            post(move |Charged(body): Charged<String>| async move {
+                charged.fetch_add(1, Ordering::SeqCst);
+                body
+            }),
+        );
+    for (method, path) in [("GET", "/marked"), ("POST", "/charged")] {
+        let request = http::Request::builder()
+            .method(method)
+            .uri(path)
+            .body(axum::body::Body::from("input"))
+            .unwrap();
+        let response = app.clone().oneshot(request).await.unwrap();
+        assert_eq!(
+            response.status(),
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "{path}"
+        );
+        let body = axum::body::to_bytes(response.into_body(), 1 << 16)
+            .await
+            .unwrap();
+        assert!(
+            String::from_utf8_lossy(&body).contains("not behind a TollgateLayer"),
+            "{path}"
+        );
+    }
+    assert_eq!(ran.load(Ordering::SeqCst), 0, "no handler ran");
+}

@@ -15,6 +15,7 @@ use tower_service::Service;
 use super::body::{DenyBody, TollgateBody};
 use super::config::Shared;
 use super::future::{commit, render};
+use super::service::Admitted;
 use crate::admission::RequestContext;
 use crate::{DenyReason, RequestId};
 
@@ -192,6 +193,16 @@ where
             .extensions_mut()
             .remove::<PendingCharge>()
             .map(|PendingCharge(cell)| cell);
+        if charge.is_none() && request.extensions().get::<Admitted>().is_none() {
+            // No tollgate layer admitted it (the route is not behind one):
+            // the handler would run unmetered, so it does not run at all.
+            return CommitMarkerFuture {
+                charge: None,
+                state: MarkerState::Denied {
+                    response: Some(not_admitted()),
+                },
+            };
+        }
         CommitMarkerFuture {
             charge,
             state: MarkerState::Inner {
@@ -201,9 +212,27 @@ where
     }
 }
 
+/// What a commit point answers for a request no tollgate layer admitted:
+/// the route is not behind the layer, a server misconfiguration, so 500,
+/// saying which.
+pub(super) fn not_admitted() -> Response<DenyBody> {
+    let mut response = Response::new(DenyBody::new(NOT_ADMITTED));
+    *response.status_mut() = http::StatusCode::INTERNAL_SERVER_ERROR;
+    response.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
+    response
+}
+
+/// Why a route that reads or commits tollgate's admission answers 500.
+pub(super) const NOT_ADMITTED: &str =
+    "this route reads tollgate's admission but is not behind a TollgateLayer";
+
 pin_project! {
     /// The future a [`CommitMarker`] returns: the inner service's, or a
-    /// refused commit's denial.
+    /// refused commit's denial (or, for a request no tollgate layer
+    /// admitted, a 500).
     pub struct CommitMarkerFuture<F> {
         // The request's pending charge, until the first poll commits it.
         charge: Option<Arc<ChargeCell>>,

@@ -8,7 +8,7 @@ use http::StatusCode;
 use http::request::Parts;
 
 use super::body::DenyBody;
-use super::deferred::PendingCharge;
+use super::deferred::{NOT_ADMITTED, PendingCharge};
 use super::service::Admitted;
 
 /// Runs the extractor `T`, then commits the request's deferred charge: the
@@ -22,7 +22,9 @@ use super::service::Admitted;
 /// commit is refused the rejection renders the layer's denial. Without a
 /// pending charge (the layer commits at the hand-over, or a
 /// [`CommitMarkerLayer`](super::CommitMarkerLayer) already committed) it
-/// is `T` alone.
+/// is `T` alone. On a route no tollgate layer admitted it refuses with
+/// [`MissingAdmission`] (500) before `T` runs, so the handler never runs
+/// unmetered.
 ///
 /// ```no_run
 /// use tollgate::layer::Charged;
@@ -37,8 +39,12 @@ pub struct Charged<T>(pub T);
 /// Why a [`Charged`] extractor refused the request.
 #[derive(Debug)]
 pub enum ChargedRejection<R> {
-    /// The inner extractor rejected; nothing was charged.
+    /// The inner extractor rejected. This extractor charged nothing; in
+    /// the default commit mode the layer committed at the hand-over, so
+    /// the request pays all the same.
     Inner(R),
+    /// No tollgate layer admitted the request.
+    NotAdmitted(MissingAdmission),
     /// The inner extractor succeeded but the commit was refused; the
     /// layer's rendered denial.
     Denied(http::Response<DenyBody>),
@@ -48,6 +54,7 @@ impl<R: IntoResponse> IntoResponse for ChargedRejection<R> {
     fn into_response(self) -> Response {
         match self {
             Self::Inner(rejection) => rejection.into_response(),
+            Self::NotAdmitted(missing) => missing.into_response(),
             Self::Denied(denial) => {
                 denial.map(|body| axum::body::Body::from(body.as_bytes().to_vec()))
             }
@@ -64,6 +71,9 @@ where
 
     async fn from_request(request: Request, state: &S) -> Result<Self, Self::Rejection> {
         let pending = request.extensions().get::<PendingCharge>().cloned();
+        if pending.is_none() && request.extensions().get::<Admitted>().is_none() {
+            return Err(ChargedRejection::NotAdmitted(MissingAdmission));
+        }
         let value = T::from_request(request, state)
             .await
             .map_err(ChargedRejection::Inner)?;
@@ -82,7 +92,7 @@ pub struct MissingAdmission;
 
 impl fmt::Display for MissingAdmission {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("this route reads tollgate's admission but is not behind a TollgateLayer")
+        f.write_str(NOT_ADMITTED)
     }
 }
 
