@@ -97,7 +97,7 @@ where
 /// |---|---|---|
 /// | `tollgate_ready`, `tollgate_admitting`, `tollgate_faulted` | gauge 0/1 | |
 /// | `tollgate_accounts` | gauge | |
-/// | `tollgate_admitted_total`, `tollgate_admitted_overage_total`, `tollgate_released_total` (admitted, then released for zero before the handler started) | counter | |
+/// | `tollgate_admitted_total`, `tollgate_admitted_overage_total`, `tollgate_released_total` (admitted, then released for zero: ended before the handler started or, committing in the handler, answered without reaching its commit point) | counter | |
 /// | `tollgate_denied_total` | counter | `code` ([`DenyReason::code`]) |
 /// | `tollgate_writer_{accepted,duplicate,rejected,lost,batches,retries,ingest_timeouts,storage_errors}_total` | counter | |
 /// | `tollgate_writer_queued`, `tollgate_writer_in_flight` | gauge | |
