@@ -446,6 +446,89 @@ async fn an_inner_service_that_fails_its_readiness_answers_with_its_error_unchar
     );
 }
 
+/// An inner service not ready for its first `pending` polls (waking its
+/// caller at once), failed at every poll after.
+#[derive(Clone)]
+struct FailsAfter {
+    pending: usize,
+    polls: Arc<AtomicUsize>,
+}
+
+impl FailsAfter {
+    fn new(pending: usize) -> Self {
+        Self {
+            pending,
+            polls: Arc::default(),
+        }
+    }
+}
+
+impl Service<Request<String>> for FailsAfter {
+    type Response = Response<String>;
+    type Error = &'static str;
+    type Future = std::future::Ready<Result<Response<String>, &'static str>>;
+
+    fn poll_ready(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), &'static str>> {
+        if self.polls.fetch_add(1, Ordering::SeqCst) < self.pending {
+            cx.waker().wake_by_ref();
+            std::task::Poll::Pending
+        } else {
+            std::task::Poll::Ready(Err("the inner service failed"))
+        }
+    }
+
+    fn call(&mut self, _request: Request<String>) -> Self::Future {
+        unreachable!("a failed service is never called")
+    }
+}
+
+/// I4: a request waiting for its inner service, which then fails, gets the
+/// error with its charge released as the error is returned (not when its
+/// future is dropped), and the release counted once. Once the service has
+/// failed at a hand-over, the layer's own readiness answers with the
+/// failure, so the caller drops the service (tower's contract) rather
+/// than admit another request to wait on it.
+#[tokio::test(start_paused = true)]
+async fn a_failed_inner_service_fails_the_layers_readiness_and_a_waiting_request_uncharged() {
+    let w = world(INITIAL).await;
+    let before = w.remaining();
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+
+    // Not ready at the hand-over: the request waits, then gets the error.
+    let mut service = w.layer().layer(FailsAfter::new(1));
+    let mut future = std::pin::pin!(service.call(w.bearer("/read")));
+    match future.as_mut().poll(&mut cx) {
+        std::task::Poll::Ready(Err(error)) => assert_eq!(error, "the inner service failed"),
+        other => panic!("the waiting request gets the error: {:?}", other.is_ready()),
+    }
+    assert_eq!(w.remaining(), before, "I4: released as the error returned");
+    assert_eq!(w.handle.counters().released, 1);
+
+    // Failed at the hand-over: the next poll_ready says so.
+    let mut service = w.layer().layer(FailsAfter::new(0));
+    assert!(
+        service.poll_ready(&mut cx).is_ready(),
+        "ready until it fails"
+    );
+    let failed = std::pin::pin!(service.call(w.bearer("/read")));
+    assert!(matches!(
+        futures_poll_once(failed).await,
+        Some(Err("the inner service failed"))
+    ));
+    assert!(
+        matches!(
+            service.poll_ready(&mut cx),
+            std::task::Poll::Ready(Err("the inner service failed"))
+        ),
+        "the failure is the caller's to see"
+    );
+    assert_eq!(w.remaining(), before);
+    assert_eq!(w.handle.counters().released, 2);
+}
+
 /// Drives `service` through one request on this thread, without yielding
 /// to the runtime: ready, call, and one poll of a response future whose
 /// inner service answers at once.

@@ -1,7 +1,7 @@
 //! The service: admission decided in `call`.
 
 use std::sync::Arc;
-use std::task::{Context, Poll, Waker};
+use std::task::{Context, Poll, Waker, ready};
 
 use http::header::HeaderName;
 use http::{Request, Response};
@@ -54,17 +54,25 @@ pub struct Admitted {
 /// Meters the requests of `S`; built by
 /// [`TollgateLayer`](super::TollgateLayer).
 ///
-/// Always ready; `call` decides admission (see [`poll_ready`](Self::poll_ready)).
-/// Clones share the layer's state and so its leases.
+/// Ready unless its inner service failed; `call` decides admission (see
+/// [`poll_ready`](Self::poll_ready)). Clones share the layer's state and
+/// so its leases.
 #[derive(Clone, Debug)]
 pub struct Tollgate<S> {
     inner: S,
     shared: Arc<Shared>,
+    /// Whether the inner service failed its readiness at the last
+    /// hand-over: until it is ready again, readiness is its to answer.
+    failed: bool,
 }
 
 impl<S> Tollgate<S> {
     pub(super) fn new(inner: S, shared: Arc<Shared>) -> Self {
-        Self { inner, shared }
+        Self {
+            inner,
+            shared,
+            failed: false,
+        }
     }
 
     /// The wrapped service.
@@ -92,12 +100,22 @@ where
     type Error = S::Error;
     type Future = ResponseFuture<S, Request<ReqBody>, S::Future, S::Error>;
 
-    /// Always ready: admission happens in `call`, at the outer edge, so a
-    /// request without funds is refused at once instead of waiting for a
-    /// limit inside the layer. An admitted request that finds the inner
-    /// service not ready waits for it in its [`ResponseFuture`], holding
-    /// its reservation.
-    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+    /// Ready: admission happens in `call`, at the outer edge, so a request
+    /// without funds is refused at once instead of waiting for a limit
+    /// inside the layer. An admitted request that finds the inner service
+    /// not ready waits for it in its [`ResponseFuture`], holding its
+    /// reservation.
+    ///
+    /// Once the inner service has failed its readiness (that request got
+    /// the error), this answers the inner service's readiness until it is
+    /// ready again: tower's contract is that the caller drops a failed
+    /// service, so the failure is the caller's to see, not the next
+    /// admitted request's to wait on.
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        if self.failed {
+            ready!(self.inner.poll_ready(cx))?;
+            self.failed = false;
+        }
         Poll::Ready(Ok(()))
     }
 
@@ -185,11 +203,19 @@ where
                     let cell = Arc::new(ChargeCell::new(context, Arc::clone(shared)));
                     parts.extensions.insert(PendingCharge(Arc::clone(&cell)));
                     return ResponseFuture::deferred(cell, request_id, cancel_on_drop, || {
-                        hand_over(&mut self.inner, Request::from_parts(parts, body))
+                        hand_over(
+                            &mut self.inner,
+                            &mut self.failed,
+                            Request::from_parts(parts, body),
+                        )
                     });
                 }
                 ResponseFuture::admitted(context, Arc::clone(shared), cancel_on_drop, || {
-                    hand_over(&mut self.inner, Request::from_parts(parts, body))
+                    hand_over(
+                        &mut self.inner,
+                        &mut self.failed,
+                        Request::from_parts(parts, body),
+                    )
                 })
             }
             Err(reason) => {
@@ -215,15 +241,23 @@ where
 /// request waits for it in its response future, on the service as it
 /// stands (with whatever wait `poll_ready` has begun), and `inner` becomes
 /// a fresh clone for the next request. A service that fails is not polled
-/// again for this request: its error is the request's answer.
-fn hand_over<S, R>(inner: &mut S, request: R) -> HandOver<S, R, S::Future, S::Error>
+/// again for this request: its error is the request's answer, and `failed`
+/// is set, so the caller sees the failure in the layer's readiness.
+fn hand_over<S, R>(
+    inner: &mut S,
+    failed: &mut bool,
+    request: R,
+) -> HandOver<S, R, S::Future, S::Error>
 where
     S: Service<R> + Clone,
 {
     let mut cx = Context::from_waker(Waker::noop());
     match inner.poll_ready(&mut cx) {
         Poll::Ready(Ok(())) => HandOver::Done(inner.call(request)),
-        Poll::Ready(Err(error)) => HandOver::Failed(error),
+        Poll::Ready(Err(error)) => {
+            *failed = true;
+            HandOver::Failed(error)
+        }
         Poll::Pending => {
             let fresh = inner.clone();
             HandOver::Waiting(std::mem::replace(inner, fresh), request)
