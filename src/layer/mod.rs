@@ -24,7 +24,10 @@
 //! request is handed to the inner service at once if it is ready;
 //! otherwise (a `ConcurrencyLimitLayer` inside the layer is full) it waits
 //! for it in its [`ResponseFuture`], holding its reservation, and the layer
-//! keeps a fresh clone of the service for the next request.
+//! keeps a fresh clone of the service for the next request. An inner
+//! service that fails its readiness answers that request with its error,
+//! uncharged, and the layer's readiness then reports the failure until the
+//! service is ready again.
 //!
 //! # The default commit point
 //!
