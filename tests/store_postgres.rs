@@ -1658,6 +1658,30 @@ async fn the_server_ends_lock_waits_and_abandoned_transactions() {
     };
     assert_eq!(setting("lock_timeout").await, "5s");
     assert_eq!(setting("idle_in_transaction_session_timeout").await, "10s");
+    assert_eq!(
+        setting("default_transaction_isolation").await,
+        "read committed"
+    );
+    // Even where the server or the URL default to a stricter level: the
+    // store's statements are written for read committed.
+    let url = database_url("server_bounds").expect("checked above");
+    let separator = if url.contains('?') { '&' } else { '?' };
+    let stricter = PostgresStore::connect(
+        &format!(
+            "{url}{separator}options=-c%20default_transaction_isolation%3Drepeatable%5C%20read"
+        ),
+        PostgresConfig {
+            schema: unique_schema("server_bounds"),
+            policy: policy(1),
+        },
+    )
+    .await
+    .expect("the test server is reachable");
+    let isolation: String = sqlx::query_scalar("SHOW default_transaction_isolation")
+        .fetch_one(stricter.pool())
+        .await
+        .unwrap();
+    assert_eq!(isolation, "read committed");
 
     // Another session holds the account's row: the grant waits for it no
     // longer than the lock timeout, and fails as a storage error.

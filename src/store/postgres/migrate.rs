@@ -181,14 +181,18 @@ impl PostgresStore {
         // The pool's lock timeout (a few seconds, for the request-serving
         // calls) would also end the wait for the migration lock, so an
         // instance started beside one running a long migration would fail
-        // to start. The wait is for another instance's migration, which its
-        // own statements' lock timeout bounds; it ends with this
-        // transaction.
+        // to start. Only that wait is longer: the migration's own
+        // statements are back under the connection's lock timeout, so one
+        // that needs a table the serving calls use gives up in seconds
+        // rather than queue every call behind it for minutes.
         sqlx::query(&format!("SET LOCAL lock_timeout = '{MIGRATION_LOCK_WAIT}'"))
             .execute(&mut *conn)
             .await?;
         sqlx::query("SELECT pg_advisory_xact_lock($1)")
             .bind(advisory_key("migrate", &self.schema))
+            .execute(&mut *conn)
+            .await?;
+        sqlx::query("SET LOCAL lock_timeout TO DEFAULT")
             .execute(&mut *conn)
             .await?;
         // Only what is missing is created. `PostgreSQL` checks the privilege

@@ -276,13 +276,19 @@ const POOL_ACQUIRE_TIMEOUT: Duration = Duration::from_secs(5);
 /// the same account. The server ends both itself. Neither bound touches a
 /// statement that is running rather than waiting, so a long audit is not
 /// cut short.
-const SERVER_BOUNDS: [(&str, &str); 2] = [
+const SERVER_BOUNDS: [(&str, &str); 3] = [
     // Waiting for a lock longer than this fails the statement (a storage
     // error the caller retries).
     ("lock_timeout", "5s"),
     // A transaction idle this long has been abandoned: the session ends
     // and its locks go with it.
     ("idle_in_transaction_session_timeout", "10s"),
+    // The store's statements are written for read committed: one that
+    // waited for a row lock goes on with the row as it now stands. Under a
+    // database default of repeatable read or serializable, every such wait
+    // would fail as a storage error instead, on exactly the busiest
+    // accounts. (The space is escaped: startup options split on spaces.)
+    ("default_transaction_isolation", "read\\ committed"),
 ];
 /// The longest a schema name may be: `PostgreSQL`'s identifier limit.
 const SCHEMA_NAME_LEN_MAX: usize = 63;
@@ -294,7 +300,8 @@ impl PostgresStore {
     ///
     /// Each connection has the server end a wait for a row lock after five
     /// seconds and a transaction left idle after ten, so a call its caller
-    /// gave up on cannot hold an account's locks.
+    /// gave up on cannot hold an account's locks for long, and runs its
+    /// transactions at `read committed`, whatever the server's default.
     ///
     /// # Errors
     ///
@@ -321,7 +328,8 @@ impl PostgresStore {
     /// The pool is the caller's, and so are its connections' settings: set
     /// `lock_timeout` and `idle_in_transaction_session_timeout` on it as
     /// [`connect`](Self::connect) does, or a call abandoned on a timeout can
-    /// leave its locks held.
+    /// leave its locks held; and keep `default_transaction_isolation` at
+    /// `read committed`, which the store's statements are written for.
     ///
     /// # Errors
     ///
