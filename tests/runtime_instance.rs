@@ -1223,6 +1223,31 @@ fn validate_names_the_first_broken_rule() {
         None,
     );
     check(|c| c.usage.retry_backoff = Duration::MAX, Some(outlasts));
+    // The same delivery time (with the 50 ms flush interval, 700 ms)
+    // bounds the reclaimer's outage hold from below.
+    let reclaiming = |outage_hold| {
+        move |c: &mut InstanceRuntimeConfig| {
+            c.reclaimer = Some(tollgate::runtime::ReclaimerConfig {
+                interval: ms(500),
+                batch_limit: 10,
+                store_call_timeout: ms(200),
+                outage_hold: ms(outage_hold),
+            });
+            c.supervisor_interval = Duration::ZERO;
+        }
+    };
+    check(
+        reclaiming(700),
+        Some(
+            "instance runtime: reclaimer.outage_hold must be longer than usage.flush_interval \
+             plus usage.retry_backoff plus three times usage.ingest_timeout (usage queued \
+             during an outage must be delivered before its leases are reclaimed)",
+        ),
+    );
+    check(
+        reclaiming(701),
+        Some("instance runtime: supervisor_interval must be positive"),
+    );
     check(
         |c| c.supervisor_interval = Duration::ZERO,
         Some("instance runtime: supervisor_interval must be positive"),

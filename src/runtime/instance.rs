@@ -103,6 +103,13 @@ pub enum InstanceRuntimeConfigError {
     /// covered only by the allocator's reclaim grace, which should exceed
     /// how long the queue takes to drain.
     UsageDeliveryOutlastsLeaseMargin,
+    /// `reclaimer.outage_hold` must be longer than the usage delivery time
+    /// of [`UsageDeliveryOutlastsLeaseMargin`](Self::UsageDeliveryOutlastsLeaseMargin):
+    /// after an outage, the usage queued meanwhile must reach the store
+    /// before the reclaimer settles the leases it names (I19). A backlog of
+    /// several batches takes longer; the hold should cover how long the
+    /// queue takes to drain.
+    OutageHoldWithinUsageDelivery,
     /// The snapshot manager's and the snapshot map's `max_staleness` must be
     /// the same limit: readiness and admission must agree on when policy is
     /// too old.
@@ -141,6 +148,11 @@ impl fmt::Display for InstanceRuntimeConfigError {
                 "instance runtime: usage.flush_interval plus usage.retry_backoff plus three times \
                  usage.ingest_timeout must be shorter than leases.expiry_safety_margin (a charge \
                  must reach the store before its lease expires, even after one failed delivery)",
+            ),
+            Self::OutageHoldWithinUsageDelivery => f.write_str(
+                "instance runtime: reclaimer.outage_hold must be longer than usage.flush_interval \
+                 plus usage.retry_backoff plus three times usage.ingest_timeout (usage queued \
+                 during an outage must be delivered before its leases are reclaimed)",
             ),
             Self::SupervisorIntervalZero => {
                 f.write_str("instance runtime: supervisor_interval must be positive")
@@ -194,6 +206,11 @@ impl InstanceRuntimeConfig {
         let margin = Duration::try_from(self.leases.expiry_safety_margin).ok();
         if !matches!((delivery, margin), (Some(delivery), Some(margin)) if delivery < margin) {
             return Err(E::UsageDeliveryOutlastsLeaseMargin);
+        }
+        if let (Some(reclaimer), Some(delivery)) = (&self.reclaimer, delivery)
+            && reclaimer.outage_hold <= delivery
+        {
+            return Err(E::OutageHoldWithinUsageDelivery);
         }
         if self.supervisor_interval.is_zero() {
             return Err(E::SupervisorIntervalZero);

@@ -69,6 +69,15 @@ use crate::store::{Clock, LeaseAllocator, ReclaimBatch};
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ReclaimerConfig {
     /// The time between the starts of two passes. Must be positive.
+    ///
+    /// The reclaimer learns of a store outage only through its own calls,
+    /// so this must be shorter than the allocator's reclaim grace plus the
+    /// leases' expiry safety margin, less the usage writers' delivery time
+    /// (flush interval, retry backoff and three ingest timeouts): usage can
+    /// be left undelivered when its lease comes due only by an outage that
+    /// long, which then spans a call and starts the outage hold. Longer,
+    /// an outage between two calls goes unseen, and a lease it left with
+    /// undelivered usage is settled as soon as the store answers.
     pub interval: Duration,
     /// The most leases one call settles. Must be positive. After a call
     /// times out, calls ask for half as many, growing back by an eighth per
@@ -80,7 +89,9 @@ pub struct ReclaimerConfig {
     /// How long after a failed, cut-off or panicked call the store must
     /// answer again before anything is settled (see the module docs).
     /// Longer than the usage writers take to deliver what queued up during
-    /// an outage. Must be positive.
+    /// an outage: an [`InstanceRuntime`](crate::runtime::InstanceRuntime)
+    /// refuses one no longer than its writer's delivery time for one batch.
+    /// Must be positive.
     pub outage_hold: Duration,
 }
 
