@@ -66,6 +66,7 @@ async fn connect(url: &str) -> Arc<PostgresStore> {
                     min_grant: CostUnits(1),
                 },
             },
+            lock_timeout: std::time::Duration::from_secs(5),
         },
     )
     .await

@@ -236,6 +236,8 @@ impl Backend {
             PostgresConfig {
                 schema: args.schema.clone().unwrap_or_else(|| "tollgate".to_owned()),
                 policy: grant_policy(),
+                // No longer than the runtime's store calls wait (below).
+                lock_timeout: ms(1_000),
             },
         )
         .await?;

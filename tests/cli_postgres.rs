@@ -102,6 +102,7 @@ impl Cli {
                         min_grant: CostUnits(1),
                     },
                 },
+                lock_timeout: std::time::Duration::from_secs(5),
             },
         )
         .await

@@ -40,6 +40,9 @@ fn secs(n: i64) -> SignedDuration {
 
 const TTL: SignedDuration = SignedDuration::from_secs(30);
 
+/// How long the stores' calls wait for a row lock.
+const LOCK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
 fn policy(instances: u64) -> GrantPolicy {
     GrantPolicy {
         max_ttl: secs(60),
@@ -59,6 +62,7 @@ async fn fresh(test: &str, instances: u64) -> Option<PostgresStore> {
         PostgresConfig {
             schema: unique_schema(test),
             policy: policy(instances),
+            lock_timeout: LOCK_TIMEOUT,
         },
     )
     .await
@@ -92,6 +96,7 @@ async fn sibling(store: &PostgresStore) -> PostgresStore {
         PostgresConfig {
             schema: store.schema().to_owned(),
             policy: *store.policy(),
+            lock_timeout: LOCK_TIMEOUT,
         },
     )
     .await
@@ -154,19 +159,48 @@ fn movement(key: &str) -> Movement<'_> {
 // ---- setup and migrations ---------------------------------------------------
 
 #[tokio::test]
-async fn a_bad_schema_name_or_policy_is_refused_before_connecting() {
+async fn a_bad_schema_name_policy_or_lock_timeout_is_refused_before_connecting() {
+    use std::time::Duration;
     let mut bad_policy = policy(1);
     bad_policy.max_ttl = SignedDuration::ZERO;
-    for (schema, policy, expected) in [
+    let too_long = PostgresConfig::LOCK_TIMEOUT_MAX + Duration::from_millis(1);
+    for (schema, policy, lock_timeout, expected) in [
         (
             "Tollgate; drop",
             policy(1),
-            PostgresError::InvalidSchemaName("Tollgate; drop".to_owned()),
+            LOCK_TIMEOUT,
+            Some(PostgresError::InvalidSchemaName(
+                "Tollgate; drop".to_owned(),
+            )),
         ),
         (
             "tollgate",
             bad_policy,
-            PostgresError::Policy(tollgate::store::GrantPolicyError::MaxTtlNotPositive),
+            LOCK_TIMEOUT,
+            Some(PostgresError::Policy(
+                tollgate::store::GrantPolicyError::MaxTtlNotPositive,
+            )),
+        ),
+        (
+            "tollgate",
+            policy(1),
+            Duration::from_micros(999),
+            Some(PostgresError::InvalidLockTimeout(Duration::from_micros(
+                999,
+            ))),
+        ),
+        (
+            "tollgate",
+            policy(1),
+            too_long,
+            Some(PostgresError::InvalidLockTimeout(too_long)),
+        ),
+        // Within bounds, the next thing to fail is the connection.
+        (
+            "tollgate",
+            policy(1),
+            PostgresConfig::LOCK_TIMEOUT_MAX,
+            None,
         ),
     ] {
         let refused = PostgresStore::connect(
@@ -174,10 +208,14 @@ async fn a_bad_schema_name_or_policy_is_refused_before_connecting() {
             PostgresConfig {
                 schema: schema.to_owned(),
                 policy,
+                lock_timeout,
             },
         )
         .await;
-        assert_eq!(refused.err(), Some(expected));
+        match expected {
+            Some(expected) => assert_eq!(refused.err(), Some(expected)),
+            None => assert!(matches!(refused, Err(PostgresError::Connect(_)))),
+        }
     }
 }
 
@@ -215,6 +253,7 @@ async fn a_role_that_owns_its_schema_but_cannot_create_schemas_migrates_and_migr
         PostgresConfig {
             schema: schema.clone(),
             policy: policy(1),
+            lock_timeout: LOCK_TIMEOUT,
         },
     )
     .unwrap();
@@ -322,6 +361,7 @@ async fn a_schema_named_by_a_reserved_word_migrates_and_serves() {
         PostgresConfig {
             schema: "order".to_owned(),
             policy: policy(1),
+            lock_timeout: LOCK_TIMEOUT,
         },
     )
     .await
@@ -1639,9 +1679,11 @@ async fn used_on_held(store: &PostgresStore, acct: AccountId) -> u64 {
     u64::try_from(used.unwrap_or(0)).unwrap()
 }
 
-/// A call its caller gave up on must not hold an account's locks: on the
-/// pool `connect` builds, the server ends a wait for a row lock after five
-/// seconds and a transaction left idle after ten.
+/// A call its caller gave up on must not hold an account's locks: every
+/// transaction the store opens bounds its lock waits by the configured
+/// `lock_timeout`, whatever the pool's connections say, and on the pool
+/// `connect` builds the server ends a transaction left idle after ten
+/// seconds and defaults to read committed.
 #[tokio::test]
 async fn the_server_ends_lock_waits_and_abandoned_transactions() {
     let Some(store) = store("server_bounds", 1).await else {
@@ -1656,7 +1698,6 @@ async fn the_server_ends_lock_waits_and_abandoned_transactions() {
                 .unwrap()
         }
     };
-    assert_eq!(setting("lock_timeout").await, "5s");
     assert_eq!(setting("idle_in_transaction_session_timeout").await, "10s");
     assert_eq!(
         setting("default_transaction_isolation").await,
@@ -1673,6 +1714,7 @@ async fn the_server_ends_lock_waits_and_abandoned_transactions() {
         PostgresConfig {
             schema: unique_schema("server_bounds"),
             policy: policy(1),
+            lock_timeout: LOCK_TIMEOUT,
         },
     )
     .await
@@ -1683,8 +1725,20 @@ async fn the_server_ends_lock_waits_and_abandoned_transactions() {
         .unwrap();
     assert_eq!(isolation, "read committed");
 
-    // Another session holds the account's row: the grant waits for it no
-    // longer than the lock timeout, and fails as a storage error.
+    // Another session holds the account's row. Even over a pool of the
+    // caller's, whose connections would wait for it forever, the grant
+    // waits no longer than the configured lock timeout, and fails as a
+    // storage error.
+    let plain = sqlx::PgPool::connect(&url).await.unwrap();
+    let bounded = PostgresStore::with_pool(
+        plain,
+        PostgresConfig {
+            schema: store.schema().to_owned(),
+            policy: *store.policy(),
+            lock_timeout: std::time::Duration::from_millis(300),
+        },
+    )
+    .unwrap();
     let acct = account(&store, 100).await;
     let mut holder = store.pool().begin().await.unwrap();
     sqlx::query(&format!(
@@ -1695,19 +1749,36 @@ async fn the_server_ends_lock_waits_and_abandoned_transactions() {
     .execute(&mut *holder)
     .await
     .unwrap();
-    let waited = std::time::Instant::now();
-    let blocked = store.acquire(acct, CostUnits(10), TTL, at(0)).await;
+    let blocked = tokio::time::timeout(
+        std::time::Duration::from_secs(60),
+        bounded.acquire(acct, CostUnits(10), TTL, at(0)),
+    )
+    .await
+    .expect("the wait for the lock is bounded");
     assert!(
         matches!(blocked, Err(AllocateError::Storage(_))),
         "{blocked:?}"
     );
-    assert!(waited.elapsed() < std::time::Duration::from_secs(30));
+    // A call its caller gives up on while it waits changes nothing, and
+    // leaves the store usable once the row is free.
+    let abandoned = tokio::time::timeout(
+        std::time::Duration::from_millis(50),
+        bounded.acquire(acct, CostUnits(10), TTL, at(0)),
+    )
+    .await;
+    assert!(abandoned.is_err(), "cut off while it waits");
     holder.rollback().await.unwrap();
     assert_eq!(
         balance(&store, acct, at(0)).await,
         100,
         "nothing was granted"
     );
+    let granted = bounded
+        .acquire(acct, CostUnits(10), TTL, at(0))
+        .await
+        .expect("the row is free again");
+    assert_eq!(granted.grant.units, CostUnits(10));
+    assert_eq!(balance(&store, acct, at(0)).await, 90);
     audited(&store).await;
 }
 

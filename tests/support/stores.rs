@@ -251,6 +251,7 @@ mod postgres {
                 PostgresConfig {
                     schema: unique_schema("generic"),
                     policy,
+                    lock_timeout: std::time::Duration::from_secs(5),
                 },
             )
             .await

@@ -14,6 +14,11 @@ use crate::parse::duration;
 /// The file read when `--config` is not given, if it exists.
 const DEFAULT_FILE: &str = "tollgate.toml";
 
+/// How long an operator's command waits for a row a gateway holds before it
+/// fails: longer than a gateway's own calls wait, since nobody gives up on
+/// a command before it answers.
+const LOCK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// What the file and the environment may set. Unknown keys in the file are
 /// errors, so a misspelt setting is not silently ignored.
 #[derive(Debug, Default, Deserialize)]
@@ -134,6 +139,7 @@ impl Settings {
         Ok(PostgresConfig {
             schema: self.schema.clone(),
             policy,
+            lock_timeout: LOCK_TIMEOUT,
         })
     }
 }

@@ -192,7 +192,7 @@ impl PostgresStore {
             .bind(advisory_key("migrate", &self.schema))
             .execute(&mut *conn)
             .await?;
-        sqlx::query("SET LOCAL lock_timeout TO DEFAULT")
+        sqlx::query(&format!("SET LOCAL lock_timeout = '{}'", self.lock_timeout))
             .execute(&mut *conn)
             .await?;
         // Only what is missing is created. `PostgreSQL` checks the privilege

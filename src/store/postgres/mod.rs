@@ -81,6 +81,23 @@ pub struct PostgresConfig {
     pub schema: String,
     /// The rules every grant follows.
     pub policy: GrantPolicy,
+    /// How long a store call's statement waits for a row lock before the
+    /// call fails as a storage error (set on every transaction the store
+    /// opens). The server goes on waiting for a call its caller gave up
+    /// on, holding the call's connection and any lock it took already, so
+    /// keep it no longer than the shortest timeout the store's callers
+    /// put on a call (the runtime's `store_call_timeout`, `ingest_timeout`
+    /// and `fetch_timeout`). At least a millisecond (`PostgreSQL` keeps
+    /// whole milliseconds) and at most [`PostgresConfig::LOCK_TIMEOUT_MAX`].
+    pub lock_timeout: Duration,
+}
+
+impl PostgresConfig {
+    /// The longest [`lock_timeout`](Self::lock_timeout): a transaction
+    /// left idle this long is ended by the server (see
+    /// [`PostgresStore::connect`]), and no call should wait longer for a
+    /// lock than an abandoned holder keeps it.
+    pub const LOCK_TIMEOUT_MAX: Duration = Duration::from_secs(10);
 }
 
 /// The `PostgreSQL` store.
@@ -98,6 +115,11 @@ pub struct PostgresStore {
     pool: PgPool,
     schema: String,
     policy: GrantPolicy,
+    /// What opens every transaction: read committed, which the statements
+    /// are written for, and the configured lock timeout.
+    begin_sql: String,
+    /// The configured lock timeout, as `PostgreSQL` reads it.
+    lock_timeout: String,
 }
 
 /// The attribution of an operator's balance movement.
@@ -216,6 +238,9 @@ pub enum PostgresError {
     InvalidSchemaName(String),
     /// The grant policy breaks a rule.
     Policy(GrantPolicyError),
+    /// `lock_timeout` is under a millisecond (`PostgreSQL` counts whole
+    /// milliseconds) or longer than [`PostgresConfig::LOCK_TIMEOUT_MAX`].
+    InvalidLockTimeout(Duration),
     /// The database could not be reached.
     Connect(StoreError),
     /// A migration could not be applied, or the database disagrees with the
@@ -239,6 +264,11 @@ impl fmt::Display for PostgresError {
                  bytes, not starting with pg_"
             ),
             Self::Policy(error) => write!(f, "{error}"),
+            Self::InvalidLockTimeout(timeout) => write!(
+                f,
+                "lock_timeout must be at least 1ms and at most {:?}, not {timeout:?}",
+                PostgresConfig::LOCK_TIMEOUT_MAX
+            ),
             Self::Connect(error) => write!(f, "cannot connect to postgres: {error}"),
             Self::Migration { version, message } => write!(f, "migration {version}: {message}"),
             Self::Storage(error) => write!(f, "storage error: {error}"),
@@ -271,17 +301,15 @@ const POOL_ACQUIRE_TIMEOUT: Duration = Duration::from_secs(5);
 ///
 /// A caller that gives up on a store call (the runtime's
 /// `store_call_timeout`) drops its future, but the server does not know:
-/// a backend waiting for a row lock would keep waiting, and one left idle
-/// inside a transaction would keep its locks, stalling every later call on
-/// the same account. The server ends both itself. Neither bound touches a
-/// statement that is running rather than waiting, so a long audit is not
-/// cut short.
-const SERVER_BOUNDS: [(&str, &str); 3] = [
-    // Waiting for a lock longer than this fails the statement (a storage
-    // error the caller retries).
-    ("lock_timeout", "5s"),
+/// a backend waiting for a row lock would keep waiting (every transaction
+/// the store opens bounds that wait by the configured `lock_timeout`), and
+/// one left idle inside a transaction would keep its locks, stalling every
+/// later call on the same account. The server ends the idle one itself.
+/// Neither bound touches a statement that is running rather than waiting,
+/// so a long audit is not cut short.
+const SERVER_BOUNDS: [(&str, &str); 2] = [
     // A transaction idle this long has been abandoned: the session ends
-    // and its locks go with it.
+    // and its locks go with it. `PostgresConfig::LOCK_TIMEOUT_MAX`.
     ("idle_in_transaction_session_timeout", "10s"),
     // The store's statements are written for read committed: one that
     // waited for a row lock goes on with the row as it now stands. Under a
@@ -298,10 +326,11 @@ impl PostgresStore {
     /// five seconds for a connection) and builds a store on it. Does not
     /// migrate.
     ///
-    /// Each connection has the server end a wait for a row lock after five
-    /// seconds and a transaction left idle after ten, so a call its caller
-    /// gave up on cannot hold an account's locks for long, and runs its
-    /// transactions at `read committed`, whatever the server's default.
+    /// Each connection has the server end a transaction left idle for ten
+    /// seconds, so a call its caller gave up on cannot hold an account's
+    /// locks for long (and every transaction bounds its lock waits by the
+    /// configured `lock_timeout`), and defaults to `read committed`
+    /// whatever the server's default is.
     ///
     /// # Errors
     ///
@@ -326,20 +355,25 @@ impl PostgresStore {
     /// A store over an existing pool. Does not migrate.
     ///
     /// The pool is the caller's, and so are its connections' settings: set
-    /// `lock_timeout` and `idle_in_transaction_session_timeout` on it as
-    /// [`connect`](Self::connect) does, or a call abandoned on a timeout can
-    /// leave its locks held; and keep `default_transaction_isolation` at
-    /// `read committed`, which the store's statements are written for.
+    /// `idle_in_transaction_session_timeout` on it as
+    /// [`connect`](Self::connect) does, or a call abandoned on a timeout
+    /// can leave its locks held. (The store's own transactions set their
+    /// isolation level and lock timeout themselves.)
     ///
     /// # Errors
     ///
     /// [`PostgresError::InvalidSchemaName`] or [`PostgresError::Policy`].
     pub fn with_pool(pool: PgPool, config: PostgresConfig) -> Result<Self, PostgresError> {
         validate(&config)?;
+        let lock_timeout = format!("{}ms", config.lock_timeout.as_millis());
         Ok(Self {
             pool,
             schema: config.schema,
             policy: config.policy,
+            begin_sql: format!(
+                "BEGIN ISOLATION LEVEL READ COMMITTED; SET LOCAL lock_timeout = '{lock_timeout}'"
+            ),
+            lock_timeout,
         })
     }
 
@@ -388,7 +422,13 @@ fn validate(config: &PostgresConfig) -> Result<(), PostgresError> {
     if !valid_schema_name(&config.schema) {
         return Err(PostgresError::InvalidSchemaName(config.schema.clone()));
     }
-    config.policy.validate().map_err(PostgresError::Policy)
+    config.policy.validate().map_err(PostgresError::Policy)?;
+    if config.lock_timeout < Duration::from_millis(1)
+        || config.lock_timeout > PostgresConfig::LOCK_TIMEOUT_MAX
+    {
+        return Err(PostgresError::InvalidLockTimeout(config.lock_timeout));
+    }
+    Ok(())
 }
 
 /// Whether `name` matches `^[a-z_][a-z0-9_]{0,62}$` and does not start with

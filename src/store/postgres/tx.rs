@@ -6,11 +6,13 @@ use crate::store::StoreError;
 use crate::store::postgres::PostgresStore;
 use crate::store::postgres::convert::storage;
 
-/// Opens a transaction.
+/// Opens a transaction at read committed, whatever the server's default
+/// (the statements are written for it: one that waited for a row lock goes
+/// on with the row as it now stands), with the configured lock timeout.
 pub(super) async fn begin(store: &PostgresStore) -> Result<Transaction<'_, Postgres>, StoreError> {
     store
         .pool
-        .begin()
+        .begin_with(store.begin_sql.clone())
         .await
         .map_err(|error| storage("starting a transaction", &error))
 }
