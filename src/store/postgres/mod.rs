@@ -26,7 +26,11 @@
 //!
 //! Each allocator call is one short transaction that row-locks what it
 //! changes. Every call takes its locks in one order — lease rows (by id)
-//! before account rows (by id) — so calls never deadlock each other. Reclaim
+//! before account rows (by id) — so calls never deadlock each other on row
+//! locks. (Two usage batches that give one request id to events of
+//! different leases, which I8 rules out, can wait on each other's inserts
+//! of it; `PostgreSQL` then fails one as a deadlock, a storage error its
+//! writer retries.) Reclaim
 //! skips leases another reclaimer holds (`FOR NO KEY UPDATE SKIP LOCKED`), so any
 //! number of processes can reclaim at once (I19). A usage batch is recorded
 //! by one statement. Every balance movement is journalled in the transaction
