@@ -1084,8 +1084,11 @@ async fn a_refused_fold_of_a_draining_lease_is_followed_by_a_plain_replacement()
     assert_eq!(h.serving(), Some((2, 40)));
     assert_eq!(
         h.slot.funding_evidence(h.now()),
-        None,
-        "withheld while lease 1 is parked with 15 units the balance lacks"
+        Some(BalanceShortfall {
+            remaining: CostUnits(15),
+            ..tail
+        }),
+        "lease 1, parked, holds 15 units its release returns to the balance"
     );
     h.allocator.calls_reach(4).await;
     settle().await;
@@ -1335,6 +1338,98 @@ async fn a_lease_found_settled_withdraws_the_evidence() {
     );
     assert_eq!(h.stats().released, 1);
     assert_eq!(h.slot.funding_evidence(h.now()), None);
+}
+
+/// I23: a fold that finds its lease settled already (reclaimed, say)
+/// forgets the allocator's evidence: the store credited the lease's units
+/// back at a moment nobody knows, so that word may or may not count them.
+/// With the acquire after it unanswered, nothing is shown until a grant
+/// call answers, not even once the release pass finds nothing parked.
+#[tokio::test(start_paused = true)]
+async fn a_fold_that_finds_its_lease_settled_forgets_the_evidence() {
+    let allocator = Scripted::new();
+    allocator.plan_acquires([
+        Reply::GrantShort(
+            TARGET,
+            BalanceShortfall {
+                remaining: CostUnits(5),
+                period_end: None,
+            },
+        ),
+        Reply::Refuse(storage_error()),
+        Reply::Hang,
+    ]);
+    allocator.plan_consolidations([Reply::Refuse(AllocateError::LeaseNotActive)]);
+    let h = Harness::started(allocator).await;
+    assert!(h.slot.published_funding().is_some());
+    h.spend(70);
+    h.refused(50);
+    h.allocator.calls_reach(3).await;
+    settle().await;
+    assert_eq!(h.serving(), None, "the settled lease is gone");
+    // The next inspection's release pass, then an acquire that hangs.
+    h.allocator.calls_reach(4).await;
+    settle().await;
+    assert_eq!(
+        h.allocator.calls(),
+        [
+            acquire(),
+            Call::Consolidate {
+                lease: 1,
+                unspent: 30,
+                requested: TARGET,
+                needed: 50,
+            },
+            acquire(),
+            acquire(),
+        ]
+    );
+    assert_eq!(h.slot.published_funding(), None);
+}
+
+/// I23, I27: while a rotated-out lease is parked, the evidence counts what
+/// it holds (its release returns it to the balance), and a quote that the
+/// balance, the parked lease and the serving one cannot fund together is
+/// not chased with a grant call at every poll.
+#[tokio::test(start_paused = true)]
+async fn a_quote_ruled_out_is_not_chased_while_a_lease_is_parked() {
+    let allocator = Scripted::new();
+    allocator.plan_acquires([
+        Reply::Grant(TARGET),
+        Reply::GrantShort(
+            TARGET,
+            BalanceShortfall {
+                remaining: CostUnits::ZERO,
+                period_end: None,
+            },
+        ),
+    ]);
+    let h = Harness::started(allocator).await;
+    // Lease 1 runs low and is replaced; its request keeps it parked.
+    let parked = h.reserve(85);
+    h.allocator.calls_reach(2).await;
+    settle().await;
+    assert_eq!(h.serving(), Some((2, TARGET)));
+    assert_eq!(
+        h.slot.published_funding(),
+        Some(BalanceShortfall {
+            remaining: CostUnits(15),
+            period_end: None,
+        }),
+        "none left in the balance, and the 15 lease 1 still holds"
+    );
+    // Lease 2, busy, refuses a quote the balance and both leases together
+    // cannot fund.
+    let busy = h.reserve(10);
+    h.refused(150);
+    sleep(POLL * 2).await;
+    settle().await;
+    assert_eq!(
+        h.allocator.calls(),
+        [acquire(), acquire()],
+        "no grant call chased it"
+    );
+    drop((parked, busy));
 }
 
 /// I15, I29: a grant of another account is an integrity fault, not a
@@ -2775,8 +2870,11 @@ async fn on_a_memory_store_the_tail_of_a_balance_is_regranted_and_its_evidence_p
     assert_eq!(serving_units(), Some(50), "the tail grant is what is left");
     assert_eq!(
         slot.funding_evidence(start()),
-        None,
-        "withheld while lease 1 is parked with 20 units"
+        Some(BalanceShortfall {
+            remaining: CostUnits(20),
+            period_end: None,
+        }),
+        "none left in the balance, and the 20 units lease 1 holds, parked"
     );
 
     assert_eq!(serve_request(&store, &slot, 2, 50).await, Some(50));
@@ -2812,12 +2910,11 @@ async fn on_a_memory_store_the_tail_of_a_balance_is_regranted_and_its_evidence_p
 }
 
 /// I26, I23: while a lease is parked its units are in neither the balance
-/// the allocator's evidence describes nor the slot, so the evidence is
-/// withheld (requests meanwhile are answered transiently); its release
-/// returns them to the balance, and the evidence is shown again, grown by
-/// them. Shown as it was, it would rule out a quote the account can fund
-/// (402, never retry) until the next grant call, which an idle serving
-/// lease does not make.
+/// the allocator's evidence describes nor the slot, so the evidence counts
+/// what the parked lease holds; its release returns them to the balance,
+/// which the evidence then counts instead. Without them it would rule out
+/// a quote the account can fund (402, never retry) until the next grant
+/// call, which an idle serving lease does not make.
 #[tokio::test(start_paused = true)]
 async fn a_release_adds_the_units_it_returns_to_the_published_evidence() {
     let (store, account) = memory_store(150, start());
@@ -2832,12 +2929,12 @@ async fn a_release_adds_the_units_it_returns_to_the_published_evidence() {
         })
     };
     // The tail grant took all that was left (0), but lease 1 is parked
-    // with 20 units: read now, that word would rule out a quote of 60 that
-    // lease 2's 50 and those 20 fund.
+    // with 20 units: without them, that word would rule out a quote of 60
+    // that lease 2's 50 and those 20 fund.
     assert_eq!(
         slot.funding_evidence(start()),
-        None,
-        "withheld while lease 1 is parked"
+        evidence(20),
+        "the 20 units lease 1 holds, parked, count"
     );
     let serving = slot.load_observed().expect("lease 2 serves");
     let serving_units = serving.remaining();

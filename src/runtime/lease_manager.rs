@@ -1068,8 +1068,8 @@ struct Task {
     /// so a clock that reads behind cannot turn it into a loop.
     refill_woken: Option<Timestamp>,
     /// The allocator's last word on the account's funds, raised by what
-    /// releases returned since: what the slot shows while it describes
-    /// every unit of this manager's (see [`Task::show_evidence`]).
+    /// releases returned since (the slot shows it with the parked leases'
+    /// units added: see [`Task::evidence_with_parked`]).
     evidence: Option<BalanceShortfall>,
 }
 
@@ -1615,9 +1615,8 @@ impl Task {
     /// neither drains the account's lease, nor churns grants, nor splits the
     /// balance into ever smaller leases.
     ///
-    /// `evidence` is the allocator's last word in force, as the account's
-    /// requests read it: passed in, since a fold that found the lease busy
-    /// after taking it out has withdrawn it from the slot meanwhile.
+    /// `evidence` is the allocator's last word in force (see
+    /// [`evidence_in_force`](Self::evidence_in_force)).
     fn defer_fold(
         &mut self,
         live: &LocalLease,
@@ -1650,7 +1649,7 @@ impl Task {
     /// allocator's evidence rules it out or a replacement already fell
     /// short of it.
     async fn chase(&mut self, needed: CostUnits) -> Result<(), Stopped> {
-        let evidence = self.slot.funding_evidence(self.clock.now());
+        let evidence = self.evidence_in_force();
         let might_fund = evidence.is_none_or(|evidence| !evidence.rules_out(needed));
         self.rotate_for(DeferredFold {
             needed,
@@ -1703,7 +1702,7 @@ impl Task {
             Some(lease) => (!lease.is_only_local_view()).then_some(lease),
         };
         if let Some(live) = busy {
-            let evidence = self.slot.funding_evidence(self.clock.now());
+            let evidence = self.evidence_in_force();
             let deferred = self.defer_fold(&live, evidence);
             // Held any longer, the observed `Arc` would keep the lease from
             // quiescing once it is replaced.
@@ -1715,7 +1714,6 @@ impl Task {
         // it would leave out the lease's units and rule out a quote the
         // lease funds (402, never retry). Without evidence a request
         // meanwhile is answered transiently (I23).
-        let shown = self.slot.published_funding();
         self.slot.publish_funding(None);
         let Some((live, counted)) = self.slot.take_counted() else {
             self.show_evidence();
@@ -1723,8 +1721,8 @@ impl Task {
         };
         if !is_quiescent(&live) {
             // A request took it in between.
-            let now = self.clock.now();
-            let deferred = self.defer_fold(&live, shown.and_then(|shown| shown.in_force(now)));
+            let evidence = self.evidence_in_force();
+            let deferred = self.defer_fold(&live, evidence);
             self.reinstate(live, counted);
             self.show_evidence();
             return self.rotate_for(deferred).await;
@@ -1868,6 +1866,11 @@ impl Task {
                     %error,
                     "lease manager: the store no longer holds the refused lease for us"
                 );
+                // It was settled (reclaimed, say) at a moment nobody knows,
+                // its unspent units credited back: the evidence, which may
+                // or may not count them, is forgotten until a grant call,
+                // as for a release found settled.
+                self.evidence = None;
                 if fenced {
                     self.clear_slot_after_fence();
                 }
@@ -2129,24 +2132,52 @@ impl Task {
         self.parked.push_back(lease);
     }
 
-    /// Publishes the evidence while it describes every unit of this
-    /// manager's: those of a parked lease are in neither the balance it
-    /// describes nor the slot until the lease is released, so read
-    /// meanwhile it would rule out quotes the account can fund (402, never
-    /// retry). Withheld, a request meanwhile is answered transiently (I23);
-    /// the release pass that empties the parked list shows it again,
-    /// raised by what the releases returned.
+    /// The allocator's last word on the account's funds, counting every
+    /// unit of this manager's but the serving lease's (which admission adds
+    /// itself): the balance the store described, raised by what releases
+    /// returned since and by what the parked leases hold. Those are in
+    /// neither that balance nor the slot until their release returns them;
+    /// left out, the evidence would rule out quotes the account can fund
+    /// (402, never retry). A parked lease's count is what it holds now: a
+    /// reservation on it released later only adds to it, so the evidence
+    /// never overstates what its release returns.
+    fn evidence_with_parked(&self) -> Option<BalanceShortfall> {
+        let evidence = self.evidence?;
+        let account = self.slot.account();
+        let parked = self
+            .parked
+            .iter()
+            .filter(|lease| lease.grant().account_id == account)
+            .fold(CostUnits::ZERO, |held, lease| {
+                held.checked_add(lease.remaining())
+                    .unwrap_or(CostUnits::MAX)
+            });
+        Some(BalanceShortfall {
+            remaining: evidence
+                .remaining
+                .checked_add(parked)
+                .unwrap_or(CostUnits::MAX),
+            ..evidence
+        })
+    }
+
+    /// [`evidence_with_parked`](Self::evidence_with_parked) while in force:
+    /// what decides whether a refused quote is worth chasing.
+    fn evidence_in_force(&self) -> Option<BalanceShortfall> {
+        self.evidence_with_parked()
+            .and_then(|evidence| evidence.in_force(self.clock.now()))
+    }
+
+    /// Publishes [`evidence_with_parked`](Self::evidence_with_parked) for
+    /// requests to read (I23).
     fn show_evidence(&self) {
-        let shown = if self.parked.is_empty() {
-            self.evidence
-        } else {
-            None
-        };
-        self.slot.publish_funding(shown);
+        self.slot.publish_funding(self.evidence_with_parked());
     }
 
     /// Returns what it can until `deadline`, then abandons the rest (I25).
     async fn wind_down(mut self, deadline: Instant) -> LeaseManagerReport {
+        // As when an expired lease is parked (see `retire_expired`).
+        self.slot.publish_funding(None);
         if let Some(serving) = self.slot.take() {
             self.park(serving);
         }
