@@ -1432,6 +1432,39 @@ async fn a_quote_ruled_out_is_not_chased_while_a_lease_is_parked() {
     drop((parked, busy));
 }
 
+/// I23, I29: an exhausted account whose last lease closes with a request
+/// still on it is shown as exhausted at once, not only once that lease is
+/// released: the evidence counts what the parked lease holds (here
+/// nothing), so readiness can tell an account with nothing left from one
+/// it cannot serve.
+#[tokio::test(start_paused = true)]
+async fn an_exhausted_account_whose_last_lease_is_parked_busy_shows_its_evidence() {
+    let exhausted = || {
+        Reply::Refuse(AllocateError::BalanceExhausted(BalanceExhaustion {
+            period_end: None,
+        }))
+    };
+    let allocator = Scripted::new();
+    allocator.plan_acquires([Reply::Grant(TARGET), exhausted(), exhausted()]);
+    let h = Harness::started(allocator).await;
+    // Every unit reserved by a request that is still running.
+    let running = h.reserve(TARGET);
+    h.allocator.calls_reach(2).await;
+    settle().await;
+    h.clock.advance(TTL - MARGIN);
+    h.allocator.calls_reach(3).await;
+    settle().await;
+    assert_eq!(h.serving(), None, "the closed lease is parked");
+    assert_eq!(
+        h.slot.funding_evidence(h.now()),
+        Some(BalanceShortfall {
+            remaining: CostUnits::ZERO,
+            period_end: None,
+        })
+    );
+    drop(running);
+}
+
 /// I15, I29: a grant of another account is an integrity fault, not a
 /// panic: the manager stops spending, withdraws readiness for good, and
 /// hands the grant back rather than serve it.
