@@ -345,14 +345,19 @@ fn refused(
     now: Timestamp,
 ) -> Refusal {
     let held = lease.remaining();
-    let evidence = if reason == DenyReason::LeaseExhausted {
-        let shortfall = shortfall_denial(slot, quote, held, now);
-        if shortfall.is_none() {
-            lease.note_refused(quote);
+    let evidence = match (reason, lease.settled_remaining()) {
+        (DenyReason::LeaseExhausted, Some(held)) => {
+            let shortfall = shortfall_denial(slot, quote, held, now);
+            if shortfall.is_none() {
+                lease.note_refused(quote);
+            }
+            Evidence::Read(shortfall)
         }
-        Evidence::Read(shortfall)
-    } else {
-        Evidence::Unread
+        // Units between the lease's shards may have been missed: a shortage
+        // that may be momentary gets a transient answer, and is not
+        // recorded for a fold.
+        (DenyReason::LeaseExhausted, None) => Evidence::Read(None),
+        _ => Evidence::Unread,
     };
     Refusal {
         reason,

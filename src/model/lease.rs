@@ -78,7 +78,36 @@ pub struct LocalLease {
     low_water: CostUnits,
     shards: Box<[Arc<CachePadded<Shard>>]>,
     refused: CachePadded<AtomicU64>,
+    /// Moves of units between shards (a spread, a gather): the moves
+    /// started, in the high half, and those under way, in the low half. A
+    /// reading of every shard that this word did not see change found no
+    /// units between two of them (see `settled_remaining`).
+    transit: CachePadded<AtomicU64>,
     refill: Option<Arc<dyn RefillSignal>>,
+}
+
+/// One move started: added to [`LocalLease::transit`] as a move begins.
+const MOVE_STARTED: u64 = (1 << 32) + 1;
+
+/// The moves under way, in [`LocalLease::transit`].
+const MOVES_UNDER_WAY: u64 = (1 << 32) - 1;
+
+/// Marks units of a lease as between its shards until dropped.
+struct Moving<'a>(&'a AtomicU64);
+
+impl<'a> Moving<'a> {
+    fn start(transit: &'a AtomicU64) -> Self {
+        // A reader that sees what the move takes from a shard sees this
+        // first (the take is a release after it).
+        transit.fetch_add(MOVE_STARTED, Ordering::AcqRel);
+        Self(transit)
+    }
+}
+
+impl Drop for Moving<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 /// A successful debit: which shard's counter gave the units, and how many.
@@ -197,6 +226,7 @@ impl LocalLease {
             low_water,
             shards,
             refused: CachePadded(AtomicU64::new(0)),
+            transit: CachePadded(AtomicU64::new(0)),
             refill: None,
         }
     }
@@ -381,6 +411,22 @@ impl LocalLease {
         CostUnits(total)
     }
 
+    /// [`remaining`](Self::remaining), when no units were between shards
+    /// while it was read; `None` when a spread or a gather was moving some,
+    /// which the reading may have missed. A refusal answered with a
+    /// reading that may be short is no ground for telling the client the
+    /// account cannot fund its quote (I23).
+    pub(crate) fn settled_remaining(&self) -> Option<CostUnits> {
+        let before = self.transit.load(Ordering::Acquire);
+        if before & MOVES_UNDER_WAY != 0 {
+            return None;
+        }
+        let remaining = self.remaining();
+        // Read after every shard: a move that took from one of them before
+        // it was read started before this load, so this load sees it.
+        (self.transit.load(Ordering::Acquire) == before).then_some(remaining)
+    }
+
     /// Whether no debit holds a view of any shard.
     ///
     /// Together with holding the only `Arc` to the lease, this is the
@@ -518,6 +564,7 @@ impl LocalLease {
     /// debit or a reading racing it may miss them; none is lost or made
     /// (I6).
     fn rebalance(&self) {
+        let _moving = Moving::start(&self.transit);
         let total = self.remaining().get();
         let count = self.shards.len();
         let even = |index| split_evenly(total, count, index);
@@ -601,6 +648,7 @@ impl LocalLease {
     /// cannot get all of it, what it took goes to the home shard (units
     /// moved are still the lease's) and the answer is `None`.
     fn gather(&self, home: usize, units: u64) -> Option<u64> {
+        let _moving = Moving::start(&self.transit);
         let count = self.shards.len();
         let mut gathered = 0;
         for offset in 0..count {
@@ -1161,6 +1209,34 @@ mod tests {
         );
         assert_eq!(lease.remaining(), CostUnits(30));
         assert_eq!(lease.largest_refused_quote(), CostUnits(31));
+    }
+
+    /// I23: a reading taken while units move between shards may have
+    /// missed them, so it is not settled; one taken with no move started
+    /// or under way is. (The loom model races a spread against it.)
+    #[test]
+    fn a_reading_is_settled_only_with_no_units_between_shards() {
+        let lease = LocalLease::with_sharding(
+            grant(30),
+            CostUnits::ZERO,
+            SignedDuration::ZERO,
+            LocalSharding::shards(3).unwrap(),
+        );
+        assert_eq!(lease.settled_remaining(), Some(CostUnits(30)));
+        let moving = Moving::start(&lease.transit);
+        assert_eq!(lease.settled_remaining(), None, "a move under way");
+        let second = Moving::start(&lease.transit);
+        drop(moving);
+        assert_eq!(lease.settled_remaining(), None, "another still under way");
+        drop(second);
+        assert_eq!(lease.settled_remaining(), Some(CostUnits(30)));
+        // A gather and a spread each count as a move, and end.
+        let debit = lease
+            .try_reserve_at(CostUnits(25), at(0), Locality::new(1))
+            .unwrap();
+        lease.credit(debit);
+        assert_eq!(lease.transit.load(Ordering::Acquire) >> 32, 3);
+        assert_eq!(lease.settled_remaining(), Some(CostUnits(30)));
     }
 
     #[test]

@@ -373,15 +373,15 @@ fn a_check_racing_a_debit_that_empties_a_shard_leaves_no_drained_lease_silent() 
 /// committed, whatever a racing debit saw while units were being moved.
 #[test]
 fn spreading_a_lease_evenly_while_requests_debit_and_release_conserves_units() {
-    const GRANTED: u64 = 4;
+    const GRANTED: u64 = 6;
     const LOW_WATER: CostUnits = CostUnits(2);
     loom::model(|| {
-        // Each shard holds 2 with a share of 1; shard 0 is emptied first,
-        // so the check has units to move.
+        // Each shard holds 3 with a share of 1; shard 0 is emptied first,
+        // leaving the lease above its mark, so the check has units to move.
         let (lease, _doorbell) = two_shard_lease(GRANTED, LOW_WATER);
         drop(
             lease
-                .try_reserve_at(CostUnits(2), inside_window(), Locality::new(0))
+                .try_reserve_at(CostUnits(3), inside_window(), Locality::new(0))
                 .expect("I6: shard 0 funds it"),
         );
         let requests: Vec<_> = (0..2)
@@ -404,7 +404,34 @@ fn spreading_a_lease_evenly_while_requests_debit_and_release_conserves_units() {
         assert_ne!(verdict, RefillVerdict::Refused);
         assert_eq!(Arc::strong_count(&lease), 1);
         assert!(lease.is_only_local_view(), "I6: the lease is quiescent");
-        assert_eq!(lease.remaining(), CostUnits(2), "I6: granted − committed");
+        assert_eq!(lease.remaining(), CostUnits(3), "I6: granted − committed");
+    });
+}
+
+/// I23: a settled reading of a lease whose units are being spread evenly
+/// counts every unit: units in transit between two shards make it
+/// unsettled rather than short, so a refusal is never answered as final
+/// on a reading that missed them.
+#[test]
+fn a_settled_reading_racing_a_spread_counts_every_unit() {
+    const GRANTED: u64 = 6;
+    const LOW_WATER: CostUnits = CostUnits(2);
+    loom::model(|| {
+        // Shard 0 spent, below its share of the mark while the lease is
+        // above it: the check moves units over from shard 1.
+        let (lease, _doorbell) = two_shard_lease(GRANTED, LOW_WATER);
+        let spent = lease
+            .try_reserve_at(CostUnits(3), inside_window(), Locality::new(0))
+            .expect("I6: shard 0 funds it");
+        drop(spent);
+        let reader = {
+            let lease = Arc::clone(&lease);
+            thread::spawn(move || lease.settled_remaining())
+        };
+        assert_eq!(lease.refill_due_or_rearm(), RefillVerdict::Idle);
+        if let Some(read) = join(reader) {
+            assert_eq!(read, CostUnits(3), "I23: a settled reading misses nothing");
+        }
     });
 }
 
