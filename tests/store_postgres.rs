@@ -1679,13 +1679,12 @@ async fn used_on_held(store: &PostgresStore, acct: AccountId) -> u64 {
     u64::try_from(used.unwrap_or(0)).unwrap()
 }
 
-/// A call its caller gave up on must not hold an account's locks: every
-/// transaction the store opens bounds its lock waits by the configured
-/// `lock_timeout`, whatever the pool's connections say, and on the pool
-/// `connect` builds the server ends a transaction left idle after ten
-/// seconds and defaults to read committed.
+/// On the pool `connect` builds, the server ends a transaction left idle
+/// after ten seconds, and transactions default to read committed, even
+/// where the URL (or the server) asks for a stricter level: the store's
+/// statements are written for read committed.
 #[tokio::test]
-async fn the_server_ends_lock_waits_and_abandoned_transactions() {
+async fn connections_end_idle_transactions_and_default_to_read_committed() {
     let Some(store) = store("server_bounds", 1).await else {
         return;
     };
@@ -1703,8 +1702,6 @@ async fn the_server_ends_lock_waits_and_abandoned_transactions() {
         setting("default_transaction_isolation").await,
         "read committed"
     );
-    // Even where the server or the URL default to a stricter level: the
-    // store's statements are written for read committed.
     let url = database_url("server_bounds").expect("checked above");
     let separator = if url.contains('?') { '&' } else { '?' };
     let stricter = PostgresStore::connect(
@@ -1724,7 +1721,37 @@ async fn the_server_ends_lock_waits_and_abandoned_transactions() {
         .await
         .unwrap();
     assert_eq!(isolation, "read committed");
+}
 
+/// A row of `table` held by another session, until the transaction
+/// returned is rolled back.
+async fn hold_row(
+    store: &PostgresStore,
+    table: &str,
+    id: u64,
+) -> sqlx::Transaction<'static, sqlx::Postgres> {
+    let mut holder = store.pool().begin().await.unwrap();
+    sqlx::query(&format!(
+        "SELECT 1 FROM {}.{table} WHERE id = $1 FOR UPDATE",
+        store.schema()
+    ))
+    .bind(i64::try_from(id).unwrap())
+    .execute(&mut *holder)
+    .await
+    .unwrap();
+    holder
+}
+
+/// A call its caller gave up on must not hold an account's locks: every
+/// transaction the store opens, a usage batch's included, bounds its lock
+/// waits by the configured `lock_timeout`, whatever the pool's connections
+/// say.
+#[tokio::test]
+async fn lock_waits_are_bounded_and_an_abandoned_call_changes_nothing() {
+    let Some(store) = store("lock_waits", 1).await else {
+        return;
+    };
+    let url = database_url("lock_waits").expect("checked above");
     // Another session holds the account's row. Even over a pool of the
     // caller's, whose connections would wait for it forever, the grant
     // waits no longer than the configured lock timeout, and fails as a
@@ -1740,15 +1767,7 @@ async fn the_server_ends_lock_waits_and_abandoned_transactions() {
     )
     .unwrap();
     let acct = account(&store, 100).await;
-    let mut holder = store.pool().begin().await.unwrap();
-    sqlx::query(&format!(
-        "SELECT 1 FROM {}.accounts WHERE id = $1 FOR UPDATE",
-        store.schema()
-    ))
-    .bind(i64::try_from(acct.get()).unwrap())
-    .execute(&mut *holder)
-    .await
-    .unwrap();
+    let holder = hold_row(&store, "accounts", acct.get()).await;
     let blocked = tokio::time::timeout(
         std::time::Duration::from_secs(60),
         bounded.acquire(acct, CostUnits(10), TTL, at(0)),
@@ -1779,6 +1798,24 @@ async fn the_server_ends_lock_waits_and_abandoned_transactions() {
         .expect("the row is free again");
     assert_eq!(granted.grant.units, CostUnits(10));
     assert_eq!(balance(&store, acct, at(0)).await, 90);
+    // The same for a usage batch whose lease another session holds.
+    let holder = hold_row(&store, "leases", granted.grant.lease_id.get()).await;
+    let blocked = tokio::time::timeout(
+        std::time::Duration::from_secs(60),
+        bounded.ingest(&[leased(1, acct, &granted, 4)]),
+    )
+    .await
+    .expect("the wait for the lock is bounded");
+    assert!(blocked.is_err(), "a storage error: {blocked:?}");
+    holder.rollback().await.unwrap();
+    assert_eq!(
+        bounded
+            .ingest(&[leased(1, acct, &granted, 4)])
+            .await
+            .unwrap(),
+        vec![IngestOutcome::Accepted],
+        "the timed-out batch recorded nothing"
+    );
     audited(&store).await;
 }
 

@@ -13,11 +13,13 @@
 
 use async_trait::async_trait;
 use jiff::Timestamp;
+use sqlx::postgres::PgRow;
 use sqlx::types::time::OffsetDateTime;
 
 use crate::model::UsageEvent;
 use crate::store::postgres::PostgresStore;
 use crate::store::postgres::convert::{get, micros, storage, to_i64, to_pg, uuid_text};
+use crate::store::postgres::tx::{begin, finish};
 use crate::store::{IngestOutcome, RejectReason, StoreError, UsageSink};
 
 /// Stands for an id or token no bigint can hold: ids, tokens and accounts
@@ -118,35 +120,48 @@ impl UsageSink for PostgresStore {
             "SELECT ord, outcome FROM {schema}.ingest_usage(\
              $1::text[]::uuid[], $2, $3, $4, $5, $6, $7, $8) ORDER BY ord",
         );
-        let rows = sqlx::query(&sql)
-            .bind(&columns.request_ids)
-            .bind(&columns.account_ids)
-            .bind(&columns.lease_ids)
-            .bind(&columns.fencing_tokens)
-            .bind(&columns.units)
-            .bind(&columns.ats)
-            .bind(&columns.revisions)
-            .bind(&columns.key_ids)
-            .fetch_all(&self.pool)
-            .await
-            .map_err(|error| storage("ingesting usage", &error))?;
-        if rows.len() != batch.len() {
+        // In a transaction of the store's own, like every other call: read
+        // committed, and lock waits bounded by the configured timeout. An
+        // answer that does not add up rolls the batch back.
+        let mut tx = begin(self).await?;
+        let answer = async {
+            let rows = sqlx::query(&sql)
+                .bind(&columns.request_ids)
+                .bind(&columns.account_ids)
+                .bind(&columns.lease_ids)
+                .bind(&columns.fencing_tokens)
+                .bind(&columns.units)
+                .bind(&columns.ats)
+                .bind(&columns.revisions)
+                .bind(&columns.key_ids)
+                .fetch_all(&mut *tx)
+                .await
+                .map_err(|error| storage("ingesting usage", &error))?;
+            outcomes(&rows, batch.len())
+        }
+        .await;
+        finish(tx, answer, |_| true).await
+    }
+}
+
+/// The outcomes `rows` answer for a batch of `len` events, one per event in
+/// order, or why they do not.
+fn outcomes(rows: &[PgRow], len: usize) -> Result<Vec<IngestOutcome>, StoreError> {
+    if rows.len() != len {
+        return Err(StoreError::new(format!(
+            "postgres: ingest answered {} outcomes for {len} events",
+            rows.len()
+        )));
+    }
+    let mut outcomes = Vec::with_capacity(len);
+    for (position, row) in rows.iter().enumerate() {
+        let ord: i32 = get(row, "ord")?;
+        if usize::try_from(ord).ok() != Some(position) {
             return Err(StoreError::new(format!(
-                "postgres: ingest answered {} outcomes for {} events",
-                rows.len(),
-                batch.len()
+                "postgres: ingest answered event {ord} in place {position}"
             )));
         }
-        let mut outcomes = Vec::with_capacity(batch.len());
-        for (position, row) in rows.iter().enumerate() {
-            let ord: i32 = get(row, "ord")?;
-            if usize::try_from(ord).ok() != Some(position) {
-                return Err(StoreError::new(format!(
-                    "postgres: ingest answered event {ord} in place {position}"
-                )));
-            }
-            outcomes.push(outcome(&get::<String>(row, "outcome")?)?);
-        }
-        Ok(outcomes)
+        outcomes.push(outcome(&get::<String>(row, "outcome")?)?);
     }
+    Ok(outcomes)
 }
