@@ -26,8 +26,9 @@
 //! for it in its [`ResponseFuture`], holding its reservation, and the layer
 //! keeps a fresh clone of the service for the next request. An inner
 //! service that fails its readiness answers that request with its error,
-//! uncharged, and the layer's readiness then reports the failure until the
-//! service is ready again.
+//! uncharged; failed at the hand-over (not in a request's wait, on a clone
+//! of its own), it also fails the layer's readiness until it is ready
+//! again.
 //!
 //! # The default commit point
 //!
