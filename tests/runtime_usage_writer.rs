@@ -684,13 +684,23 @@ async fn a_permit_outstanding_at_the_deadline_is_reported_cut_off() {
 
 /// I21: a writer whose task dies (here: the sink panics) abandons the queue
 /// as it goes, so admission stops at once instead of filling the queue with
-/// events nobody will write, and the report counts the lost batch.
+/// events nobody will write, logs what it leaves undelivered, and the
+/// report counts the lost batch.
 #[tokio::test(start_paused = true)]
 async fn a_writer_whose_sink_panics_stops_admission_and_reports_its_loss() {
+    let (logs, _capture) = Logs::capture();
     let mut h = Harness::new(ScriptedSink::new([Answer::Panic]));
     h.record(0..MAX_BATCH as u128);
     sleep(DRAIN).await;
     assert_eq!(h.writer.health(), WriterHealth::Stopped);
+    // Said as it dies, whether or not its handle is ever asked.
+    let said = logs.lines_with("the task panicked");
+    assert_eq!(said.len(), 1, "{}", logs.text());
+    assert!(
+        said[0].contains(&format!("undelivered={MAX_BATCH}")),
+        "{}",
+        said[0]
+    );
     assert_eq!(
         h.recorder.try_permit().unwrap_err(),
         DenyReason::ShuttingDown,

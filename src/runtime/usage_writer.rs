@@ -804,6 +804,15 @@ struct AbandonOnExit(Arc<UsageQueue>);
 impl Drop for AbandonOnExit {
     fn drop(&mut self) {
         self.0.abandon();
+        // A task that ends normally reports what it could not deliver; one
+        // that panics (a sink's panic, say) says it here, since its handle
+        // may be dropped, or never asked, afterwards (I21).
+        if std::thread::panicking() {
+            tracing::error!(
+                undelivered = self.0.undelivered(),
+                "usage writer: the task panicked; its undelivered events will not be written"
+            );
+        }
     }
 }
 
