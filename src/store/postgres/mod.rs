@@ -334,11 +334,14 @@ impl PostgresStore {
     /// seconds, so a call its caller gave up on cannot hold an account's
     /// locks for long (and every transaction bounds its lock waits by the
     /// configured `lock_timeout`), and defaults to `read committed`
-    /// whatever the server's default is.
+    /// whatever the server's default is. These two settings win over the
+    /// same ones in the URL's `options`; build the pool yourself and use
+    /// [`with_pool`](Self::with_pool) to choose them.
     ///
     /// # Errors
     ///
-    /// An invalid schema name or policy, or [`PostgresError::Connect`].
+    /// An invalid schema name, policy or lock timeout, or
+    /// [`PostgresError::Connect`].
     pub async fn connect(url: &str, config: PostgresConfig) -> Result<Self, PostgresError> {
         validate(&config)?;
         let connect_error =
@@ -366,7 +369,8 @@ impl PostgresStore {
     ///
     /// # Errors
     ///
-    /// [`PostgresError::InvalidSchemaName`] or [`PostgresError::Policy`].
+    /// [`PostgresError::InvalidSchemaName`], [`PostgresError::Policy`] or
+    /// [`PostgresError::InvalidLockTimeout`].
     pub fn with_pool(pool: PgPool, config: PostgresConfig) -> Result<Self, PostgresError> {
         validate(&config)?;
         let lock_timeout = format!("{}ms", config.lock_timeout.as_millis());
