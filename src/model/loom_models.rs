@@ -514,6 +514,46 @@ fn a_debit_gathering_from_the_other_shard_conserves_units_and_rings_each_shard_o
     });
 }
 
+/// I6: a debit that may need to gather races the refill check spreading
+/// the lease's units evenly. Units are only moved: whether the debit was
+/// funded (whole from one shard, or gathered from both as the spread left
+/// them) or refused while units were in transit, the lease ends holding
+/// exactly what was not committed.
+#[test]
+fn a_gathering_debit_racing_a_spread_conserves_units() {
+    const GRANTED: u64 = 8;
+    const LOW_WATER: CostUnits = CostUnits(2);
+    const QUOTE: CostUnits = CostUnits(3);
+    loom::model(|| {
+        // Shard 0 spent, shard 1 holding the remaining 4: the check moves
+        // two of them back, after which no shard holds the quote alone.
+        let (lease, _doorbell) = two_shard_lease(GRANTED, LOW_WATER);
+        drop(
+            lease
+                .try_reserve_at(CostUnits(4), inside_window(), Locality::new(0))
+                .expect("I6: shard 0 funds it"),
+        );
+        let debit = {
+            let lease = Arc::clone(&lease);
+            thread::spawn(move || {
+                lease
+                    .try_reserve_at(QUOTE, inside_window(), Locality::new(0))
+                    .map(drop)
+            })
+        };
+        lease.refill_due_or_rearm();
+        let funded = join(debit);
+        assert_eq!(Arc::strong_count(&lease), 1);
+        assert!(lease.is_only_local_view(), "I6: the lease is quiescent");
+        let committed = if funded.is_ok() { QUOTE.get() } else { 0 };
+        assert_eq!(
+            lease.remaining(),
+            CostUnits(4 - committed),
+            "I6: granted − committed"
+        );
+    });
+}
+
 /// I6: a debit gathering a quote from both shards races a debit homed on
 /// the same shard. The lease holds exactly both quotes, so both are funded
 /// in every order: units the gatherer has collected are never left where the
