@@ -1433,12 +1433,14 @@ async fn a_quote_ruled_out_is_not_chased_while_a_lease_is_parked() {
 }
 
 /// I23, I29: an exhausted account whose last lease closes with a request
-/// still on it is shown as exhausted at once, not only once that lease is
-/// released: the evidence counts what the parked lease holds (here
-/// nothing), so readiness can tell an account with nothing left from one
-/// it cannot serve.
+/// still on it is known at once to have nothing left beyond that lease (the
+/// evidence counts what the parked lease holds, here nothing), so readiness
+/// can tell it from an account it cannot serve. Admission answers no quote
+/// as final on that figure while the request runs: released for nothing,
+/// it gives its units back to the parked lease, and the account can be
+/// funded again once the lease is released.
 #[tokio::test(start_paused = true)]
-async fn an_exhausted_account_whose_last_lease_is_parked_busy_shows_its_evidence() {
+async fn an_exhausted_account_whose_last_lease_is_parked_busy_is_known_empty_but_not_final() {
     let exhausted = || {
         Reply::Refuse(AllocateError::BalanceExhausted(BalanceExhaustion {
             period_end: None,
@@ -1455,14 +1457,23 @@ async fn an_exhausted_account_whose_last_lease_is_parked_busy_shows_its_evidence
     h.allocator.calls_reach(3).await;
     settle().await;
     assert_eq!(h.serving(), None, "the closed lease is parked");
+    let nothing_left = Some(BalanceShortfall {
+        remaining: CostUnits::ZERO,
+        period_end: None,
+    });
+    assert_eq!(h.slot.funding_estimate(h.now()), nothing_left);
     assert_eq!(
         h.slot.funding_evidence(h.now()),
-        Some(BalanceShortfall {
-            remaining: CostUnits::ZERO,
-            period_end: None,
-        })
+        None,
+        "no final answer while the parked lease may get units back"
     );
+    // The request ends before its handler: its units go back to lease 1,
+    // whose release returns them to the balance, which funds a lease again.
     drop(running);
+    h.allocator.calls_reach(5).await;
+    settle().await;
+    assert_eq!(h.allocator.calls()[3], release(1, TARGET));
+    assert_eq!(h.serving(), Some((2, TARGET)));
 }
 
 /// I15, I29: a grant of another account is an integrity fault, not a

@@ -345,19 +345,19 @@ fn refused(
     now: Timestamp,
 ) -> Refusal {
     let held = lease.remaining();
-    let evidence = match (reason, lease.settled_remaining()) {
-        (DenyReason::LeaseExhausted, Some(held)) => {
-            let shortfall = shortfall_denial(slot, quote, held, now);
-            if shortfall.is_none() {
-                lease.note_refused(quote);
-            }
-            Evidence::Read(shortfall)
+    let evidence = if reason == DenyReason::LeaseExhausted {
+        let settled = lease.settled_remaining();
+        let shortfall = shortfall_denial(slot, quote, settled.unwrap_or(held), now);
+        if shortfall.is_none() {
+            // Not ruled out even on a reading that may be short.
+            lease.note_refused(quote);
         }
-        // Units between the lease's shards may have been missed: a shortage
-        // that may be momentary gets a transient answer, and is not
-        // recorded for a fold.
-        (DenyReason::LeaseExhausted, None) => Evidence::Read(None),
-        _ => Evidence::Unread,
+        // A reading that may have missed units moving between the lease's
+        // shards is no ground for a final answer: ruled out on it, the
+        // quote gets a transient one, and is not recorded.
+        Evidence::Read(shortfall.filter(|_| settled.is_some()))
+    } else {
+        Evidence::Unread
     };
     Refusal {
         reason,

@@ -13,21 +13,28 @@ use tokio::sync::watch;
 use crate::model::{AccountId, AccountOverage, BalanceShortfall, LocalLease, LocalSharding};
 
 /// The one place per account that holds the lease currently serving
-/// requests, with the account's overage counter and the allocator's latest
-/// word on its funds.
+/// requests, with the account's overage counter and what the instance knows
+/// of its funds beyond that lease.
 ///
 /// Requests read it without locking; the lease manager is its only writer.
 pub struct LeaseSlot {
     account: AccountId,
     lease: ArcSwapOption<LocalLease>,
     overage: Arc<AccountOverage>,
-    evidence: ArcSwapOption<BalanceShortfall>,
+    evidence: ArcSwapOption<Shown>,
     /// Whether the lease manager's last grant call failed without an answer
     /// (a storage error or a timeout).
     allocator_unreachable: AtomicBool,
     sharding: LocalSharding,
     /// Lost debit races of leases no longer in the slot.
     retired_contention: AtomicU64,
+}
+
+/// Funding evidence as published, and whether admission may answer on it.
+#[derive(Debug, Clone, Copy)]
+struct Shown {
+    shortfall: BalanceShortfall,
+    settled: bool,
 }
 
 impl LeaseSlot {
@@ -124,17 +131,37 @@ impl LeaseSlot {
         &self.overage
     }
 
-    /// Records the allocator's latest evidence about the account's funds:
-    /// `Some` when a grant or refusal showed the account short, `None` when a
-    /// later grant showed funds.
+    /// Records what the account can fund beyond the serving lease, for
+    /// admission to answer on: `Some` when the allocator's last word showed
+    /// the account short, counting every unit the instance holds for the
+    /// account outside the serving lease (units released since, and those
+    /// parked leases hold); `None` when the word showed funds, or when the
+    /// instance cannot vouch for it (a lease is out of the slot to be
+    /// folded, or the books are in doubt), so a request is answered
+    /// transiently (I23). Evidence that misses units the account has makes
+    /// admission refuse quotes it can fund as final (402, never retry).
     pub fn publish_funding(&self, evidence: Option<BalanceShortfall>) {
-        self.evidence.store(evidence.map(Arc::new));
+        self.publish(evidence, true);
     }
 
-    /// The evidence as last published, whether or not its period has ended.
+    /// Records evidence that may still understate the account's funds (a
+    /// parked lease with requests on it may yet get units back from them):
+    /// readiness and reports read it, but admission answers no quote as
+    /// final on it.
+    pub fn publish_unsettled_funding(&self, evidence: Option<BalanceShortfall>) {
+        self.publish(evidence, false);
+    }
+
+    fn publish(&self, evidence: Option<BalanceShortfall>, settled: bool) {
+        self.evidence
+            .store(evidence.map(|shortfall| Arc::new(Shown { shortfall, settled })));
+    }
+
+    /// The evidence as last published, settled or not, whether or not its
+    /// period has ended.
     #[must_use]
     pub fn published_funding(&self) -> Option<BalanceShortfall> {
-        self.evidence.load().as_deref().copied()
+        self.evidence.load().as_deref().map(|shown| shown.shortfall)
     }
 
     /// Records whether the allocator answered the lease manager's last
@@ -154,10 +181,19 @@ impl LeaseSlot {
         self.allocator_unreachable.load(Ordering::Relaxed)
     }
 
-    /// The evidence in force at `now`. Evidence whose period has ended says
-    /// nothing any more: the refill has happened.
+    /// The settled evidence in force at `now`: what admission answers on.
+    /// Evidence whose period has ended says nothing any more: the refill
+    /// has happened.
     #[must_use]
     pub fn funding_evidence(&self, now: Timestamp) -> Option<BalanceShortfall> {
+        let shown = *self.evidence.load().as_deref()?;
+        shown.settled.then_some(shown.shortfall)?.in_force(now)
+    }
+
+    /// The evidence in force at `now`, settled or not: what readiness and
+    /// reports read.
+    #[must_use]
+    pub fn funding_estimate(&self, now: Timestamp) -> Option<BalanceShortfall> {
         self.published_funding()?.in_force(now)
     }
 

@@ -350,7 +350,8 @@ pub struct AccountReport {
     pub remaining: Option<CostUnits>,
     /// How the serving lease's units sit across its shards.
     pub occupancy: Option<ShardOccupancy>,
-    /// The allocator's latest evidence about the account's funds.
+    /// What the instance knows of the account's funds beyond its serving
+    /// lease (see [`LeaseSlot::funding_estimate`](crate::admission::LeaseSlot::funding_estimate)).
     pub funding: Option<BalanceShortfall>,
     /// Debit attempts that lost a race to another thread, over every lease.
     pub contended_exchanges: u64,
@@ -780,10 +781,11 @@ impl RuntimeHandle {
         self.shared.begin_shutdown();
     }
 
-    /// The allocator's evidence about `account`'s funds in force at `now`.
+    /// What this instance knows of `account`'s funds beyond its serving
+    /// lease, in force at `now` (see [`LeaseSlot::funding_estimate`](crate::admission::LeaseSlot::funding_estimate)).
     #[must_use]
     pub fn funding(&self, account: AccountId, now: Timestamp) -> Option<BalanceShortfall> {
-        self.shared.registry.get(account)?.funding_evidence(now)
+        self.shared.registry.get(account)?.funding_estimate(now)
     }
 
     /// A reading of every account this instance serves.
@@ -821,7 +823,7 @@ impl RuntimeHandle {
                         .unwrap_or_default(),
                     remaining,
                     occupancy,
-                    funding: slot.as_ref().and_then(|slot| slot.funding_evidence(now)),
+                    funding: slot.as_ref().and_then(|slot| slot.funding_estimate(now)),
                     contended_exchanges: slot.as_ref().map_or(0, |slot| slot.contended_exchanges()),
                 }
             })
@@ -862,13 +864,14 @@ impl RuntimeHandle {
                 .and_then(|managed| managed.manager.as_ref())
                 .is_some_and(|manager| *manager.readiness().borrow());
             // An account the allocator says has nothing left is answered
-            // truthfully without a lease (402, balance exhausted). Evidence
-            // of a smaller remainder is not enough: without a lease every
-            // quote it could still fund is denied as unavailable.
+            // truthfully without a lease (402, balance exhausted, or a
+            // transient answer while a parked lease may yet get units back).
+            // Evidence of a smaller remainder is not enough: without a lease
+            // every quote it could still fund is denied as unavailable.
             let known_empty = shared
                 .registry
                 .get(*account)
-                .and_then(|slot| slot.funding_evidence(now))
+                .and_then(|slot| slot.funding_estimate(now))
                 .is_some_and(|evidence| evidence.remaining.is_zero());
             funded || known_empty
         };

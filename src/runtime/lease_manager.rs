@@ -1617,20 +1617,12 @@ impl Task {
     ///
     /// `evidence` is the allocator's last word in force (see
     /// [`evidence_in_force`](Self::evidence_in_force)).
-    fn defer_fold(
-        &mut self,
-        live: &LocalLease,
-        evidence: Option<BalanceShortfall>,
-    ) -> DeferredFold {
+    fn defer_fold(&mut self, live: &LocalLease) -> DeferredFold {
         bump(&self.shared.counters.consolidations_deferred, 1);
         let needed = live.largest_refused_quote();
-        // Whether a grant of `needed` might be had: yes unless the balance
-        // alone rules it out. Units on the busy lease do not count: they
-        // return to the balance only once it is released.
-        let might_fund = evidence.is_none_or(|evidence| !evidence.rules_out(needed));
-        let chase = !self.rotation_fell_short && might_fund;
+        let chase = !self.rotation_fell_short && self.might_fund(needed);
         let draining = live.remaining() <= live.low_water();
-        if rules_out_beside(evidence, needed, live.remaining()) {
+        if rules_out_beside(self.evidence_in_force(), needed, live.remaining()) {
             // Admission no longer records this quote; the record made
             // before the evidence came would hide a fundable one. A quote
             // the lease and the balance together could fund is kept, and
@@ -1649,14 +1641,23 @@ impl Task {
     /// allocator's evidence rules it out or a replacement already fell
     /// short of it.
     async fn chase(&mut self, needed: CostUnits) -> Result<(), Stopped> {
-        let evidence = self.evidence_in_force();
-        let might_fund = evidence.is_none_or(|evidence| !evidence.rules_out(needed));
         self.rotate_for(DeferredFold {
             needed,
-            chase: !self.rotation_fell_short && might_fund,
+            chase: !self.rotation_fell_short && self.might_fund(needed),
             draining: true,
         })
         .await
+    }
+
+    /// Whether a grant of `needed` might be had: yes unless the balance
+    /// alone, as the allocator last described it (raised by what releases
+    /// returned since), rules it out. Units on a busy or parked lease do
+    /// not count: they return to the balance only once it is released.
+    fn might_fund(&self, needed: CostUnits) -> bool {
+        let now = self.clock.now();
+        self.evidence
+            .and_then(|evidence| evidence.in_force(now))
+            .is_none_or(|evidence| !evidence.rules_out(needed))
     }
 
     /// Acts on a deferred fold: chases its quote with a replacement, or
@@ -1702,8 +1703,7 @@ impl Task {
             Some(lease) => (!lease.is_only_local_view()).then_some(lease),
         };
         if let Some(live) = busy {
-            let evidence = self.evidence_in_force();
-            let deferred = self.defer_fold(&live, evidence);
+            let deferred = self.defer_fold(&live);
             // Held any longer, the observed `Arc` would keep the lease from
             // quiescing once it is replaced.
             drop(live);
@@ -1721,8 +1721,7 @@ impl Task {
         };
         if !is_quiescent(&live) {
             // A request took it in between.
-            let evidence = self.evidence_in_force();
-            let deferred = self.defer_fold(&live, evidence);
+            let deferred = self.defer_fold(&live);
             self.reinstate(live, counted);
             self.show_evidence();
             return self.rotate_for(deferred).await;
@@ -2162,16 +2161,26 @@ impl Task {
     }
 
     /// [`evidence_with_parked`](Self::evidence_with_parked) while in force:
-    /// what decides whether a refused quote is worth chasing.
+    /// what decides whether a refused quote is worth keeping for a fold.
     fn evidence_in_force(&self) -> Option<BalanceShortfall> {
         self.evidence_with_parked()
             .and_then(|evidence| evidence.in_force(self.clock.now()))
     }
 
-    /// Publishes [`evidence_with_parked`](Self::evidence_with_parked) for
-    /// requests to read (I23).
+    /// Publishes [`evidence_with_parked`](Self::evidence_with_parked): as
+    /// settled while every parked lease is quiescent (what it holds is
+    /// final), otherwise as unsettled, since a request on a parked lease
+    /// released for nothing gives it units back after the figure was taken,
+    /// and the slot's evidence is not shown again until the next inspection.
+    /// Admission answers no quote as final on unsettled evidence; readiness
+    /// still reads it (I23).
     fn show_evidence(&self) {
-        self.slot.publish_funding(self.evidence_with_parked());
+        let evidence = self.evidence_with_parked();
+        if self.parked.iter().all(is_quiescent) {
+            self.slot.publish_funding(evidence);
+        } else {
+            self.slot.publish_unsettled_funding(evidence);
+        }
     }
 
     /// Returns what it can until `deadline`, then abandons the rest (I25).
