@@ -537,23 +537,26 @@ async fn an_expired_lease_is_retired_at_the_next_poll_and_released_before_the_re
     assert!(h.ready());
 }
 
-/// I23: an expired serving lease is parked with the evidence withdrawn.
-/// Read against the empty slot until its release lands, the evidence would
-/// leave out the parked lease's units, which that release returns to the
-/// balance, and rule out a quote they fund (402, never retry).
+/// I23: while an expired serving lease is parked, the evidence read
+/// against the empty slot counts its units, which its release returns to
+/// the balance: left out, the evidence would rule out a quote they fund
+/// (402, never retry).
 #[tokio::test(start_paused = true)]
-async fn an_expired_lease_is_parked_with_the_evidence_withdrawn() {
+async fn an_expired_lease_is_parked_with_its_units_counted_in_the_evidence() {
     let allocator = Scripted::new();
+    allocator.plan_acquires([Reply::GrantShort(
+        TARGET,
+        BalanceShortfall {
+            remaining: CostUnits(5),
+            period_end: None,
+        },
+    )]);
     let Watched {
-        slot,
+        slot: _,
         clock,
         watching,
         manager,
     } = Watched::started(&allocator).await;
-    slot.publish_funding(Some(BalanceShortfall {
-        remaining: CostUnits(5),
-        period_end: None,
-    }));
     clock.advance(TTL - MARGIN);
     watching.armed.store(true, Ordering::SeqCst);
     allocator.calls_reach(3).await;
@@ -563,9 +566,10 @@ async fn an_expired_lease_is_parked_with_the_evidence_withdrawn() {
         watching.saw_empty.load(Ordering::SeqCst),
         "the clock was read while the slot was empty"
     );
-    assert!(
-        !watching.saw_evidence_without_lease.load(Ordering::SeqCst),
-        "evidence was published while the slot was empty"
+    assert_eq!(
+        watching.least_evidence_without_lease.load(Ordering::SeqCst),
+        105,
+        "the balance's 5 and the parked lease's 100, then the same after its release"
     );
     drop(manager);
 }
@@ -3131,6 +3135,8 @@ struct SlotWatchingClock {
     armed: std::sync::atomic::AtomicBool,
     saw_empty: std::sync::atomic::AtomicBool,
     saw_evidence_without_lease: std::sync::atomic::AtomicBool,
+    /// The least remainder evidence read with the slot empty said.
+    least_evidence_without_lease: AtomicU64,
 }
 
 impl SlotWatchingClock {
@@ -3141,6 +3147,7 @@ impl SlotWatchingClock {
             armed: std::sync::atomic::AtomicBool::new(false),
             saw_empty: std::sync::atomic::AtomicBool::new(false),
             saw_evidence_without_lease: std::sync::atomic::AtomicBool::new(false),
+            least_evidence_without_lease: AtomicU64::new(u64::MAX),
         })
     }
 }
@@ -3149,9 +3156,11 @@ impl Clock for SlotWatchingClock {
     fn now(&self) -> Timestamp {
         if self.armed.load(Ordering::SeqCst) && self.slot.load_observed().is_none() {
             self.saw_empty.store(true, Ordering::SeqCst);
-            if self.slot.published_funding().is_some() {
+            if let Some(evidence) = self.slot.published_funding() {
                 self.saw_evidence_without_lease
                     .store(true, Ordering::SeqCst);
+                self.least_evidence_without_lease
+                    .fetch_min(evidence.remaining.get(), Ordering::SeqCst);
             }
         }
         self.clock.now()

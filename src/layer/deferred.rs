@@ -131,8 +131,10 @@ impl Drop for ReleaseOnDrop {
 ///
 /// Use it with [`TollgateBuilder::commit_in_handler`](super::TollgateBuilder::commit_in_handler).
 /// A request without a pending charge (the layer commits at the hand-over, or
-/// the charge was already committed) passes straight through. See the
-/// [module docs](super) for the ordering.
+/// the charge was already committed) passes straight through; one no
+/// tollgate layer admitted at all (a route outside the layer) is answered
+/// 500, as the [`Admitted`](super::Admitted) extractor answers it, and its
+/// handler does not run. See the [module docs](super) for the ordering.
 #[derive(Clone, Copy, Debug, Default)]
 #[must_use]
 pub struct CommitMarkerLayer;

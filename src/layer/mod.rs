@@ -19,8 +19,9 @@
 //!    service. A denial is a response, never a service error, so an
 //!    `Infallible` router stays `Infallible`.
 //!
-//! A [`Tollgate`] is always ready: admission happens at the outer edge, so
-//! a request without a usable key or funds is refused at once. An admitted
+//! A [`Tollgate`] is ready (unless its inner service failed at a hand-over,
+//! below): admission happens at the outer edge, so a request without a
+//! usable key or funds is refused at once. An admitted
 //! request is handed to the inner service at once if it is ready;
 //! otherwise (a `ConcurrencyLimitLayer` inside the layer is full) it waits
 //! for it in its [`ResponseFuture`], holding its reservation, and the layer

@@ -21,7 +21,10 @@
 //! nor reported ready, until the poll. A grant usable for no longer than one
 //! store call (an allocator `max_ttl` barely above the margin) gets neither:
 //! it is replaced at polls and rings, as a misconfiguration the task warns
-//! about, rather than churned once per window.
+//! about, rather than churned once per window. An account with no lease
+//! whose balance is spent until a period end, when its refill brings more,
+//! gets a wake-up then: nothing rings for an empty slot, and its clients
+//! were told to retry at that moment.
 //!
 //! # One inspection
 //!
@@ -34,7 +37,8 @@
 //! 3. The slot is examined. Empty: acquire a lease. Serving and above low
 //!    water: nothing. At or below low water: acquire a replacement while the
 //!    old lease keeps serving, install it, park the old one. The lease refused
-//!    a quote: *consolidate* it.
+//!    a quote: *consolidate* it, or, if its window is about to close,
+//!    replace it with one large enough for the quote.
 //!
 //! # Parked leases and quiescence
 //!
@@ -92,10 +96,9 @@
 //! Every allocator call is cut off after `store_call_timeout` (I22). An
 //! acquire or fold without an answer (cut off, or a storage error) may
 //! have left a grant nobody holds until reclaim, so from the second such
-//! call in a row acquires back off: one poll, then two, four and eight,
-//! back to the usual cadence at the store's first answer to any call. A
-//! release
-//! pass shares one such budget across all parked leases, each call capped by
+//! call in a row acquires and folds back off: one poll, then two, four and
+//! eight, back to the usual cadence at the store's first answer to any
+//! call. A release pass shares one such budget across all parked leases, each call capped by
 //! what is left of it, so a store that hangs costs one timeout per pass
 //! however many leases are parked; a lease whose call used up the budget goes
 //! to the back of the queue so the others get their turn next pass.
@@ -168,9 +171,9 @@ pub struct LeaseManagerConfig {
     pub expiry_safety_margin: SignedDuration,
     /// How long after one inspection ends the next one starts when no lease
     /// rings. Bounds how long a parked lease that went quiet waits, and is
-    /// the pause before a failed call is retried (acquires that keep
-    /// getting no answer wait longer: one poll, two, four, eight; see the
-    /// module docs). Expiry rings no doorbell,
+    /// the pause before a failed call is retried (acquires and folds that
+    /// keep getting no answer wait longer: one poll, two, four, eight; see
+    /// the module docs). Expiry rings no doorbell,
     /// so a lease is replaced `poll_interval + store_call_timeout` before
     /// its usable window closes ([`replacement_lead`](Self::replacement_lead)),
     /// which must be shorter than that window. (A grant the allocator cuts
@@ -1053,9 +1056,9 @@ struct Task {
     /// been reported; once per task, as every later grant is the same.
     warned_short_window: bool,
     /// Grant calls in a row that got no answer (timed out, or a storage
-    /// error), and when the next acquire may be made. Each may have
+    /// error), and when the next acquire or fold may be made. Each may have
     /// created a grant nobody holds until reclaim, so while the store does
-    /// not answer, acquires back off: after the second miss in a row one
+    /// not answer, grant calls back off: after the second miss in a row one
     /// poll, then two, four and eight, rather than strand a grant every
     /// poll of a slow spell. Any answer from the store (to an acquire, a
     /// fold or a release) puts the cadence back.
@@ -1356,9 +1359,9 @@ impl Task {
         if !expired {
             return;
         }
-        // Read against an empty slot, the evidence would leave out the
-        // parked lease's units, which its release returns to the balance
-        // (I23); the next grant call publishes it again.
+        // Read between the take and the park, the evidence would leave out
+        // the lease's units (I23): withdrawn first, shown again with the
+        // lease counted once it is parked.
         self.slot.publish_funding(None);
         if let Some(lease) = self.slot.take() {
             tracing::debug!(
@@ -1368,6 +1371,7 @@ impl Task {
             );
             self.park(lease);
         }
+        self.show_evidence();
     }
 
     async fn acquire(&mut self) -> Result<(), Stopped> {
@@ -1963,8 +1967,8 @@ impl Task {
             }
         };
         self.parked.extend(unsettled);
-        // With every parked lease released, the evidence describes all of
-        // this manager's units again.
+        // What the pass released is in the evidence now instead of in the
+        // parked leases it counts.
         self.show_evidence();
         ended
     }
@@ -2185,7 +2189,8 @@ impl Task {
 
     /// Returns what it can until `deadline`, then abandons the rest (I25).
     async fn wind_down(mut self, deadline: Instant) -> LeaseManagerReport {
-        // As when an expired lease is parked (see `retire_expired`).
+        // As when an expired lease is parked (see `retire_expired`); the
+        // release pass shows it again with the lease counted.
         self.slot.publish_funding(None);
         if let Some(serving) = self.slot.take() {
             self.park(serving);

@@ -16,11 +16,13 @@
 //!
 //! Every call is bounded by `store_call_timeout` (I22). An error, a timeout
 //! or a panic in the store client ends the pass, is counted and logged, and
-//! the next pass comes at the next interval: the reclaimer never gives up. A store settles a batch in one
-//! transaction whose length grows with the batch, so a batch too large to
+//! the next pass comes at the next interval: the reclaimer never gives up.
+//! A store settles a batch in one transaction whose length grows with the
+//! batch, so a batch too large to
 //! settle within the timeout would time out on every pass and nothing would
-//! ever be reclaimed: after a timeout the reclaimer halves the batches it
-//! asks for, and grows them back by an eighth (at least one lease) after
+//! ever be reclaimed: after a settling call times out the reclaimer halves
+//! the batches it asks for (a probe's timeout, below, says nothing of the
+//! batch), and grows them back by an eighth (at least one lease) after
 //! every batch that settles in time, up to `batch_limit`. Every lease a call
 //! reports settled is logged at info level with its units, because a reclaim
 //! is the crash exposure of the ledger being settled (units a dead instance
@@ -79,8 +81,9 @@ pub struct ReclaimerConfig {
     /// an outage between two calls goes unseen, and a lease it left with
     /// undelivered usage is settled as soon as the store answers.
     pub interval: Duration,
-    /// The most leases one call settles. Must be positive. After a call
-    /// times out, calls ask for half as many, growing back by an eighth per
+    /// The most leases one call settles. Must be positive. After a settling
+    /// call (not an outage probe) times out, calls ask for half as many,
+    /// growing back by an eighth per
     /// batch settled up to this, so a batch too long to settle within
     /// `store_call_timeout` does not stall reclaim for good.
     pub batch_limit: usize,

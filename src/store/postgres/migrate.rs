@@ -178,13 +178,13 @@ impl PostgresStore {
     /// Takes the migration lock, then creates the schema and the migration
     /// table if they are missing.
     async fn prepare(&self, conn: &mut PgConnection) -> Result<(), sqlx::Error> {
-        // The pool's lock timeout (a few seconds, for the request-serving
+        // The store's lock timeout (a second or so, for the request-serving
         // calls) would also end the wait for the migration lock, so an
         // instance started beside one running a long migration would fail
         // to start. Only that wait is longer: the migration's own
-        // statements are back under the connection's lock timeout, so one
-        // that needs a table the serving calls use gives up in seconds
-        // rather than queue every call behind it for minutes.
+        // statements are back under the store's lock timeout, so one that
+        // needs a table the serving calls use gives up in seconds rather
+        // than queue every call behind it for minutes.
         sqlx::query(&format!("SET LOCAL lock_timeout = '{MIGRATION_LOCK_WAIT}'"))
             .execute(&mut *conn)
             .await?;

@@ -86,8 +86,9 @@ pub struct PostgresConfig {
     /// The rules every grant follows.
     pub policy: GrantPolicy,
     /// How long a store call's statement waits for a row lock before the
-    /// call fails as a storage error (set on every transaction the store
-    /// opens). The server goes on waiting for a call its caller gave up
+    /// call fails as a storage error (set on every allocator, usage and
+    /// admin transaction, and on a migration's own statements). The server
+    /// goes on waiting for a call its caller gave up
     /// on, holding the call's connection and any lock it took already, so
     /// keep it no longer than the shortest timeout the store's callers
     /// put on a call (the runtime's `store_call_timeout`, `ingest_timeout`
