@@ -686,9 +686,10 @@ async fn a_lease_manager_that_dies_is_restarted_after_the_backoff() {
 }
 
 /// I29: near the end of a balance the allocator's evidence says a little
-/// is left. That evidence alone does not make the instance ready: with its
-/// lease manager dead, every quote the remainder could fund is denied as
-/// unavailable until the restarted manager holds a lease again.
+/// is left. With the lease manager dead, nothing vouches for it any more
+/// (the stranded lease's units come back only at reclaim), the instance is
+/// not ready, and every quote is denied as unavailable until the restarted
+/// manager holds a lease again.
 #[tokio::test(start_paused = true)]
 async fn evidence_of_a_remainder_is_not_readiness_without_a_lease() {
     // 600 units against grants of 500: the first grant says 100 remain.
@@ -697,15 +698,26 @@ async fn evidence_of_a_remainder_is_not_readiness_without_a_lease() {
     let (runtime, handle) = w.spawn_with(allocator, config());
     tokio::time::sleep(ms(200)).await;
     assert!(handle.readiness());
+    assert_eq!(
+        handle.account_reports()[0]
+            .funding
+            .map(|evidence| evidence.remaining),
+        Some(CostUnits(100))
+    );
     // Down to low water: the replacement acquire panics and the manager
     // dies; the supervisor's next pass finds it and its lease is stranded.
     assert_eq!(w.begin(&handle, 450), Ok(CostUnits(450)));
     tokio::time::sleep(config().supervisor_interval + ms(20)).await;
     assert_eq!(w.begin(&handle, 1), Err(DenyReason::LeaseUnavailable));
-    let funding = handle.account_reports()[0].funding;
     assert_eq!(
-        funding.map(|evidence| evidence.remaining),
-        Some(CostUnits(100))
+        handle.account_reports()[0].funding,
+        None,
+        "a dead manager's evidence vouches for nothing"
+    );
+    assert_eq!(
+        w.begin(&handle, 200),
+        Err(DenyReason::LeaseUnavailable),
+        "not a final 402: the stranded lease's units come back at reclaim"
     );
     assert!(
         !handle.readiness(),

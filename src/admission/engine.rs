@@ -10,9 +10,9 @@ use crate::admission::snapshot_map::{Entry, Pinned};
 use crate::admission::{ArcSwapSnapshotMap, LeaseSlot, RequestIds, UsagePermit, UsageRecorder};
 use crate::model::{
     AccountId, AccountOverage, AccountStatus, BalanceShortfall, CachePadded, CommitError,
-    CommitFunding, CostUnits, DenyReason, KeyHash, KeyId, KeyStatus, LocalLease, LocalSharding,
-    Locality, PermissionBits, PolicyRevision, Principal, PrincipalSnapshot, RequestId, Reservation,
-    Retry,
+    CommitFunding, CostUnits, DenyReason, KeyHash, KeyId, KeyStatus, LeaseId, LocalLease,
+    LocalSharding, Locality, PermissionBits, PolicyRevision, Principal, PrincipalSnapshot,
+    RequestId, Reservation, Retry,
 };
 
 /// Admits requests: policy, permissions, funding and a usage place, with no
@@ -270,6 +270,7 @@ fn fund(
         None => Err(Refusal {
             reason: DenyReason::LeaseUnavailable,
             held: CostUnits::ZERO,
+            serving: None,
             evidence: Evidence::Unread,
         }),
     });
@@ -292,7 +293,7 @@ fn fund(
     // answer depends on it.
     let shortfall = || match refusal.evidence {
         Evidence::Read(shortfall) => shortfall,
-        Evidence::Unread => shortfall_denial(slot, quote, refusal.held, now),
+        Evidence::Unread => shortfall_denial(slot, quote, refusal.held, refusal.serving, now),
     };
     if let Some(cap) = snapshot.mode.overage_cap() {
         return match Reservation::reserve_overage(slot.overage(), quote, cap) {
@@ -318,6 +319,8 @@ struct Refusal {
     reason: DenyReason,
     /// The units the lease held when it refused.
     held: CostUnits,
+    /// The lease that refused, if any.
+    serving: Option<LeaseId>,
     evidence: Evidence,
 }
 
@@ -345,23 +348,31 @@ fn refused(
     now: Timestamp,
 ) -> Refusal {
     let held = lease.remaining();
-    let evidence = if reason == DenyReason::LeaseExhausted {
-        let settled = lease.settled_remaining();
-        let shortfall = shortfall_denial(slot, quote, settled.unwrap_or(held), now);
-        if shortfall.is_none() {
-            // Not ruled out even on a reading that may be short.
-            lease.note_refused(quote);
+    let serving = Some(lease.grant().lease_id);
+    let evidence = match reason {
+        DenyReason::LeaseExhausted => {
+            let settled = lease.settled_remaining();
+            let shortfall = shortfall_denial(slot, quote, settled.unwrap_or(held), serving, now);
+            if shortfall.is_none() {
+                // Not ruled out even on a reading that may be short.
+                lease.note_refused(quote);
+            }
+            // A reading that may have missed units moving between the
+            // lease's shards is no ground for a final answer: ruled out on
+            // it, the quote gets a transient one, and is not recorded.
+            Evidence::Read(shortfall.filter(|_| settled.is_some()))
         }
-        // A reading that may have missed units moving between the lease's
-        // shards is no ground for a final answer: ruled out on it, the
-        // quote gets a transient one, and is not recorded.
-        Evidence::Read(shortfall.filter(|_| settled.is_some()))
-    } else {
-        Evidence::Unread
+        // A lease whose window has closed still has requests that will give
+        // their units back to it (a pending charge cannot commit on it any
+        // more), which no reading counts yet: no final answer until the
+        // lease manager retires it and counts what it holds.
+        DenyReason::LeaseExpired => Evidence::Read(None),
+        _ => Evidence::Unread,
     };
     Refusal {
         reason,
         held,
+        serving,
         evidence,
     }
 }
@@ -386,9 +397,10 @@ fn shortfall_denial(
     slot: &LeaseSlot,
     quote: CostUnits,
     held: CostUnits,
+    serving: Option<LeaseId>,
     now: Timestamp,
 ) -> Option<DenyReason> {
-    let evidence = slot.funding_evidence(now)?;
+    let evidence = slot.funding_evidence_beside(serving, now)?;
     let fundable = BalanceShortfall {
         remaining: evidence
             .remaining
@@ -1079,6 +1091,41 @@ mod tests {
         f.slot().publish_funding(None);
         denied(f.begin(1, 0), DenyReason::LeaseUnavailable);
         assert_eq!(lease.remaining(), CostUnits(3), "no denial took a unit");
+    }
+
+    /// I23: the evidence counts every unit beside the lease the slot served
+    /// when it was published. A request that read another lease, or none
+    /// (the lease manager installed or took one out in between), answers
+    /// no quote as final on it; nor does a request whose lease's window has
+    /// closed, since that lease's pending charges will give their units
+    /// back to it.
+    #[test]
+    fn evidence_is_final_only_beside_the_lease_it_was_published_with() {
+        let f = fixture(8);
+        f.map.publish([snapshot(EnforcementMode::Strict, READ)]);
+        let nothing_left = Some(BalanceShortfall {
+            remaining: CostUnits::ZERO,
+            period_end: None,
+        });
+        // Published with the slot empty, read beside a lease installed since.
+        f.slot().publish_funding(nothing_left);
+        let lease = f.lease(3);
+        denied(f.begin(5, 0), DenyReason::LeaseExhausted);
+        // Published beside the lease: final.
+        f.slot().publish_funding(nothing_left);
+        denied(
+            f.begin(5, 0),
+            DenyReason::BalanceInsufficient {
+                remaining: CostUnits(3),
+                period_end: None,
+            },
+        );
+        // The lease's window has closed: no final answer on its reading.
+        denied(f.begin(5, 100), DenyReason::LeaseExpired);
+        // The lease taken out since: read with the slot empty.
+        f.slot().take();
+        denied(f.begin(5, 0), DenyReason::LeaseUnavailable);
+        assert_eq!(lease.remaining(), CostUnits(3));
     }
 
     /// I9: a request priced at nothing needs no funds. It is admitted with

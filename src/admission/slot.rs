@@ -10,7 +10,9 @@ use jiff::Timestamp;
 use rustc_hash::FxBuildHasher;
 use tokio::sync::watch;
 
-use crate::model::{AccountId, AccountOverage, BalanceShortfall, LocalLease, LocalSharding};
+use crate::model::{
+    AccountId, AccountOverage, BalanceShortfall, LeaseId, LocalLease, LocalSharding,
+};
 
 /// The one place per account that holds the lease currently serving
 /// requests, with the account's overage counter and what the instance knows
@@ -35,6 +37,10 @@ pub struct LeaseSlot {
 struct Shown {
     shortfall: BalanceShortfall,
     settled: bool,
+    /// The lease the slot served when it was published: the evidence
+    /// counts every unit beside that lease's, so a request that read
+    /// another (or none) answers no quote as final on it.
+    serving: Option<LeaseId>,
 }
 
 impl LeaseSlot {
@@ -153,8 +159,19 @@ impl LeaseSlot {
     }
 
     fn publish(&self, evidence: Option<BalanceShortfall>, settled: bool) {
-        self.evidence
-            .store(evidence.map(|shortfall| Arc::new(Shown { shortfall, settled })));
+        let serving = self.serving();
+        self.evidence.store(evidence.map(|shortfall| {
+            Arc::new(Shown {
+                shortfall,
+                settled,
+                serving,
+            })
+        }));
+    }
+
+    /// The id of the lease the slot serves, if any.
+    fn serving(&self) -> Option<LeaseId> {
+        self.with_lease(|lease| lease.map(|lease| lease.grant().lease_id))
     }
 
     /// The evidence as last published, settled or not, whether or not its
@@ -181,13 +198,30 @@ impl LeaseSlot {
         self.allocator_unreachable.load(Ordering::Relaxed)
     }
 
-    /// The settled evidence in force at `now`: what admission answers on.
-    /// Evidence whose period has ended says nothing any more: the refill
-    /// has happened.
+    /// The settled evidence in force at `now`, published beside the lease
+    /// the slot serves now: what admission answers on. Evidence whose period
+    /// has ended says nothing any more: the refill has happened.
     #[must_use]
     pub fn funding_evidence(&self, now: Timestamp) -> Option<BalanceShortfall> {
+        self.funding_evidence_beside(self.serving(), now)
+    }
+
+    /// [`funding_evidence`](Self::funding_evidence) for a request that read
+    /// `serving` in the slot: `None` unless the evidence was published
+    /// beside that same lease. The request reads the lease and the evidence
+    /// at two moments; in between, the lease manager may install a lease
+    /// (or take one out) and publish evidence that counts everything but
+    /// the new lease's units, which that request never saw (I23).
+    #[must_use]
+    pub(crate) fn funding_evidence_beside(
+        &self,
+        serving: Option<LeaseId>,
+        now: Timestamp,
+    ) -> Option<BalanceShortfall> {
         let shown = *self.evidence.load().as_deref()?;
-        shown.settled.then_some(shown.shortfall)?.in_force(now)
+        (shown.settled && shown.serving == serving)
+            .then_some(shown.shortfall)?
+            .in_force(now)
     }
 
     /// The evidence in force at `now`, settled or not: what readiness and

@@ -738,6 +738,9 @@ impl LeaseManager {
     /// slot so requests stop spending on an account nobody manages any
     /// more. Counted as leases and units.
     fn leftovers(&self) -> (u64, u64) {
+        // Nothing manages the account's units now: no evidence vouches for
+        // them, and the serving lease's come back only at TTL reclaim.
+        self.slot.publish_funding(None);
         let stranded = self.slot.take();
         let serving_units = stranded.as_ref().map_or(0, |lease| lease.remaining().get());
         let held = self.shared.held_leases.load(Ordering::Relaxed);
@@ -2179,8 +2182,12 @@ impl Task {
     /// Admission answers no quote as final on unsettled evidence; readiness
     /// still reads it (I23).
     fn show_evidence(&self) {
+        // Quiescence first: a lease quiet then stays quiet, so what it holds
+        // when counted next is final. Counted first, a request released for
+        // nothing in between would give it units the count missed.
+        let settled = self.parked.iter().all(is_quiescent);
         let evidence = self.evidence_with_parked();
-        if self.parked.iter().all(is_quiescent) {
+        if settled {
             self.slot.publish_funding(evidence);
         } else {
             self.slot.publish_unsettled_funding(evidence);
@@ -2223,6 +2230,9 @@ impl Task {
     }
 
     fn abandon_rest(&mut self, before: &LeaseStats) -> LeaseManagerReport {
+        // What the abandoned leases hold comes back only at TTL reclaim,
+        // and a later manager's evidence is its own.
+        self.slot.publish_funding(None);
         let counters = &self.shared.counters;
         let mut abandoned = 0_u64;
         let mut abandoned_units = 0_u64;
