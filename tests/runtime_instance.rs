@@ -14,12 +14,13 @@ use tollgate::runtime::InstanceRuntimeConfigError;
 use tollgate::runtime::{InstanceRuntime, InstanceRuntimeConfig, RuntimeHandle};
 use tollgate::store::{
     AccountSpec, AllocateError, Allocation, Clock, GrantPolicy, IngestOutcome, LeaseAllocator,
-    ManualClock, MemoryStore, ReclaimBatch, Released, SnapshotCursor, SnapshotPage, SnapshotSource,
-    StoreError, TailSharing, UsageSink,
+    ManualClock, MemoryStore, ReclaimBatch, RefillSchedule, Released, SnapshotCursor, SnapshotPage,
+    SnapshotSource, StoreError, TailSharing, UsageSink,
 };
 use tollgate::{
-    AccountId, AccountStatus, CommitError, CostUnits, DenyReason, EnforcementMode, FencingToken,
-    KeyHash, LeaseId, PermissionBits, Principal, PrincipalSnapshot, UsageEvent,
+    AccountId, AccountStatus, BalanceShortfall, CommitError, CostUnits, DenyReason,
+    EnforcementMode, FencingToken, KeyHash, LeaseId, PermissionBits, Principal, PrincipalSnapshot,
+    UsageEvent,
 };
 
 use support::logs::Logs;
@@ -730,6 +731,31 @@ async fn evidence_of_a_remainder_is_not_readiness_without_a_lease() {
     runtime.shutdown().await;
 }
 
+/// I29: a manager that died just before the shutdown reached it (here its
+/// replacement acquire panics as the lease runs low) left its lease to TTL
+/// reclaim: the report counts it unrecovered, as it counts one found dead
+/// while serving.
+#[tokio::test(start_paused = true)]
+async fn a_manager_found_dead_at_shutdown_counts_its_lease_unrecovered() {
+    let w = world(600);
+    let allocator = Misbehaving::new(&w.store, 1, 1, Releases::Honest);
+    let (runtime, handle) = w.spawn_with(allocator, config());
+    tokio::time::sleep(ms(200)).await;
+    assert_eq!(w.begin(&handle, 450), Ok(CostUnits(450)));
+    for _ in 0..32 {
+        tokio::task::yield_now().await;
+    }
+    let report = runtime.shutdown().await;
+    let died: Vec<_> = report
+        .leases
+        .iter()
+        .filter(|(_, lease)| lease.task_died)
+        .map(|(_, lease)| lease.abandoned)
+        .collect();
+    assert_eq!(died, [1], "found dead by the shutdown, its lease stranded");
+    assert_eq!(handle.report().unrecovered_grants, 1);
+}
+
 #[tokio::test(start_paused = true)]
 async fn an_integrity_fault_takes_the_instance_out_of_service_for_good() {
     let w = world(10_000);
@@ -1294,6 +1320,65 @@ impl Clock for LaggingClock {
     fn staleness_bound(&self) -> Duration {
         self.1
     }
+}
+
+/// I29: an account whose balance is spent until its period end is known
+/// to have nothing left until then, and for a moment after: its manager
+/// asks for a lease at the period end once its clock, which may read up to
+/// its staleness bound behind, must show it, and until that one call is
+/// answered the instance is not unready for want of care. (Here the clock
+/// moves and the manager has not run yet.)
+#[tokio::test(start_paused = true)]
+async fn readiness_holds_through_the_moment_an_exhausted_account_refills() {
+    let start = Timestamp::from_second(1_700_000_000).unwrap();
+    let w = world(0);
+    let period = SignedDuration::from_secs(60);
+    w.store
+        .configure_refill(
+            w.account,
+            Some(RefillSchedule {
+                amount: CostUnits(100),
+                interval: period,
+            }),
+            start,
+        )
+        .unwrap();
+    let lagging = Arc::new(LaggingClock(ManualClock::new(start), ms(1_000)));
+    let (runtime, handle) = InstanceRuntime::spawn(
+        Arc::clone(&w.store) as _,
+        Arc::clone(&w.store) as _,
+        Arc::clone(&w.store) as _,
+        Arc::clone(&lagging) as Arc<dyn Clock>,
+        config(),
+    )
+    .unwrap();
+    tokio::time::sleep(ms(200)).await;
+    assert_eq!(
+        handle.funding(w.account, start),
+        Some(BalanceShortfall {
+            remaining: CostUnits::ZERO,
+            period_end: Some(start + period),
+        })
+    );
+    assert!(handle.readiness(), "known to have nothing left");
+    lagging.0.advance(period + SignedDuration::from_millis(10));
+    assert!(
+        handle.readiness(),
+        "the period has just ended; the manager's call is due"
+    );
+    // A moment later the manager has a lease from the refill.
+    tokio::time::sleep(ms(1_500)).await;
+    assert!(handle.readiness());
+    let mut context = handle
+        .begin(
+            w.principal,
+            PermissionBits::NONE,
+            CostUnits(1),
+            lagging.now(),
+        )
+        .expect("funded by the refill");
+    assert_eq!(context.commit(lagging.now()), Ok(CostUnits(1)));
+    runtime.shutdown().await;
 }
 
 /// What `InstanceRuntime::spawn` says of `config` over a clock that lags by

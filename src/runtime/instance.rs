@@ -23,7 +23,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
-use jiff::Timestamp;
+use jiff::{SignedDuration, Timestamp};
 use tokio::sync::watch;
 use tokio::task::{JoinHandle, JoinSet};
 use tokio::time::{Instant, sleep};
@@ -344,7 +344,10 @@ pub struct AccountReport {
     /// finish with the slot, or not started (the instance is out of
     /// service, or the manager refused its configuration).
     pub health: Option<LeaseHealth>,
-    /// The manager's counters.
+    /// The counters of the account's current manager: a manager restarted
+    /// (or started again for a returning account) counts from zero, while
+    /// the instance's totals in [`RuntimeReport`] keep what every manager
+    /// counted.
     pub stats: LeaseStats,
     /// Units left on the serving lease, if any (a momentary reading).
     pub remaining: Option<CostUnits>,
@@ -616,6 +619,14 @@ impl InstanceRuntime {
                     // much as one found while serving.
                     self.shared.faulted.store(true, Ordering::Release);
                 }
+                if report.task_died {
+                    // I29: a manager that died before the shutdown reached
+                    // it left its grants to TTL reclaim, as one found dead
+                    // while serving does.
+                    self.shared
+                        .unrecovered
+                        .fetch_add(report.abandoned, Ordering::Relaxed);
+                }
                 let mut planes = self.shared.lock_planes();
                 planes.retired = planes
                     .retired
@@ -857,6 +868,14 @@ impl RuntimeHandle {
         // I29: every account a usable principal is bound to counts from
         // the moment the policy names it, not from the supervisor's next
         // pass: until its manager has a lease, nothing funds its requests.
+        let refill_grace = shared
+            .clock
+            .staleness_bound()
+            .saturating_add(shared.config.leases.store_call_timeout);
+        let refill_grace_start = SignedDuration::try_from(refill_grace)
+            .ok()
+            .and_then(|grace| now.checked_sub(grace).ok())
+            .unwrap_or(Timestamp::MIN);
         let answers_for = |account: &AccountId| {
             let funded = planes
                 .accounts
@@ -868,10 +887,14 @@ impl RuntimeHandle {
             // transient answer while a parked lease may yet get units back).
             // Evidence of a smaller remainder is not enough: without a lease
             // every quote it could still fund is denied as unavailable.
+            // Evidence whose period ended within `refill_grace` still
+            // counts: its manager asks for a lease at the period end (once
+            // its clock must show it), and the account is not unserved for
+            // want of care while that one call is answered.
             let known_empty = shared
                 .registry
                 .get(*account)
-                .and_then(|slot| slot.funding_estimate(now))
+                .and_then(|slot| slot.funding_estimate(refill_grace_start))
                 .is_some_and(|evidence| evidence.remaining.is_zero());
             funded || known_empty
         };
