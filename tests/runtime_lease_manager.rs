@@ -135,6 +135,9 @@ struct Scripted {
     count: watch::Sender<usize>,
     began: Instant,
     slot: Mutex<Option<Arc<LeaseSlot>>>,
+    /// For each call, the remainder the slot's evidence showed as it came
+    /// (with a slot to watch).
+    shown_at_calls: Mutex<Vec<Option<u64>>>,
 }
 
 impl Scripted {
@@ -148,6 +151,7 @@ impl Scripted {
             count: watch::Sender::new(0),
             began: Instant::now(),
             slot: Mutex::new(None),
+            shown_at_calls: Mutex::new(Vec::new()),
         })
     }
 
@@ -188,6 +192,11 @@ impl Scripted {
     }
 
     fn record(&self, call: Call) {
+        let shown = lock(&self.slot)
+            .as_ref()
+            .and_then(|slot| slot.published_funding())
+            .map(|evidence| evidence.remaining.get());
+        lock(&self.shown_at_calls).push(shown);
         lock(&self.calls).push((self.began.elapsed(), call));
         self.count.send_modify(|count| *count += 1);
     }
@@ -567,9 +576,14 @@ async fn an_expired_lease_is_parked_with_its_units_counted_in_the_evidence() {
         "the clock was read while the slot was empty"
     );
     assert_eq!(
+        lock(&allocator.shown_at_calls)[1],
+        Some(105),
+        "shown as soon as the lease was parked: the balance's 5 and its 100"
+    );
+    assert_eq!(
         watching.least_evidence_without_lease.load(Ordering::SeqCst),
         105,
-        "the balance's 5 and the parked lease's 100, then the same after its release"
+        "the same after its release"
     );
     drop(manager);
 }

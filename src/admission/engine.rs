@@ -352,15 +352,19 @@ fn refused(
     let evidence = match reason {
         DenyReason::LeaseExhausted => {
             let settled = lease.settled_remaining();
-            let shortfall = shortfall_denial(slot, quote, settled.unwrap_or(held), serving, now);
-            if shortfall.is_none() {
-                // Not ruled out even on a reading that may be short.
+            let reading = settled.unwrap_or(held);
+            // Recorded for a fold unless the instance's estimate rules it
+            // out, settled or not, as the lease manager decides whether to
+            // keep a record: a record it forgets at once would only ring
+            // again at the next refusal.
+            let estimate = slot.funding_estimate_beside(serving, now);
+            if ruled_out(estimate, quote, reading).is_none() {
                 lease.note_refused(quote);
             }
-            // A reading that may have missed units moving between the
-            // lease's shards is no ground for a final answer: ruled out on
-            // it, the quote gets a transient one, and is not recorded.
-            Evidence::Read(shortfall.filter(|_| settled.is_some()))
+            // Answered as final only on settled evidence and a reading that
+            // missed no units moving between the lease's shards.
+            let evidence = settled.and_then(|_| slot.funding_evidence_beside(serving, now));
+            Evidence::Read(ruled_out(evidence, quote, reading))
         }
         // A lease whose window has closed still has requests that will give
         // their units back to it (a pending charge cannot commit on it any
@@ -400,7 +404,18 @@ fn shortfall_denial(
     serving: Option<LeaseId>,
     now: Timestamp,
 ) -> Option<DenyReason> {
-    let evidence = slot.funding_evidence_beside(serving, now)?;
+    ruled_out(slot.funding_evidence_beside(serving, now), quote, held)
+}
+
+/// The exhaustion denial `evidence` gives `quote`, beside a lease that
+/// holds `held`: `None` when there is no evidence, or the two together
+/// could fund it.
+fn ruled_out(
+    evidence: Option<BalanceShortfall>,
+    quote: CostUnits,
+    held: CostUnits,
+) -> Option<DenyReason> {
+    let evidence = evidence?;
     let fundable = BalanceShortfall {
         remaining: evidence
             .remaining
@@ -1126,6 +1141,26 @@ mod tests {
         f.slot().take();
         denied(f.begin(5, 0), DenyReason::LeaseUnavailable);
         assert_eq!(lease.remaining(), CostUnits(3));
+    }
+
+    /// I23, I27: unsettled evidence (a parked lease may still get units
+    /// back) gives no final answer, but a quote it rules out is not
+    /// recorded for a fold either: the lease manager would forget the
+    /// record on the same figure, and the next refusal would ring again.
+    #[test]
+    fn unsettled_evidence_neither_answers_finally_nor_records_what_it_rules_out() {
+        let f = fixture(8);
+        f.map.publish([snapshot(EnforcementMode::Strict, READ)]);
+        let lease = f.lease(3);
+        f.slot().publish_unsettled_funding(Some(BalanceShortfall {
+            remaining: CostUnits(1),
+            period_end: None,
+        }));
+        denied(f.begin(5, 0), DenyReason::LeaseExhausted);
+        assert_eq!(lease.largest_refused_quote(), CostUnits::ZERO);
+        // One the estimate does not rule out is recorded.
+        denied(f.begin(4, 0), DenyReason::LeaseExhausted);
+        assert_eq!(lease.largest_refused_quote(), CostUnits(4));
     }
 
     /// I9: a request priced at nothing needs no funds. It is admitted with

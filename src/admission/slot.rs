@@ -224,6 +224,22 @@ impl LeaseSlot {
             .in_force(now)
     }
 
+    /// [`funding_estimate`](Self::funding_estimate) for a request that read
+    /// `serving` in the slot, published beside that same lease: what
+    /// decides whether a refusal is worth recording for a fold, as the
+    /// lease manager decides whether to keep one.
+    #[must_use]
+    pub(crate) fn funding_estimate_beside(
+        &self,
+        serving: Option<LeaseId>,
+        now: Timestamp,
+    ) -> Option<BalanceShortfall> {
+        let shown = *self.evidence.load().as_deref()?;
+        (shown.serving == serving)
+            .then_some(shown.shortfall)?
+            .in_force(now)
+    }
+
     /// The evidence in force at `now`, settled or not: what readiness and
     /// reports read.
     #[must_use]

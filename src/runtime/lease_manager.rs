@@ -1622,8 +1622,11 @@ impl Task {
     /// neither drains the account's lease, nor churns grants, nor splits the
     /// balance into ever smaller leases.
     ///
-    /// `evidence` is the allocator's last word in force (see
-    /// [`evidence_in_force`](Self::evidence_in_force)).
+    /// Whether to chase is decided on the balance alone
+    /// ([`might_fund`](Self::might_fund)); whether to keep the record, on
+    /// everything the instance holds beside the lease
+    /// ([`evidence_in_force`](Self::evidence_in_force)), as admission
+    /// decides whether to record it.
     fn defer_fold(&mut self, live: &LocalLease) -> DeferredFold {
         bump(&self.shared.counters.consolidations_deferred, 1);
         let needed = live.largest_refused_quote();
