@@ -1494,7 +1494,57 @@ async fn an_exhausted_account_whose_last_lease_is_parked_busy_is_known_empty_but
     assert_eq!(h.serving(), Some((2, TARGET)));
 }
 
-/// I15, I29: a grant of another account is an integrity fault, not a
+/// I27: after a refused fold, the record of the quote is judged on the
+/// figure admission reads: the store's balance and what a parked lease
+/// holds, beside the lease. A quote those fund together is kept for the
+/// fold once the parked lease is back in the balance; forgotten on the
+/// balance alone, admission would record it again at the next refusal, and
+/// each refused request would cost a fold.
+#[tokio::test(start_paused = true)]
+async fn a_refused_fold_keeps_a_quote_the_parked_lease_and_the_balance_fund_together() {
+    let allocator = Scripted::new();
+    allocator.plan_acquires([
+        Reply::Grant(TARGET),
+        Reply::GrantShort(
+            30,
+            BalanceShortfall {
+                remaining: CostUnits::ZERO,
+                period_end: None,
+            },
+        ),
+    ]);
+    // The balance is empty: the store counts only the folded lease's 30.
+    allocator.plan_consolidations([Reply::Refuse(AllocateError::BalanceInsufficient(
+        BalanceShortfall {
+            remaining: CostUnits(30),
+            period_end: None,
+        },
+    ))]);
+    let h = Harness::started(allocator).await;
+    // Lease 1 is replaced with 15 left and a request still on it.
+    let running = h.reserve(50);
+    h.spend(35);
+    h.allocator.calls_reach(2).await;
+    settle().await;
+    assert_eq!(h.serving(), Some((2, 30)));
+    // Lease 2 refuses 40: 30 of its own and lease 1's 15 fund it.
+    h.refused(40);
+    h.allocator.calls_reach(3).await;
+    settle().await;
+    assert!(matches!(
+        h.allocator.calls()[2],
+        Call::Consolidate { needed: 40, .. }
+    ));
+    let lease = h.slot.load_observed().expect("lease 2 serves again");
+    assert_eq!(
+        lease.largest_refused_quote(),
+        CostUnits(40),
+        "kept for a fold"
+    );
+    drop(lease);
+    drop(running);
+}
+
 /// panic: the manager stops spending, withdraws readiness for good, and
 /// hands the grant back rather than serve it.
 #[tokio::test(start_paused = true)]

@@ -357,13 +357,17 @@ fn refused(
             // out, settled or not, as the lease manager decides whether to
             // keep a record: a record it forgets at once would only ring
             // again at the next refusal.
-            let estimate = slot.funding_estimate_beside(serving, now);
-            if ruled_out(estimate, quote, reading).is_none() {
+            // One reading of the evidence decides both, so the answer
+            // agrees with the record.
+            let shown = slot.funding_beside(serving, now);
+            if ruled_out(shown.map(|(estimate, _)| estimate), quote, reading).is_none() {
                 lease.note_refused(quote);
             }
             // Answered as final only on settled evidence and a reading that
             // missed no units moving between the lease's shards.
-            let evidence = settled.and_then(|_| slot.funding_evidence_beside(serving, now));
+            let evidence = shown
+                .filter(|&(_, settled_evidence)| settled_evidence && settled.is_some())
+                .map(|(evidence, _)| evidence);
             Evidence::Read(ruled_out(evidence, quote, reading))
         }
         // A lease whose window has closed still has requests that will give

@@ -152,8 +152,11 @@ impl LeaseSlot {
 
     /// Records evidence that may still understate the account's funds (a
     /// parked lease with requests on it may yet get units back from them):
-    /// readiness and reports read it, but admission answers no quote as
-    /// final on it.
+    /// readiness and reports read it, and admission decides on it whether a
+    /// refusal is worth recording for a fold, but answers no quote as final
+    /// on it. (A quote it understates is answered transiently and recorded
+    /// once the lease manager shows the parked lease's units again, at its
+    /// next inspection.)
     pub fn publish_unsettled_funding(&self, evidence: Option<BalanceShortfall>) {
         self.publish(evidence, false);
     }
@@ -218,26 +221,27 @@ impl LeaseSlot {
         serving: Option<LeaseId>,
         now: Timestamp,
     ) -> Option<BalanceShortfall> {
-        let shown = *self.evidence.load().as_deref()?;
-        (shown.settled && shown.serving == serving)
-            .then_some(shown.shortfall)?
-            .in_force(now)
+        self.funding_beside(serving, now)
+            .filter(|&(_, settled)| settled)
+            .map(|(evidence, _)| evidence)
     }
 
-    /// [`funding_estimate`](Self::funding_estimate) for a request that read
-    /// `serving` in the slot, published beside that same lease: what
-    /// decides whether a refusal is worth recording for a fold, as the
-    /// lease manager decides whether to keep one.
+    /// The evidence in force at `now` published beside `serving`, the lease
+    /// a request read in the slot, and whether it is settled, from one
+    /// reading: settled or not, it decides whether a refusal is worth
+    /// recording for a fold, as the lease manager decides whether to keep
+    /// one; settled, it may answer the refusal finally.
     #[must_use]
-    pub(crate) fn funding_estimate_beside(
+    pub(crate) fn funding_beside(
         &self,
         serving: Option<LeaseId>,
         now: Timestamp,
-    ) -> Option<BalanceShortfall> {
+    ) -> Option<(BalanceShortfall, bool)> {
         let shown = *self.evidence.load().as_deref()?;
-        (shown.serving == serving)
-            .then_some(shown.shortfall)?
-            .in_force(now)
+        if shown.serving != serving {
+            return None;
+        }
+        Some((shown.shortfall.in_force(now)?, shown.settled))
     }
 
     /// The evidence in force at `now`, settled or not: what readiness and

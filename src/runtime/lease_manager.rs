@@ -1730,10 +1730,13 @@ impl Task {
             return self.acquire().await;
         };
         if !is_quiescent(&live) {
-            // A request took it in between.
-            let deferred = self.defer_fold(&live);
+            // A request took it in between. Put back and the evidence shown
+            // before the record is judged, as after a refused fold.
+            let lease = Arc::clone(&live);
             self.reinstate(live, counted);
             self.show_evidence();
+            let deferred = self.defer_fold(&lease);
+            drop(lease);
             return self.rotate_for(deferred).await;
         }
         let grant = *live.grant();
@@ -1841,27 +1844,30 @@ impl Task {
                     %error,
                     "lease manager: consolidation refused; the lease keeps serving"
                 );
-                // A quote the refusal's evidence rules out is forgotten:
-                // admission no longer records it, and its record would hide
-                // a smaller, fundable quote refused after it. Otherwise the
-                // refusal mark stays, so the fold is tried again on the next
-                // poll. If the lease is also low, replace it meanwhile, or one
-                // quote the account cannot fund would starve every smaller
-                // one until the lease runs dry.
-                let now = self.clock.now();
-                let in_force = evidence.and_then(|evidence| evidence.in_force(now));
-                let needed = live.largest_refused_quote();
-                if rules_out_beside(in_force, needed, live.remaining()) {
-                    live.forget_refusal(needed);
-                }
-                let draining = live.remaining() <= live.low_water();
-                self.reinstate(live, counted);
                 // A refusal without evidence (a suspended account, say)
                 // changed nothing the withdrawn evidence described.
                 if evidence.is_some() {
                     self.evidence = evidence;
                 }
+                let needed = live.largest_refused_quote();
+                let draining = live.remaining() <= live.low_water();
+                let lease = Arc::clone(&live);
+                self.reinstate(live, counted);
                 self.show_evidence();
+                // A quote the evidence now shown rules out, beside what the
+                // lease holds, is forgotten: admission no longer records it,
+                // deciding on the same figure, and its record would hide a
+                // smaller, fundable quote refused after it. Otherwise the
+                // refusal mark stays, so the fold is tried again on the next
+                // poll. Forgotten only once that evidence is shown: before,
+                // a refusal would find none and record the quote again. If
+                // the lease is also low, replace it meanwhile, or one quote
+                // the account cannot fund would starve every smaller one
+                // until the lease runs dry.
+                if rules_out_beside(self.evidence_in_force(), needed, lease.remaining()) {
+                    lease.forget_refusal(needed);
+                }
+                drop(lease);
                 if draining {
                     return self.acquire().await;
                 }
@@ -2353,7 +2359,9 @@ fn fold_refusal(error: &AllocateError) -> FoldRefusal {
 
 /// Whether `evidence` rules `needed` out even counting the `held` units of
 /// the account's lease: admission's rule for which refusals it records
-/// (I27), so a quote forgotten by this rule is not recorded again.
+/// (I27). Given the evidence shown to requests
+/// ([`Task::evidence_in_force`]), a quote forgotten by this rule is not
+/// recorded again while that evidence stands.
 fn rules_out_beside(
     evidence: Option<BalanceShortfall>,
     needed: CostUnits,
