@@ -188,6 +188,14 @@ async fn acquire_refuses_each_invalid_request_without_touching_the_balance<S: Te
             AllocateError::InvalidTtl,
         ),
         (acct, CostUnits(10), secs(-5), AllocateError::InvalidTtl),
+        // PostgreSQL keeps microseconds: shorter, a lease would be granted
+        // expired there.
+        (
+            acct,
+            CostUnits(10),
+            SignedDuration::from_nanos(999),
+            AllocateError::InvalidTtl,
+        ),
         (acct, CostUnits::ZERO, TTL, AllocateError::InvalidRequest),
     ];
     for (account, requested, ttl, expected) in cases {
@@ -715,6 +723,10 @@ async fn a_lease_reclaim_cannot_credit_is_reported_and_holds_up_no_other<S: Test
     let third = store.reclaim_expired_batch(at(50), 2).await.unwrap();
     assert!(third.reclaimed.is_empty());
     assert!(!third.more);
+    // With only blocked leases due, a limit of zero says none can be
+    // settled now.
+    let none = store.reclaim_expired_batch(at(50), 0).await.unwrap();
+    assert!(none.reclaimed.is_empty() && !none.more, "{none:?}");
     assert_eq!(third.blocked, all_blocked, "named again on every pass");
     assert_eq!(balance(&store, small, at(50)).await, 1_000);
     assert_eq!(balance(&store, full, at(50)).await, TOP - 10);

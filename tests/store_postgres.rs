@@ -671,6 +671,40 @@ async fn instants_are_kept_to_the_microsecond_and_returned_as_stored() {
     assert_eq!(balance(&store, acct, at(5)).await, 999);
 }
 
+/// What keeping microseconds means beside the memory store: a refill
+/// period must be a whole number of them (its ends are stored exactly), and
+/// two events under one request id that differ only below the microsecond
+/// are the same event, a duplicate, not a conflicting one.
+#[tokio::test]
+async fn below_the_microsecond_refills_are_refused_and_events_are_the_same() {
+    let Some(store) = store("sub_micros", 1).await else {
+        return;
+    };
+    let acct = account(&store, 1_000).await;
+    let uneven = RefillSchedule {
+        amount: CostUnits(10),
+        interval: SignedDuration::from_nanos(1_500),
+    };
+    assert!(matches!(
+        store.configure_refill(acct, Some(uneven), at(0)).await,
+        Err(AdminError::InvalidRefill)
+    ));
+    let granted = store
+        .acquire(acct, CostUnits(10), TTL, at(0))
+        .await
+        .unwrap();
+    let event = leased(1, acct, &granted, 2);
+    let nearly = UsageEvent {
+        at: event.at + SignedDuration::from_nanos(500),
+        ..event
+    };
+    assert_eq!(
+        store.ingest(&[event, nearly]).await.unwrap(),
+        [IngestOutcome::Accepted, IngestOutcome::Duplicate]
+    );
+    audited(&store).await;
+}
+
 /// The memory store's boundary is exact to the nanosecond; this store keeps
 /// microseconds, so its boundary is exact to the microsecond.
 #[tokio::test]

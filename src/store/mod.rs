@@ -144,8 +144,10 @@ pub trait LeaseAllocator: Send + Sync {
     /// once. A lease whose credit would overflow its account's balance is
     /// passed over and reported in [`ReclaimBatch::blocked`], so one account
     /// never holds up the others (I19). A `limit` of zero settles nothing;
-    /// `more` then says whether any lease is due (so a caller paging on
-    /// `more` must ask for at least one).
+    /// `more` then says whether a lease that could be settled now is due
+    /// (blocked leases, and in `PostgreSQL` leases another reclaimer holds,
+    /// do not count), so a caller paging on `more` must ask for at least
+    /// one.
     async fn reclaim_expired_batch(
         &self,
         now: Timestamp,
@@ -382,8 +384,8 @@ pub enum AllocateError {
     /// The release claims more unspent units than the lease can still hold:
     /// an accounting fault on the caller's side.
     InvalidRelease,
-    /// The lifetime requested is not positive, or the lease would expire
-    /// past the end of time.
+    /// The lifetime requested (clamped to the policy's maximum) is under a
+    /// microsecond, or the lease would expire past the end of time.
     InvalidTtl,
     /// A request for zero units.
     InvalidRequest,
@@ -470,7 +472,9 @@ impl fmt::Display for AllocateError {
             Self::InvalidRelease => {
                 f.write_str("release claims more unspent units than the lease can hold")
             }
-            Self::InvalidTtl => f.write_str("lease ttl must be positive and representable"),
+            Self::InvalidTtl => {
+                f.write_str("lease ttl must be at least a microsecond and representable")
+            }
             Self::InvalidRequest => f.write_str("a grant must request at least one unit"),
             Self::Storage(error) => write!(f, "storage error: {error}"),
         }

@@ -110,10 +110,13 @@ impl GrantPolicy {
     }
 
     /// The ttl a lease gets for a requested `ttl`: clamped to `max_ttl`, or
-    /// `None` when `ttl` is not positive.
+    /// `None` when that is under a microsecond. A store keeping
+    /// microseconds (`PostgreSQL`) would grant a shorter lease already
+    /// expired; both stores refuse it alike.
     #[must_use]
     pub fn lease_ttl(&self, ttl: SignedDuration) -> Option<SignedDuration> {
-        ttl.is_positive().then(|| ttl.min(self.max_ttl))
+        let ttl = ttl.min(self.max_ttl);
+        (ttl >= SignedDuration::from_micros(1)).then_some(ttl)
     }
 
     /// The grant for a request of `requested` units against `available`
@@ -201,7 +204,7 @@ mod tests {
     }
 
     #[test]
-    fn ttl_is_clamped_and_must_be_positive() {
+    fn ttl_is_clamped_and_must_be_at_least_a_microsecond() {
         let p = policy(1, 1);
         assert_eq!(
             p.lease_ttl(SignedDuration::from_secs(10)),
@@ -213,6 +216,11 @@ mod tests {
         );
         assert_eq!(p.lease_ttl(SignedDuration::ZERO), None);
         assert_eq!(p.lease_ttl(SignedDuration::from_secs(-1)), None);
+        assert_eq!(p.lease_ttl(SignedDuration::from_nanos(999)), None);
+        assert_eq!(
+            p.lease_ttl(SignedDuration::from_micros(1)),
+            Some(SignedDuration::from_micros(1))
+        );
     }
 
     #[track_caller]

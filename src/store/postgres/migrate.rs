@@ -155,9 +155,12 @@ impl PostgresStore {
     pub async fn migrate(&self) -> Result<MigrationReport, PostgresError> {
         let mut attempt = 1;
         loop {
+            // Read committed whatever the pool's default: after waiting for
+            // another instance's migration, a snapshot taken before the wait
+            // would miss the versions that one recorded and apply them again.
             let mut tx = self
                 .pool
-                .begin()
+                .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
                 .await
                 .map_err(|error| storage("starting the migration", &error))?;
             match self.prepare(&mut tx).await {

@@ -365,8 +365,9 @@ impl PostgresStore {
     /// The pool is the caller's, and so are its connections' settings: set
     /// `idle_in_transaction_session_timeout` on it as
     /// [`connect`](Self::connect) does, or a call abandoned on a timeout
-    /// can leave its locks held. (The store's own transactions set their
-    /// isolation level and lock timeout themselves.)
+    /// can leave its locks held. (The store's own transactions, a
+    /// migration's included, set their isolation level and lock timeout
+    /// themselves; the audit reads at repeatable read.)
     ///
     /// # Errors
     ///
