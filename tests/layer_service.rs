@@ -144,6 +144,19 @@ impl World {
             .unwrap()
     }
 
+    /// [`layer`](Self::layer), committing in the handler.
+    fn deferred_layer(&self) -> TollgateLayer {
+        TollgateLayer::builder(self.handle.clone())
+            .price(|_: &http::request::Parts| Price {
+                units: CostUnits(PRICE),
+                required: READ,
+            })
+            .policy_revision(REVISION)
+            .commit_in_handler()
+            .build()
+            .unwrap()
+    }
+
     /// Units left on the account's serving lease (a quiescent reading).
     fn remaining(&self) -> u64 {
         let reports = self.handle.account_reports();
@@ -349,15 +362,7 @@ impl Service<Request<String>> for PanicsInCall {
 async fn a_panic_in_the_inner_call_releases_the_charge_and_counts_it() {
     let w = world(INITIAL).await;
     let before = w.remaining();
-    let deferred = TollgateLayer::builder(w.handle.clone())
-        .price(|_: &http::request::Parts| Price {
-            units: CostUnits(PRICE),
-            required: READ,
-        })
-        .commit_in_handler()
-        .build()
-        .unwrap();
-    for (mode, layer) in [("default", w.layer()), ("deferred", deferred)] {
+    for (mode, layer) in [("default", w.layer()), ("deferred", w.deferred_layer())] {
         let mut service = layer.layer(PanicsInCall);
         let request = w.bearer("/read");
         let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
@@ -413,15 +418,7 @@ impl Service<Request<String>> for FailsOnce {
 async fn an_inner_service_that_fails_its_readiness_answers_with_its_error_uncharged() {
     let w = world(INITIAL).await;
     let before = w.remaining();
-    let deferred = TollgateLayer::builder(w.handle.clone())
-        .price(|_: &http::request::Parts| Price {
-            units: CostUnits(PRICE),
-            required: READ,
-        })
-        .commit_in_handler()
-        .build()
-        .unwrap();
-    for (mode, layer) in [("default", w.layer()), ("deferred", deferred)] {
+    for (mode, layer) in [("default", w.layer()), ("deferred", w.deferred_layer())] {
         let inner = FailsOnce::default();
         let mut service = layer.layer(inner.clone());
         let future = std::pin::pin!(service.call(w.bearer("/read")));
@@ -621,15 +618,7 @@ async fn a_future_dropped_before_its_first_poll_charges_nothing() {
             }
         });
         if deferred {
-            let layer = TollgateLayer::builder(w.handle.clone())
-                .price(|_: &http::request::Parts| Price {
-                    units: CostUnits(PRICE),
-                    required: READ,
-                })
-                .policy_revision(REVISION)
-                .commit_in_handler()
-                .build()
-                .unwrap();
+            let layer = w.deferred_layer();
             let service = tower::ServiceBuilder::new()
                 .layer(layer)
                 .layer(tower::limit::ConcurrencyLimitLayer::new(1))
@@ -687,14 +676,8 @@ async fn a_commit_marker_reached_after_release_refuses_and_the_handler_does_not_
     let before = w.remaining();
     let stash: Arc<Mutex<Option<Request<String>>>> = Arc::default();
     let stashed = Arc::clone(&stash);
-    let mut outer = TollgateLayer::builder(w.handle.clone())
-        .price(|_: &http::request::Parts| Price {
-            units: CostUnits(PRICE),
-            required: READ,
-        })
-        .commit_in_handler()
-        .build()
-        .unwrap()
+    let mut outer = w
+        .deferred_layer()
         .layer(service_fn(move |request: Request<String>| {
             *stashed.lock().unwrap() = Some(request);
             std::future::pending::<Result<Response<String>, Infallible>>()
@@ -1402,15 +1385,7 @@ async fn building_a_layer_without_pricing_is_a_named_error() {
 #[tokio::test(start_paused = true)]
 async fn a_handler_that_answers_without_reaching_its_commit_point_counts_a_release() {
     let mut w = world(INITIAL).await;
-    let layer = TollgateLayer::builder(w.handle.clone())
-        .price(|_: &http::request::Parts| Price {
-            units: CostUnits(PRICE),
-            required: READ,
-        })
-        .policy_revision(REVISION)
-        .commit_in_handler()
-        .build()
-        .unwrap();
+    let layer = w.deferred_layer();
     let unmarked = answer(
         layer
             .layer(service_fn(echo_admission))
