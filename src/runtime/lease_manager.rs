@@ -1664,10 +1664,47 @@ impl Task {
     /// returned since), rules it out. Units on a busy or parked lease do
     /// not count: they return to the balance only once it is released.
     fn might_fund(&self, needed: CostUnits) -> bool {
-        let now = self.clock.now();
-        self.evidence
-            .and_then(|evidence| evidence.in_force(now))
+        self.balance_in_force()
             .is_none_or(|evidence| !evidence.rules_out(needed))
+    }
+
+    /// Whether the fold of the serving lease waits, its refusal kept on
+    /// record: `Some`, with whether the lease is also low, while grant
+    /// calls back off or the store would refuse the fold.
+    ///
+    /// A fold is a grant call too, and one cut off may have granted a
+    /// lease nobody holds: while grant calls back off (I22), the lease
+    /// keeps serving what it can, its refusal recorded for the fold when
+    /// the wait is over. (Folded and cut off, it would be parked, leaving
+    /// the slot empty for the rest of the slow spell.) And the store folds
+    /// from the balance and the lease's own units: units a parked lease
+    /// holds reach the balance only with its release, so the fold waits
+    /// until they have, rather than be refused at every poll.
+    fn fold_waits(&self) -> Option<bool> {
+        if self
+            .acquire_after
+            .is_some_and(|after| Instant::now() < after)
+        {
+            // An acquire would wait as well.
+            return Some(false);
+        }
+        self.slot.with_lease(|lease| {
+            let lease = lease?;
+            rules_out_beside(
+                self.balance_in_force(),
+                lease.largest_refused_quote(),
+                lease.remaining(),
+            )
+            .then(|| lease.remaining() <= lease.low_water())
+        })
+    }
+
+    /// The balance as the allocator last described it, raised by what
+    /// releases returned since, while in force: what a grant or a fold is
+    /// made from, without the units parked leases still hold.
+    fn balance_in_force(&self) -> Option<BalanceShortfall> {
+        let now = self.clock.now();
+        self.evidence.and_then(|evidence| evidence.in_force(now))
     }
 
     /// Acts on a deferred fold: chases its quote with a replacement, or
@@ -1694,17 +1731,6 @@ impl Task {
     /// Folds the serving lease, which refused a quote, into one grant large
     /// enough for that quote.
     async fn consolidate(&mut self) -> Result<(), Stopped> {
-        // A fold is a grant call too, and one cut off may have granted a
-        // lease nobody holds: while grant calls back off (I22), the lease
-        // keeps serving what it can, its refusal recorded for the fold
-        // when the wait is over. (Folded and cut off, it would be parked,
-        // leaving the slot empty for the rest of the slow spell.)
-        if self
-            .acquire_after
-            .is_some_and(|after| Instant::now() < after)
-        {
-            return Ok(());
-        }
         // A lease a request holds is found busy where it serves: taken out
         // of the slot to find that out, it would leave the slot empty, and
         // the account's requests denied, for a moment.
@@ -1718,6 +1744,14 @@ impl Task {
             // quiescing once it is replaced.
             drop(live);
             return self.rotate_for(deferred).await;
+        }
+        // Meanwhile the lease keeps serving (replaced if it is also low).
+        if let Some(draining) = self.fold_waits() {
+            return if draining {
+                self.acquire().await
+            } else {
+                Ok(())
+            };
         }
         // The evidence is withdrawn before the lease leaves the slot, and
         // stays withdrawn while the lease is out: read with the slot empty,

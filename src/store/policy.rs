@@ -14,7 +14,7 @@ use crate::model::CostUnits;
 pub struct GrantPolicy {
     /// The longest lease the store grants. A longer requested ttl is clamped
     /// to this, which bounds how long a crashed instance can strand units.
-    /// Must be positive and at most [`GrantPolicy::LONGEST`].
+    /// At least a microsecond and at most [`GrantPolicy::LONGEST`].
     pub max_ttl: SignedDuration,
     /// How long after `expires_at` a lease is still its holder's to release.
     /// Reclaim waits this long, so a holder whose clock runs slightly behind
@@ -46,7 +46,8 @@ pub struct TailSharing {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum GrantPolicyError {
-    /// `max_ttl` must be positive.
+    /// `max_ttl` must be at least a microsecond (the shortest lease a store
+    /// grants).
     MaxTtlNotPositive,
     /// `max_ttl` must not exceed [`GrantPolicy::LONGEST`].
     MaxTtlTooLong,
@@ -63,7 +64,7 @@ pub enum GrantPolicyError {
 impl fmt::Display for GrantPolicyError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
-            Self::MaxTtlNotPositive => "grant policy: max_ttl must be positive",
+            Self::MaxTtlNotPositive => "grant policy: max_ttl must be at least a microsecond",
             Self::MaxTtlTooLong => "grant policy: max_ttl must not exceed a year",
             Self::ReclaimGraceNotPositive => "grant policy: reclaim_grace must be positive",
             Self::ReclaimGraceTooLong => "grant policy: reclaim_grace must not exceed a year",
@@ -88,7 +89,8 @@ impl GrantPolicy {
     ///
     /// The first broken rule.
     pub fn validate(&self) -> Result<(), GrantPolicyError> {
-        if !self.max_ttl.is_positive() {
+        // A shorter lease would be refused (see `lease_ttl`).
+        if self.max_ttl < SignedDuration::from_micros(1) {
             return Err(GrantPolicyError::MaxTtlNotPositive);
         }
         if self.max_ttl > Self::LONGEST {
@@ -178,6 +180,9 @@ mod tests {
         assert_eq!(policy(1, 1).validate(), Ok(()));
         let mut bad = policy(0, 0);
         bad.max_ttl = SignedDuration::ZERO;
+        assert_eq!(bad.validate(), Err(GrantPolicyError::MaxTtlNotPositive));
+        // Every grant under it would be refused (see `lease_ttl`).
+        bad.max_ttl = SignedDuration::from_nanos(999);
         assert_eq!(bad.validate(), Err(GrantPolicyError::MaxTtlNotPositive));
         bad.max_ttl = GrantPolicy::LONGEST + SignedDuration::from_nanos(1);
         assert_eq!(bad.validate(), Err(GrantPolicyError::MaxTtlTooLong));

@@ -67,7 +67,7 @@ fn allocate_storage(error: &AllocateError) -> bool {
 
 impl PostgresStore {
     /// When a lease granted at `now` for a requested `ttl` expires: the ttl
-    /// clamped to the policy's maximum, refused if not positive or past the
+    /// clamped to the policy's maximum, refused if under a microsecond or past the
     /// end of time, truncated to what `PostgreSQL` stores.
     fn expiry(&self, ttl: SignedDuration, now: Timestamp) -> Result<Timestamp, AllocateError> {
         let ttl = self
