@@ -1020,10 +1020,10 @@ async fn a_domain_refusal_of_a_consolidation_puts_the_old_lease_back_and_publish
                 "{error}: not retried"
             );
             h.refused(35);
-            let smaller_fundable = error
+            if error
                 .evidence()
-                .is_some_and(|evidence| !evidence.rules_out(CostUnits(35)));
-            if smaller_fundable {
+                .is_some_and(|e| !e.rules_out(CostUnits(35)))
+            {
                 h.allocator.calls_reach(3).await;
                 assert_eq!(
                     h.allocator.calls()[2],
@@ -1037,9 +1037,12 @@ async fn a_domain_refusal_of_a_consolidation_puts_the_old_lease_back_and_publish
                 );
             } else {
                 // Ruled out too (admission would not record it): a fold
-                // the store would refuse is not made.
+                // the store would refuse is not made, and the record is
+                // forgotten, so it cannot hide a smaller, fundable quote.
                 sleep(POLL * 3).await;
                 assert_eq!(h.allocator.calls().len(), 2, "{error}: not folded");
+                let kept = h.slot.load_observed().map(|l| l.largest_refused_quote());
+                assert_eq!(kept, Some(CostUnits::ZERO), "{error}: forgotten");
             }
             continue;
         }

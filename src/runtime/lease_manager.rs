@@ -38,7 +38,9 @@
 //!    water: nothing. At or below low water: acquire a replacement while the
 //!    old lease keeps serving, install it, park the old one. The lease refused
 //!    a quote: *consolidate* it, or, if its window is about to close,
-//!    replace it with one large enough for the quote.
+//!    replace it with one large enough for the quote. A fold the store
+//!    would refuse (the quote needs units a parked lease still holds) waits
+//!    until they are back in the balance.
 //!
 //! # Parked leases and quiescence
 //!
@@ -1668,9 +1670,10 @@ impl Task {
             .is_none_or(|evidence| !evidence.rules_out(needed))
     }
 
-    /// Whether the fold of the serving lease waits, its refusal kept on
-    /// record: `Some`, with whether the lease is also low, while grant
-    /// calls back off or the store would refuse the fold.
+    /// Whether the fold of the serving lease waits: `Some` while grant
+    /// calls back off (then `false`: an acquire would wait as well) or
+    /// while the store would refuse the fold (then whether the lease is
+    /// also low, to be replaced meanwhile).
     ///
     /// A fold is a grant call too, and one cut off may have granted a
     /// lease nobody holds: while grant calls back off (I22), the lease
@@ -1680,22 +1683,26 @@ impl Task {
     /// from the balance and the lease's own units: units a parked lease
     /// holds reach the balance only with its release, so the fold waits
     /// until they have, rather than be refused at every poll.
+    ///
+    /// Either way, a record that the evidence shown to requests now rules
+    /// out beside the lease (the lease spent down while the fold waited) is
+    /// forgotten, as admission would no longer make it: kept, it would hide
+    /// a smaller, fundable quote refused after it (I27).
     fn fold_waits(&self) -> Option<bool> {
-        if self
+        let backing_off = self
             .acquire_after
-            .is_some_and(|after| Instant::now() < after)
-        {
-            // An acquire would wait as well.
-            return Some(false);
-        }
+            .is_some_and(|after| Instant::now() < after);
         self.slot.with_lease(|lease| {
             let lease = lease?;
-            rules_out_beside(
-                self.balance_in_force(),
-                lease.largest_refused_quote(),
-                lease.remaining(),
-            )
-            .then(|| lease.remaining() <= lease.low_water())
+            let (needed, held) = (lease.largest_refused_quote(), lease.remaining());
+            if rules_out_beside(self.evidence_in_force(), needed, held) {
+                lease.forget_refusal(needed);
+            }
+            if backing_off {
+                return Some(false);
+            }
+            rules_out_beside(self.balance_in_force(), needed, held)
+                .then(|| held <= lease.low_water())
         })
     }
 

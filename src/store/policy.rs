@@ -184,6 +184,9 @@ mod tests {
         // Every grant under it would be refused (see `lease_ttl`).
         bad.max_ttl = SignedDuration::from_nanos(999);
         assert_eq!(bad.validate(), Err(GrantPolicyError::MaxTtlNotPositive));
+        let mut shortest = policy(1, 1);
+        shortest.max_ttl = SignedDuration::from_micros(1);
+        assert_eq!(shortest.validate(), Ok(()), "a microsecond is enough");
         bad.max_ttl = GrantPolicy::LONGEST + SignedDuration::from_nanos(1);
         assert_eq!(bad.validate(), Err(GrantPolicyError::MaxTtlTooLong));
         bad.max_ttl = GrantPolicy::LONGEST;
