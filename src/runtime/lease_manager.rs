@@ -1692,17 +1692,21 @@ impl Task {
         let backing_off = self
             .acquire_after
             .is_some_and(|after| Instant::now() < after);
+        // Both figures at one instant: a period ending between two readings
+        // would forget the record and then fold without it.
+        let now = self.clock.now();
+        let shown = self.evidence_with_parked().and_then(|e| e.in_force(now));
+        let balance = self.evidence.and_then(|e| e.in_force(now));
         self.slot.with_lease(|lease| {
             let lease = lease?;
             let (needed, held) = (lease.largest_refused_quote(), lease.remaining());
-            if rules_out_beside(self.evidence_in_force(), needed, held) {
+            if rules_out_beside(shown, needed, held) {
                 lease.forget_refusal(needed);
             }
             if backing_off {
                 return Some(false);
             }
-            rules_out_beside(self.balance_in_force(), needed, held)
-                .then(|| held <= lease.low_water())
+            rules_out_beside(balance, needed, held).then(|| held <= lease.low_water())
         })
     }
 
