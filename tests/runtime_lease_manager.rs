@@ -74,6 +74,13 @@ fn storage_error() -> AllocateError {
     AllocateError::Storage(StoreError::new("scripted outage"))
 }
 
+/// An acquire refused because the balance is spent until `period_end`.
+fn exhausted(period_end: Option<Timestamp>) -> Reply {
+    Reply::Refuse(AllocateError::BalanceExhausted(BalanceExhaustion {
+        period_end,
+    }))
+}
+
 /// One allocator call as the scripted allocator saw it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Call {
@@ -394,6 +401,16 @@ impl Harness {
 
     fn now(&self) -> Timestamp {
         self.clock.now()
+    }
+
+    /// Moves the manual clock and tokio's time forward together, a second
+    /// at a time, letting the manager act at each second.
+    async fn run_for(&self, seconds: u64) {
+        for _ in 0..seconds {
+            self.clock.advance(SignedDuration::from_secs(1));
+            tokio::time::advance(secs(1)).await;
+            settle().await;
+        }
     }
 
     /// The serving lease's id and remaining units.
@@ -1474,13 +1491,8 @@ async fn a_quote_ruled_out_is_not_chased_while_a_lease_is_parked() {
 /// funded again once the lease is released.
 #[tokio::test(start_paused = true)]
 async fn an_exhausted_account_whose_last_lease_is_parked_busy_is_known_empty_but_not_final() {
-    let exhausted = || {
-        Reply::Refuse(AllocateError::BalanceExhausted(BalanceExhaustion {
-            period_end: None,
-        }))
-    };
     let allocator = Scripted::new();
-    allocator.plan_acquires([Reply::Grant(TARGET), exhausted(), exhausted()]);
+    allocator.plan_acquires([Reply::Grant(TARGET), exhausted(None), exhausted(None)]);
     let h = Harness::started(allocator).await;
     // Every unit reserved by a request that is still running.
     let running = h.reserve(TARGET);
@@ -1999,11 +2011,7 @@ async fn a_quote_refused_as_the_window_closes_is_chased_by_the_replacement() {
         Reply::Grant(150),
     ]);
     let h = Harness::started(allocator).await;
-    for _ in 0..51 {
-        h.clock.advance(SignedDuration::from_secs(1));
-        tokio::time::advance(secs(1)).await;
-        settle().await;
-    }
+    h.run_for(51).await;
     assert_eq!(h.allocator.calls(), [acquire(), acquire()]);
     assert_eq!(h.serving(), Some((1, 100)), "still serving, 4 s to go");
     h.refused(150);
@@ -2023,20 +2031,11 @@ async fn a_quote_refused_as_the_window_closes_is_chased_by_the_replacement() {
 #[tokio::test(start_paused = true)]
 async fn an_exhausted_account_is_funded_again_at_its_period_end_not_the_next_poll() {
     let period_end = start() + SignedDuration::from_secs(25);
-    let exhausted = || {
-        Reply::Refuse(AllocateError::BalanceExhausted(BalanceExhaustion {
-            period_end: Some(period_end),
-        }))
-    };
     let allocator = Scripted::new();
-    allocator.plan_acquires([exhausted(), exhausted(), exhausted()]);
+    allocator.plan_acquires(std::iter::repeat_n(exhausted(Some(period_end)), 3));
     let h = Harness::started(allocator).await;
     assert_eq!(h.serving(), None);
-    for _ in 0..26 {
-        h.clock.advance(SignedDuration::from_secs(1));
-        tokio::time::advance(secs(1)).await;
-        settle().await;
-    }
+    h.run_for(26).await;
     let at: Vec<Duration> = h
         .allocator
         .timed_calls()
@@ -2055,12 +2054,7 @@ async fn an_exhausted_account_is_funded_again_at_its_period_end_not_the_next_pol
 async fn a_clock_that_reads_behind_does_not_turn_the_refill_wake_up_into_a_loop() {
     let period_end = start() + SignedDuration::from_millis(1);
     let allocator = Scripted::new();
-    allocator.plan_acquires(std::iter::repeat_n(
-        Reply::Refuse(AllocateError::BalanceExhausted(BalanceExhaustion {
-            period_end: Some(period_end),
-        })),
-        64,
-    ));
+    allocator.plan_acquires(std::iter::repeat_n(exhausted(Some(period_end)), 64));
     let h = Harness::started(allocator).await;
     sleep(secs(60)).await;
     let acquires = h.allocator.calls().len();
