@@ -1995,6 +1995,56 @@ async fn a_fold_waits_out_the_backoff_and_its_answer_puts_the_cadence_back() {
     assert_eq!(h.serving(), Some((3, TARGET)));
 }
 
+/// A fold waiting out the backoff still forgets a record the evidence rules
+/// out beside the lease (I27): kept, it would hide a smaller quote the
+/// account can fund, refused after it, until the wait was over and a fold
+/// the store must refuse had been tried. The smaller one is then recorded
+/// and folded when the wait is over.
+#[tokio::test(start_paused = true)]
+async fn a_fold_waiting_out_the_backoff_forgets_a_record_the_evidence_rules_out() {
+    let allocator = Scripted::new();
+    let shown = BalanceShortfall {
+        remaining: CostUnits(10),
+        period_end: None,
+    };
+    allocator.plan_acquires([
+        Reply::GrantShort(TARGET, shown),
+        Reply::Refuse(storage_error()),
+        Reply::Refuse(storage_error()),
+        Reply::Refuse(storage_error()),
+        Reply::Refuse(storage_error()),
+    ]);
+    let h = Harness::started(allocator).await;
+    h.spend(85);
+    h.allocator.calls_reach(4).await;
+    settle().await;
+    sleep(POLL / 2).await;
+    let recorded = || {
+        h.slot
+            .load_observed()
+            .map(|lease| lease.largest_refused_quote().get())
+    };
+    // 15 left and 10 in the balance: 30 is out of reach.
+    h.refused(30);
+    settle().await;
+    assert_eq!(recorded(), Some(0), "forgotten while the fold waits");
+    // 20 is within reach: recorded, and folded once the wait is over.
+    h.refused(20);
+    settle().await;
+    assert_eq!(recorded(), Some(20), "a fundable quote stays recorded");
+    assert_eq!(h.allocator.calls().len(), 4, "no fold during the backoff");
+    h.allocator.calls_reach(5).await;
+    assert_eq!(
+        h.allocator.calls()[4],
+        Call::Consolidate {
+            lease: 1,
+            unspent: 15,
+            requested: TARGET,
+            needed: 20,
+        }
+    );
+}
+
 /// I27: a quote refused by a lease whose window is about to close is
 /// chased by its replacement, not forgotten with it: the replacement is
 /// asked for enough to fund it, so the client's retry is admitted instead
