@@ -1297,6 +1297,10 @@ fn validate_names_the_first_broken_rule() {
         },
         Some("instance runtime: account_linger must be positive"),
     );
+    check(
+        |c| c.manager_restart_backoff = Duration::ZERO,
+        Some("instance runtime: manager_restart_backoff must be positive"),
+    );
     assert!(matches!(
         {
             let mut c = config();

@@ -2045,6 +2045,44 @@ async fn a_fold_waiting_out_the_backoff_forgets_a_record_the_evidence_rules_out(
     );
 }
 
+/// Grants that arrive unable to serve (as from a store whose `max_ttl` is
+/// no longer than the safety margin) are returned, and the acquires that
+/// get them back off like unanswered ones, although their releases are
+/// answered: one poll, then two, four and eight. Asked every poll, every
+/// instance would journal a grant and its release per account and poll.
+/// A grant that serves ends the wait (I22).
+#[tokio::test(start_paused = true)]
+async fn acquires_answered_with_unusable_grants_back_off() {
+    let allocator = Scripted::new();
+    // Empty grants; then the script runs out and grants serve again.
+    allocator.plan_acquires((0..5).map(|_| Reply::Grant(0)));
+    let h = Harness::started(allocator).await;
+    while h.serving().is_none() {
+        h.allocator.calls_reach(h.allocator.calls().len() + 1).await;
+        settle().await;
+    }
+    let calls = h.allocator.timed_calls();
+    let acquired: Vec<Duration> = calls
+        .iter()
+        .filter(|(_, call)| *call == acquire())
+        .map(|(at, _)| at.saturating_sub(calls[0].0))
+        .collect();
+    assert_eq!(
+        acquired,
+        [0, 1, 3, 7, 15, 23].map(|polls| POLL * polls),
+        "{calls:?}"
+    );
+    assert_eq!(
+        calls
+            .iter()
+            .filter(|(_, call)| matches!(call, Call::Release { unspent: 0, .. }))
+            .count(),
+        5,
+        "every unusable grant went back: {calls:?}"
+    );
+    assert_eq!(h.serving(), Some((6, TARGET)));
+}
+
 /// I27: a quote refused by a lease whose window is about to close is
 /// chased by its replacement, not forgotten with it: the replacement is
 /// asked for enough to fund it, so the client's retry is admitted instead
@@ -2589,6 +2627,11 @@ fn validate_names_the_first_broken_rule() {
     );
     check(
         |c| c.lease_ttl = SignedDuration::from_secs(-1),
+        Err(Broken::LeaseTtlNotPositive),
+    );
+    // Every store refuses a lease shorter than a microsecond.
+    check(
+        |c| c.lease_ttl = SignedDuration::from_nanos(999),
         Err(Broken::LeaseTtlNotPositive),
     );
     check(

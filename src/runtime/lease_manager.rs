@@ -100,10 +100,14 @@
 //! have left a grant nobody holds until reclaim, so from the second such
 //! call in a row acquires and folds back off: one poll, then two, four and
 //! eight, back to the usual cadence at the store's first answer to any
-//! call. A release pass shares one such budget across all parked leases, each call capped by
-//! what is left of it, so a store that hangs costs one timeout per pass
-//! however many leases are parked; a lease whose call used up the budget goes
-//! to the back of the queue so the others get their turn next pass.
+//! call. A grant that arrives unable to serve a debit (empty, or usable for
+//! no time: the store's `max_ttl` is no longer than the safety margin) is
+//! returned, and acquires wait the same way after each, until a grant
+//! serves. A release pass shares one such budget across all parked
+//! leases, each call capped by what is left of it, so a store that hangs
+//! costs one timeout per pass however many leases are parked; a lease whose
+//! call used up the budget goes to the back of the queue so the others get
+//! their turn next pass.
 //!
 //! # Shutdown
 //!
@@ -199,7 +203,8 @@ pub enum LeaseManagerConfigError {
     TargetGrantZero,
     /// `low_water` is not below `target_grant`.
     LowWaterNotBelowTargetGrant,
-    /// `lease_ttl` is zero or negative.
+    /// `lease_ttl` is shorter than a microsecond, the shortest lease a
+    /// store grants (zero and negative included).
     LeaseTtlNotPositive,
     /// `expiry_safety_margin` is negative.
     ExpirySafetyMarginNegative,
@@ -414,7 +419,12 @@ impl LeaseManagerConfig {
                 self.low_water < self.target_grant,
                 Broken::LowWaterNotBelowTargetGrant,
             ),
-            (self.lease_ttl.is_positive(), Broken::LeaseTtlNotPositive),
+            // Stores keep microseconds and refuse a shorter lease, every
+            // acquire alike.
+            (
+                self.lease_ttl >= SignedDuration::from_micros(1),
+                Broken::LeaseTtlNotPositive,
+            ),
             (
                 !self.expiry_safety_margin.is_negative(),
                 Broken::ExpirySafetyMarginNegative,
@@ -453,7 +463,7 @@ impl fmt::Display for LeaseManagerConfigError {
             Self::LowWaterNotBelowTargetGrant => {
                 "lease manager: low_water must be below target_grant"
             }
-            Self::LeaseTtlNotPositive => "lease manager: lease_ttl must be positive",
+            Self::LeaseTtlNotPositive => "lease manager: lease_ttl must be at least a microsecond",
             Self::ExpirySafetyMarginNegative => {
                 "lease manager: expiry_safety_margin must not be negative"
             }
@@ -571,6 +581,8 @@ impl LeaseManager {
             warned_short_window: false,
             unanswered_acquires: 0,
             acquire_after: None,
+            unusable_grants: 0,
+            unusable_until: None,
             early_wakes: EarlyWakes::default(),
             refill_woken: None,
             evidence: None,
@@ -1069,6 +1081,15 @@ struct Task {
     /// fold or a release) puts the cadence back.
     unanswered_acquires: u32,
     acquire_after: Option<Instant>,
+    /// Grants in a row that arrived unable to serve a debit (a store whose
+    /// `max_ttl` is no longer than the safety margin grants nothing else),
+    /// and until when they hold the next acquire back: one poll, then two,
+    /// four and eight. Answers do not end this wait, since the store did
+    /// answer; a grant that serves does. Asked every poll, such a store
+    /// would journal a grant and its release per account and poll for as
+    /// long as the instance runs.
+    unusable_grants: u32,
+    unusable_until: Option<Instant>,
     /// The wake-ups before the next poll already spent on the serving lease
     /// (see [`Task::early_wake`]).
     early_wakes: EarlyWakes,
@@ -1475,20 +1496,33 @@ impl Task {
     fn note_acquire_answered(&mut self, answered: bool) {
         if answered {
             self.unanswered_acquires = 0;
-            self.acquire_after = None;
+            self.acquire_after = self.unusable_until.filter(|at| Instant::now() < *at);
             return;
         }
         self.unanswered_acquires = self.unanswered_acquires.saturating_add(1);
         // One miss is retried at the next inspection, as any failure is (a
         // lease near its window's end gets its last try then); from the
         // second in a row, one poll, two, four, eight.
-        self.acquire_after = (self.unanswered_acquires > 1).then(|| {
+        let missed = (self.unanswered_acquires > 1).then(|| {
             let polls = 1_u32 << (self.unanswered_acquires - 2).min(3);
             after(
                 Instant::now(),
                 self.config.poll_interval.saturating_mul(polls),
             )
         });
+        self.acquire_after = missed.max(self.unusable_until);
+    }
+
+    /// Books a grant that arrived unable to serve (see `unusable_grants`).
+    fn note_unusable_grant(&mut self) {
+        self.unusable_grants = self.unusable_grants.saturating_add(1);
+        let polls = 1_u32 << (self.unusable_grants - 1).min(3);
+        let until = after(
+            Instant::now(),
+            self.config.poll_interval.saturating_mul(polls),
+        );
+        self.unusable_until = Some(until);
+        self.acquire_after = self.acquire_after.max(Some(until));
     }
 
     /// Logs a failed acquire at the level of its consequence: routine while
@@ -1541,8 +1575,13 @@ impl Task {
             self.evidence = allocation.funding;
             self.park(lease);
             self.show_evidence();
+            self.note_unusable_grant();
             return;
         }
+        // The store answered with a grant that serves: no wait is left.
+        self.unusable_grants = 0;
+        self.unusable_until = None;
+        self.acquire_after = None;
         let window = lease.usable_until().duration_since(now);
         if window <= self.config.replacement_lead() && !self.warned_short_window {
             self.warned_short_window = true;
