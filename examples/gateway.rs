@@ -501,10 +501,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
 /// Serves the API and the ops routes until a stop is asked for or a
 /// listener fails. A stop closes admission at once (so /readyz turns 503
-/// and new requests are refused), then gives the API's open connections a
-/// bounded drain, then the ops listener's. A client that never finishes its
-/// request cannot hold the shutdown: past the drain it is dropped with the
-/// process.
+/// and new requests are refused), then gives open connections one bounded
+/// drain: the API's first, while the ops listener still answers /readyz,
+/// then the ops listener's in what is left of it. A client that never
+/// finishes its request cannot hold the shutdown: past the drain it is
+/// dropped with the process.
 async fn serve_until_stopped(
     (listener, metered): (tokio::net::TcpListener, Router),
     (ops_listener, ops): (tokio::net::TcpListener, Router),
@@ -532,13 +533,14 @@ async fn serve_until_stopped(
         eprintln!("serving stopped: {error}");
     }
     handle.request_shutdown();
+    let drained_by = tokio::time::Instant::now() + HTTP_DRAIN;
     stop_api.cancel();
     if api_done.is_none() {
-        api_done = tokio::time::timeout(HTTP_DRAIN, &mut api).await.ok();
+        api_done = tokio::time::timeout_at(drained_by, &mut api).await.ok();
     }
     stop_ops.cancel();
     if ops_done.is_none() {
-        ops_done = tokio::time::timeout(HTTP_DRAIN, &mut ops).await.ok();
+        ops_done = tokio::time::timeout_at(drained_by, &mut ops).await.ok();
     }
     if api_done.is_none() || ops_done.is_none() {
         eprintln!("connections still open after {HTTP_DRAIN:?}; shutting down without them");

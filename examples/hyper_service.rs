@@ -120,7 +120,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let key = store.issue_key(account, PermissionBits::ALL, clock.now())?;
     // The port is taken before the runtime starts, so a port in use stops
     // the program before anything is acquired.
-    let listener = tokio::net::TcpListener::bind(args.listen).await?;
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .map_err(|error| format!("--listen {}: {error}", args.listen))?;
     let bound = listener.local_addr()?;
     let (runtime, handle) = InstanceRuntime::spawn(
         Arc::clone(&store) as _,
@@ -142,7 +144,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         "  curl -i -H 'Authorization: Bearer {}' http://{bound}/",
         key.key.expose()
     );
-    let serve = async {
+    // The listener lives in the serving loop, so the port closes with it:
+    // connections made during the shutdown are refused, not left waiting.
+    let serve = async move {
         loop {
             let stream = match listener.accept().await {
                 Ok((stream, _)) => stream,

@@ -117,6 +117,13 @@ where
 /// (`report.leases` is `None`) the lease series keep their last values, and
 /// the reclaim series appear only on instances that run a reclaimer. The
 /// hottest accounts are not published: their ids would be unbounded labels.
+///
+/// A counter set with `absolute` never goes back in the exporters the
+/// `metrics` ecosystem ships (they keep the largest value set): publish one
+/// runtime per recorder. A runtime started in place of another in the same
+/// process counts from zero, and its `_total` series stand still until they
+/// pass the first runtime's, as if nothing happened meanwhile: restart the
+/// process with the runtime.
 pub fn publish_metrics(report: &RuntimeReport) {
     flag("tollgate_ready", report.ready);
     flag("tollgate_admitting", report.admitting);
