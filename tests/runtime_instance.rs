@@ -11,7 +11,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use jiff::{SignedDuration, Timestamp};
 use tollgate::runtime::InstanceRuntimeConfigError;
-use tollgate::runtime::{InstanceRuntime, InstanceRuntimeConfig, RuntimeHandle};
+use tollgate::runtime::{InstanceRuntime, InstanceRuntimeConfig, RuntimeHandle, WriterHealth};
 use tollgate::store::{
     AccountSpec, AllocateError, Allocation, Clock, GrantPolicy, IngestOutcome, LeaseAllocator,
     ManualClock, MemoryStore, ReclaimBatch, RefillSchedule, Released, SnapshotCursor, SnapshotPage,
@@ -992,6 +992,98 @@ async fn report_totals_never_go_down_through_shutdown() {
         after.reclaimer.map(|stats| stats.passes) >= before.reclaimer.map(|stats| stats.passes)
     );
     assert!(!after.ready);
+}
+
+/// While a shutdown drains usage, the report reads the writer live: its
+/// health and queue as they are, not "stopped" with the counts frozen at
+/// the moment the drain began, so an operator can tell a drain that makes
+/// progress from one retrying against a sink out of reach.
+#[tokio::test(start_paused = true)]
+async fn the_report_follows_the_usage_drain_through_shutdown() {
+    let w = world(10_000);
+    let (open, gate) = tokio::sync::watch::channel(false);
+    let sink = Arc::new(GatedSink {
+        store: Arc::clone(&w.store),
+        open: gate,
+    });
+    let (runtime, handle) = InstanceRuntime::spawn(
+        Arc::clone(&w.store) as _,
+        Arc::clone(&w.store) as _,
+        sink as _,
+        Arc::clone(&w.clock) as Arc<dyn Clock>,
+        config(),
+    )
+    .unwrap();
+    tokio::time::sleep(ms(200)).await;
+    for _ in 0..3 {
+        assert_eq!(w.begin(&handle, 2), Ok(CostUnits(2)));
+    }
+    let shutdown = tokio::spawn(runtime.shutdown());
+    tokio::time::sleep(ms(300)).await;
+    let draining = handle.report();
+    assert_ne!(
+        draining.writer_health,
+        WriterHealth::Stopped,
+        "{draining:?}"
+    );
+    assert_eq!(
+        (
+            draining.writer.accepted,
+            draining.writer.queued + draining.writer.in_flight
+        ),
+        (0, 3),
+        "{draining:?}"
+    );
+    open.send_replace(true);
+    let report = shutdown.await.expect("shutdown ran");
+    assert_eq!(report.lost_events(), 0);
+    let after = handle.report();
+    assert_eq!(after.writer_health, WriterHealth::Stopped);
+    assert_eq!((after.writer.accepted, after.writer.queued), (3, 0));
+}
+
+/// A runtime dropped without its shutdown leaves the counts it made in
+/// the report a surviving handle reads, and the usage it could not deliver
+/// counted lost (I21): totals never go down, and nothing is lost silently.
+#[tokio::test(start_paused = true)]
+async fn a_runtime_dropped_without_shutdown_keeps_its_counts_and_counts_its_losses() {
+    let w = world(10_000);
+    let (_open, gate) = tokio::sync::watch::channel(false);
+    let sink = Arc::new(GatedSink {
+        store: Arc::clone(&w.store),
+        open: gate,
+    });
+    let (runtime, handle) = InstanceRuntime::spawn(
+        Arc::clone(&w.store) as _,
+        Arc::clone(&w.store) as _,
+        sink as _,
+        Arc::clone(&w.clock) as Arc<dyn Clock>,
+        config(),
+    )
+    .unwrap();
+    tokio::time::sleep(ms(200)).await;
+    for _ in 0..3 {
+        assert_eq!(w.begin(&handle, 2), Ok(CostUnits(2)));
+    }
+    tokio::time::sleep(ms(100)).await;
+    let before = handle.report();
+    let acquired = before.leases.expect("no overflow").acquired;
+    assert_eq!(acquired, 1);
+    assert!(before.snapshots.refreshes > 0);
+    drop(runtime);
+    let after = handle.report();
+    assert_eq!(after.leases.expect("no overflow").acquired, acquired);
+    assert_eq!(after.snapshots.refreshes, before.snapshots.refreshes);
+    assert_eq!(after.writer_health, WriterHealth::Stopped);
+    assert_eq!(
+        (
+            after.writer.lost,
+            after.writer.queued,
+            after.writer.in_flight
+        ),
+        (3, 0, 0),
+        "{after:?}"
+    );
 }
 
 /// I29: an account that comes back while its retired manager is still

@@ -37,11 +37,14 @@ use crate::model::{
     AccountId, BalanceShortfall, CostUnits, DenyReason, KeyHash, LocalSharding, PermissionBits,
     Principal, ShardOccupancy,
 };
+use crate::runtime::reclaimer::ReclaimView;
+use crate::runtime::usage_writer::WriterView;
 use crate::runtime::{
     AccountBindings, AccountLeaseConfig, LeaseHealth, LeaseManager, LeaseManagerConfigError,
     LeaseManagerReport, LeaseStats, ReclaimStats, Reclaimer, ReclaimerConfig, ReclaimerConfigError,
-    SnapshotManager, SnapshotManagerConfig, SnapshotManagerConfigError, SnapshotStats, UsageWriter,
-    UsageWriterConfig, UsageWriterConfigError, WriterHealth, WriterReport, WriterStats,
+    SnapshotCounters, SnapshotManager, SnapshotManagerConfig, SnapshotManagerConfigError,
+    SnapshotStats, UsageWriter, UsageWriterConfig, UsageWriterConfigError, WriterHealth,
+    WriterReport, WriterStats,
 };
 use crate::store::{Clock, LeaseAllocator, SnapshotSource, UsageSink};
 
@@ -307,7 +310,46 @@ struct Planes {
     stopped: StoppedPlanes,
 }
 
+/// The planes a shutdown takes off the books, to stop one by one.
+struct Winding {
+    writer: Option<UsageWriter>,
+    snapshots: Option<SnapshotManager>,
+    reclaimer: Option<Reclaimer>,
+    /// Each running manager, with what it had counted when taken.
+    managers: Vec<(AccountId, LeaseManager, LeaseStats)>,
+    departures: JoinSet<()>,
+}
+
 impl Planes {
+    /// Takes every plane off the books for a shutdown. What each has
+    /// counted stays in the report's totals as it leaves, as a retired
+    /// manager's does, and the report reads the others live until their
+    /// own shutdowns report.
+    fn wind_down(&mut self) -> Winding {
+        let mut managers = Vec::new();
+        for (account, managed) in std::mem::take(&mut self.accounts) {
+            if let Some(manager) = managed.manager {
+                let counted = manager.stats();
+                self.retired = self.retired.and_then(|sum| sum.checked_add(&counted));
+                managers.push((account, manager, counted));
+            }
+        }
+        let stopped = &mut self.stopped;
+        stopped.draining_writer = self.writer.as_ref().map(UsageWriter::view);
+        stopped.draining_snapshots = self
+            .snapshots
+            .as_ref()
+            .map(|manager| Arc::clone(manager.counters()));
+        stopped.draining_reclaimer = self.reclaimer.as_ref().map(Reclaimer::view);
+        Winding {
+            writer: self.writer.take(),
+            snapshots: self.snapshots.take(),
+            reclaimer: self.reclaimer.take(),
+            managers,
+            departures: std::mem::take(&mut self.departures),
+        }
+    }
+
     /// Stops every running lease manager asking for grants.
     fn hold_grants(&self) {
         for manager in self
@@ -320,12 +362,43 @@ impl Planes {
     }
 }
 
-/// The last counts of the planes a shutdown has taken.
+/// The planes a shutdown has taken: read live while each winds down, so
+/// an operator watches the drain, then their last counts.
 #[derive(Default)]
 struct StoppedPlanes {
     writer: WriterStats,
     snapshots: SnapshotStats,
     reclaimer: Option<ReclaimStats>,
+    draining_writer: Option<WriterView>,
+    draining_snapshots: Option<Arc<SnapshotCounters>>,
+    draining_reclaimer: Option<ReclaimView>,
+}
+
+impl StoppedPlanes {
+    fn writer(&self) -> WriterStats {
+        self.draining_writer
+            .as_ref()
+            .map_or(self.writer, WriterView::stats)
+    }
+
+    fn writer_health(&self) -> WriterHealth {
+        self.draining_writer
+            .as_ref()
+            .map_or(WriterHealth::Stopped, WriterView::health)
+    }
+
+    fn snapshots(&self) -> SnapshotStats {
+        self.draining_snapshots
+            .as_ref()
+            .map_or(self.snapshots, |counters| counters.read())
+    }
+
+    fn reclaimer(&self) -> Option<ReclaimStats> {
+        self.draining_reclaimer
+            .as_ref()
+            .map(ReclaimView::stats)
+            .or(self.reclaimer)
+    }
 }
 
 struct ManagedAccount {
@@ -560,42 +633,22 @@ impl InstanceRuntime {
             // stop and given until the deadline.
             let _ = tokio::time::timeout_at(deadline, supervisor).await;
         }
-        let (writer, snapshots, reclaimer, managers, mut departures) = {
-            let mut planes = self.shared.lock_planes();
-            let planes = &mut *planes;
-            // What each plane has counted stays in the report's totals as
-            // it leaves the books, as a retired manager's does.
-            let mut managers = Vec::new();
-            for (account, managed) in std::mem::take(&mut planes.accounts) {
-                if let Some(manager) = managed.manager {
-                    let counted = manager.stats();
-                    planes.retired = planes.retired.and_then(|sum| sum.checked_add(&counted));
-                    managers.push((account, manager, counted));
-                }
-            }
-            let stopped = &mut planes.stopped;
-            if let Some(writer) = &planes.writer {
-                stopped.writer = writer.stats();
-            }
-            if let Some(snapshots) = &planes.snapshots {
-                stopped.snapshots = snapshots.stats();
-            }
-            stopped.reclaimer = planes.reclaimer.as_ref().map(Reclaimer::stats);
-            (
-                planes.writer.take(),
-                planes.snapshots.take(),
-                planes.reclaimer.take(),
-                managers,
-                std::mem::take(&mut planes.departures),
-            )
-        };
+        let Winding {
+            writer,
+            snapshots,
+            reclaimer,
+            managers,
+            mut departures,
+        } = self.shared.lock_planes().wind_down();
         // 1. Admission is closed (begin_shutdown). 2. Drain usage.
         let usage = match writer {
             Some(writer) => {
                 let drain = self.shared.config.usage.shutdown_drain_deadline;
                 writer.stop_at(after(Instant::now(), drain).min(deadline));
                 let report = writer.shutdown().await;
-                self.shared.lock_planes().stopped.writer = report.stats;
+                let stopped = &mut self.shared.lock_planes().stopped;
+                stopped.writer = report.stats;
+                stopped.draining_writer = None;
                 Some(report)
             }
             None => None,
@@ -648,14 +701,18 @@ impl InstanceRuntime {
         let snapshots = match snapshots {
             Some(manager) => {
                 let stats = manager.shutdown().await.stats;
-                self.shared.lock_planes().stopped.snapshots = stats;
+                let stopped = &mut self.shared.lock_planes().stopped;
+                stopped.snapshots = stats;
+                stopped.draining_snapshots = None;
                 Some(stats)
             }
             None => None,
         };
         if let Some(reclaimer) = reclaimer {
             let stats = reclaimer.shutdown().await;
-            self.shared.lock_planes().stopped.reclaimer = Some(stats);
+            let stopped = &mut self.shared.lock_planes().stopped;
+            stopped.reclaimer = Some(stats);
+            stopped.draining_reclaimer = None;
         }
         RuntimeShutdownReport {
             usage,
@@ -675,7 +732,25 @@ impl Drop for InstanceRuntime {
         supervisor.abort();
         self.shared.begin_shutdown();
         let mut planes = self.shared.lock_planes();
+        let planes = &mut *planes;
         let accounts: Vec<AccountId> = planes.accounts.keys().copied().collect();
+        // What each plane counted stays in the totals a handle still
+        // reports, and the usage left undelivered is counted lost (I21).
+        for manager in planes.accounts.values().filter_map(|m| m.manager.as_ref()) {
+            planes.retired = planes
+                .retired
+                .and_then(|sum| sum.checked_add(&manager.stats()));
+        }
+        let stopped = &mut planes.stopped;
+        if let Some(writer) = &planes.writer {
+            stopped.writer = writer.left_behind();
+        }
+        if let Some(snapshots) = &planes.snapshots {
+            stopped.snapshots = snapshots.stats();
+        }
+        if let Some(reclaimer) = &planes.reclaimer {
+            stopped.reclaimer = Some(reclaimer.stats());
+        }
         // Dropping each plane's handle aborts its task.
         planes.accounts.clear();
         planes.departures.abort_all();
@@ -864,7 +939,7 @@ impl RuntimeHandle {
         let writer_health = planes
             .writer
             .as_ref()
-            .map_or(WriterHealth::Stopped, UsageWriter::health);
+            .map_or_else(|| planes.stopped.writer_health(), UsageWriter::health);
         // I29: every account a usable principal is bound to counts from
         // the moment the policy names it, not from the supervisor's next
         // pass: until its manager has a lease, nothing funds its requests.
@@ -925,18 +1000,18 @@ impl RuntimeHandle {
             writer: planes
                 .writer
                 .as_ref()
-                .map_or(planes.stopped.writer, UsageWriter::stats),
+                .map_or_else(|| planes.stopped.writer(), UsageWriter::stats),
             writer_health,
             snapshots: planes
                 .snapshots
                 .as_ref()
-                .map_or(planes.stopped.snapshots, SnapshotManager::stats),
+                .map_or_else(|| planes.stopped.snapshots(), SnapshotManager::stats),
             leases,
             reclaimer: planes
                 .reclaimer
                 .as_ref()
                 .map(Reclaimer::stats)
-                .or(planes.stopped.reclaimer),
+                .or_else(|| planes.stopped.reclaimer()),
             accounts: planes.accounts.len(),
             manager_restarts: shared.restarts.load(Ordering::Relaxed),
             unrecovered_grants: shared.unrecovered.load(Ordering::Relaxed),

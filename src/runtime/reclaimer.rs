@@ -230,6 +230,12 @@ impl Reclaimer {
         self.counters.read()
     }
 
+    /// A view of the counters that outlives this handle, for a report read
+    /// while the handle's owner awaits [`shutdown`](Self::shutdown).
+    pub(crate) fn view(&self) -> ReclaimView {
+        ReclaimView(Arc::clone(&self.counters))
+    }
+
     /// Stops the reclaimer, abandoning any call in flight, and reports what
     /// it did.
     ///
@@ -273,6 +279,16 @@ impl fmt::Debug for Reclaimer {
                 &self.task.as_ref().is_some_and(|t| !t.is_finished()),
             )
             .finish_non_exhaustive()
+    }
+}
+
+/// A reclaimer's counters, read while it stops (see [`Reclaimer::view`]).
+pub(crate) struct ReclaimView(Arc<Counters>);
+
+impl ReclaimView {
+    /// The counters as they stand now.
+    pub(crate) fn stats(&self) -> ReclaimStats {
+        self.0.read()
     }
 }
 

@@ -327,10 +327,17 @@ impl UsageWriter {
     /// in flight is counted lost here already, as the final report counts
     /// it: nothing will deliver it.
     pub fn stats(&self) -> WriterStats {
-        let stats = self.counted();
         if !self.task.as_ref().is_none_or(JoinHandle::is_finished) {
-            return stats;
+            return self.counted();
         }
+        self.left_behind()
+    }
+
+    /// The counters with everything undelivered counted lost: what the
+    /// writer leaves behind once its task has ended, or is about to be
+    /// aborted.
+    pub(crate) fn left_behind(&self) -> WriterStats {
+        let stats = self.counted();
         let lost = stats.lost.saturating_add(self.queue.undelivered() as u64);
         WriterStats {
             queued: 0,
@@ -342,19 +349,16 @@ impl UsageWriter {
 
     /// The counters as the task left them.
     fn counted(&self) -> WriterStats {
-        let counters = &self.shared.counters;
-        let read = |counter: &AtomicU64| counter.load(Ordering::Relaxed);
-        WriterStats {
-            accepted: read(&counters.accepted),
-            duplicate: read(&counters.duplicate),
-            rejected: read(&counters.rejected),
-            lost: read(&counters.lost),
-            queued: self.queue.len() as u64,
-            in_flight: read(&counters.in_flight),
-            batches: read(&counters.batches),
-            retries: read(&counters.retries),
-            ingest_timeouts: read(&counters.ingest_timeouts),
-            storage_errors: read(&counters.storage_errors),
+        counted(&self.shared, &self.queue)
+    }
+
+    /// A view of the counters and health that outlives this handle, for a
+    /// report read while the handle's owner awaits
+    /// [`shutdown`](Self::shutdown).
+    pub(crate) fn view(&self) -> WriterView {
+        WriterView {
+            shared: Arc::clone(&self.shared),
+            queue: Arc::clone(&self.queue),
         }
     }
 
@@ -476,6 +480,44 @@ impl fmt::Debug for UsageWriter {
 }
 
 /// What the handle and the task share.
+/// A writer's counters and health, read while it drains (see
+/// [`UsageWriter::view`]). It cannot tell a task that panicked from one
+/// still draining, so it is read only until the shutdown's report is in.
+pub(crate) struct WriterView {
+    shared: Arc<Shared>,
+    queue: Arc<UsageQueue>,
+}
+
+impl WriterView {
+    /// The counters as they stand now.
+    pub(crate) fn stats(&self) -> WriterStats {
+        counted(&self.shared, &self.queue)
+    }
+
+    /// The health the task last wrote.
+    pub(crate) fn health(&self) -> WriterHealth {
+        *self.shared.health()
+    }
+}
+
+/// The counters as the task left them, with the queue's length.
+fn counted(shared: &Shared, queue: &UsageQueue) -> WriterStats {
+    let counters = &shared.counters;
+    let read = |counter: &AtomicU64| counter.load(Ordering::Relaxed);
+    WriterStats {
+        accepted: read(&counters.accepted),
+        duplicate: read(&counters.duplicate),
+        rejected: read(&counters.rejected),
+        lost: read(&counters.lost),
+        queued: queue.len() as u64,
+        in_flight: read(&counters.in_flight),
+        batches: read(&counters.batches),
+        retries: read(&counters.retries),
+        ingest_timeouts: read(&counters.ingest_timeouts),
+        storage_errors: read(&counters.storage_errors),
+    }
+}
+
 struct Shared {
     /// Written only by the task.
     counters: Counters,
