@@ -1366,17 +1366,24 @@ async fn a_release_credited_with_another_amount_than_claimed_faults() {
 #[tokio::test(start_paused = true)]
 async fn a_lease_found_settled_withdraws_the_evidence() {
     let allocator = Scripted::new();
+    let spent = BalanceShortfall {
+        remaining: CostUnits::ZERO,
+        period_end: None,
+    };
+    allocator.plan_acquires([Reply::Grant(TARGET), Reply::GrantShort(TARGET, spent)]);
     allocator.plan_releases(1, [Reply::Refuse(AllocateError::LeaseNotActive)]);
     let h = Harness::started(allocator).await;
     rotate_once(&h, 80).await;
     assert_eq!(h.serving(), Some((2, 100)));
-    let evidence = |remaining| {
+    // The manager's own evidence: nothing in the balance, and the parked
+    // lease's 20.
+    assert_eq!(
+        h.slot.funding_evidence(h.now()),
         Some(BalanceShortfall {
-            remaining: CostUnits(remaining),
+            remaining: CostUnits(20),
             period_end: None,
         })
-    };
-    h.slot.publish_funding(evidence(0));
+    );
     sleep(POLL).await;
     settle().await;
     assert!(
@@ -3395,6 +3402,11 @@ impl Watched {
 #[tokio::test(start_paused = true)]
 async fn no_evidence_is_published_while_a_folded_lease_is_out_of_the_slot() {
     let allocator = Scripted::new();
+    let plenty = BalanceShortfall {
+        remaining: CostUnits(500),
+        period_end: None,
+    };
+    allocator.plan_acquires([Reply::GrantShort(TARGET, plenty)]);
     allocator.plan_consolidations([Reply::Refuse(AllocateError::BalanceInsufficient(
         BalanceShortfall {
             remaining: CostUnits(137),
@@ -3407,11 +3419,11 @@ async fn no_evidence_is_published_while_a_folded_lease_is_out_of_the_slot() {
         watching,
         manager,
     } = Watched::started(&allocator).await;
-    let plenty = BalanceShortfall {
-        remaining: CostUnits(500),
-        period_end: None,
-    };
-    slot.publish_funding(Some(plenty));
+    assert_eq!(
+        slot.funding_evidence(clock.now()),
+        Some(plenty),
+        "the manager's own evidence, shown beside its lease"
+    );
     watching.armed.store(true, Ordering::SeqCst);
     let now = clock.now();
     let refusal = slot

@@ -147,6 +147,12 @@ pub struct SnapshotManagerConfig {
     pub refresh_interval: Duration,
     /// The pause after a failed or timed-out call before the next attempt.
     /// Must be positive; it may be longer than `refresh_interval`.
+    ///
+    /// Snapshots age through the pause: for one failed refresh not to
+    /// deny requests (`SnapshotStale`, readiness down), `max_staleness`
+    /// should exceed `refresh_interval` plus the pause plus two calls'
+    /// timeouts. Not enforced, since a deployment may rather deny than
+    /// retry sooner.
     pub retry_backoff: Duration,
     /// The bound on every `fetch` call (I22). Must be positive.
     pub fetch_timeout: Duration,
