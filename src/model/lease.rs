@@ -358,13 +358,18 @@ impl LocalLease {
     /// refused after it (I27).
     ///
     /// A larger quote recorded since the read stays recorded, to be judged
-    /// on its own. A smaller one refused in between is forgotten with `seen`
-    /// (the record keeps only the largest); its request was denied as a
-    /// momentary shortage, and a retry records it afresh and rings.
+    /// on its own, and rings: recorded over `seen`, it rang nothing, and
+    /// the task, past its read, would otherwise find it only at its next
+    /// poll (I28). A smaller one refused in between is forgotten with
+    /// `seen` (the record keeps only the largest); its request was denied
+    /// as a momentary shortage, and a retry records it afresh and rings.
     pub(crate) fn forget_refusal(&self, seen: CostUnits) {
-        let _ = self
-            .refused
-            .compare_exchange(seen.get(), 0, Ordering::AcqRel, Ordering::Acquire);
+        let forgotten =
+            self.refused
+                .compare_exchange(seen.get(), 0, Ordering::AcqRel, Ordering::Acquire);
+        if forgotten.is_err_and(|recorded| recorded > seen.get()) {
+            self.ring();
+        }
     }
 
     /// Records a quote this lease refused for want of units, so the refill

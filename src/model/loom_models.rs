@@ -589,6 +589,102 @@ fn a_gathering_debit_and_a_debit_on_its_home_shard_are_both_funded() {
     });
 }
 
+/// Races two debits of `QUOTE` on a two-shard lease of four units with a
+/// low-water mark of two, homed at `homes`, and checks what a pair of
+/// gathers promises (I6, I7). Each shard holds 2 with a share of 1 of the
+/// mark, so each quote needs both shards, and the lease funds one of the
+/// two quotes, never both; with `one_funded`, exactly one.
+fn race_two_gathers(homes: [usize; 2], one_funded: bool) {
+    const GRANTED: u64 = 4;
+    const LOW_WATER: CostUnits = CostUnits(2);
+    const QUOTE: CostUnits = CostUnits(3);
+    loom::model(move || {
+        let (lease, doorbell) = two_shard_lease(GRANTED, LOW_WATER);
+        let ask = |locality: usize| {
+            let lease = Arc::clone(&lease);
+            thread::spawn(move || {
+                lease
+                    .try_reserve_at(QUOTE, inside_window(), Locality::new(locality))
+                    .map(|debit| {
+                        // Locality 2 maps to shard 0, as 0 does.
+                        assert_eq!(
+                            debit.shard(),
+                            locality % 2,
+                            "gathered units are taken at home"
+                        );
+                        // Committed: dropped uncredited.
+                    })
+            })
+        };
+        let first = ask(homes[0]);
+        let second = ask(homes[1]);
+        let outcomes = [join(first), join(second)];
+
+        let funded = outcomes.iter().filter(|outcome| outcome.is_ok()).count();
+        assert!(funded <= 1, "I6: the lease cannot fund both quotes");
+        if one_funded {
+            assert_eq!(funded, 1, "the retried gather funds one quote");
+        }
+        for outcome in outcomes {
+            if let Err(refusal) = outcome {
+                assert_eq!(refusal, DenyReason::LeaseExhausted);
+            }
+        }
+        assert_eq!(Arc::strong_count(&lease), 1);
+        assert!(lease.is_only_local_view(), "I6: the lease is quiescent");
+        // I6: a gather that came up short handed what it took to its home
+        // shard, so nothing is lost in transit, whoever was refused.
+        let committed = if funded == 1 { QUOTE.get() } else { 0 };
+        assert_eq!(
+            lease.remaining(),
+            CostUnits(GRANTED - committed),
+            "I6: granted − committed"
+        );
+        // At least one quote was refused, and the record keeps it.
+        assert_eq!(lease.largest_refused_quote(), QUOTE);
+        let rings = doorbell.rings();
+        if funded == 1 {
+            // Both shards end below their share, each fell there by a take
+            // that rang unless the shard had rung already; and the refusal
+            // rang. With no re-arm, nothing rang twice.
+            assert_eq!(rings, 3, "I7: once per shard, and once for the refusal");
+        } else {
+            // Failed gathers may or may not have left a shard at its share
+            // on the way; the first refusal rang either way.
+            assert!(
+                (1..=3).contains(&rings),
+                "I7: the refusal rang, and nothing twice (rang {rings})"
+            );
+        }
+        assert_eq!(lease.refill_due_or_rearm(), RefillVerdict::Refused);
+    });
+}
+
+/// I6, I7: two debits homed on different shards each need more than either
+/// shard holds, so each gathers, starting with the shard the other gathers
+/// last. At most one is funded; units are conserved whatever the order;
+/// the refusal is recorded and rings once, and no shard rings twice.
+///
+/// Neither is promised to be funded: each gather may hold part of what the
+/// other needs when the other looks, and a gather is retried once, and only
+/// while a reading of the whole lease still shows the quote, so both may be
+/// refused as a momentary shortage (see `LocalLease::try_reserve_at`; loom
+/// finds such an order with four preemptions). The model claims no more.
+#[test]
+fn two_gathering_debits_homed_on_different_shards_fund_at_most_one_and_conserve_units() {
+    race_two_gathers([0, 1], false);
+}
+
+/// I6, I7: as above, with both gathering debits homed on the same shard, so
+/// a gather that comes up short hands its units to the shard the other
+/// gather starts from, and the retry (a gather that lost units to a racing
+/// debit is tried once more while the lease still holds the quote) finds
+/// them there: one quote is funded in every order.
+#[test]
+fn two_gathering_debits_homed_on_one_shard_fund_exactly_one_and_conserve_units() {
+    race_two_gathers([0, 2], true);
+}
+
 /// I7: two quotes the lease cannot fund are refused concurrently. The lease
 /// keeps the larger quote for the refill task to consolidate, and its
 /// doorbell rings once for the pair, not once per refusal.
@@ -621,6 +717,98 @@ fn concurrent_refusals_keep_the_largest_quote_and_ring_once_per_lease() {
         assert_eq!(lease.refill_due_or_rearm(), RefillVerdict::Refused);
         // I6: a refusal moves no units.
         assert_eq!(lease.remaining(), CostUnits(GRANTED));
+    });
+}
+
+/// A one-unit, single-counter lease that has refused `first` units and rung
+/// for it, racing the refill task, which forgets the quote it read, against
+/// a request refused `later` units. Returns the lease and its doorbell once
+/// both are done.
+fn forget_racing_a_refusal(
+    first: CostUnits,
+    later: CostUnits,
+) -> (Arc<LocalLease>, Arc<CountingDoorbell>) {
+    let doorbell = CountingDoorbell::new();
+    let lease = Arc::new(
+        LocalLease::new(grant(1), CostUnits::ZERO)
+            .with_refill(Arc::clone(&doorbell) as Arc<dyn RefillSignal>),
+    );
+    let refuse = |lease: &LocalLease, quote| {
+        lease
+            .try_reserve_at(quote, inside_window(), Locality::new(0))
+            .map(drop)
+    };
+    assert_eq!(refuse(&lease, first), Err(DenyReason::LeaseExhausted));
+    assert_eq!(doorbell.rings(), 1, "I7: the first refusal rings");
+    // The refill task reads the record, and later forgets what it read.
+    let seen = lease.largest_refused_quote();
+    assert_eq!(seen, first);
+    let request = {
+        let lease = Arc::clone(&lease);
+        thread::spawn(move || refuse(&lease, later))
+    };
+    lease.forget_refusal(seen);
+    assert_eq!(join(request), Err(DenyReason::LeaseExhausted));
+    (lease, doorbell)
+}
+
+/// I27, I28: the refill task forgets the refused quote it read while a
+/// request is refused a larger one. The larger quote stays recorded in
+/// every order, to be judged on its own, and the task is woken for it in
+/// every order: by the refusal, when the forget came first (the record
+/// rose from zero), or else by the forget, which finds it recorded over
+/// the quote the task read (the refusal then rang nothing).
+#[test]
+fn a_larger_quote_refused_as_the_last_one_is_forgotten_stays_recorded() {
+    loom::model(|| {
+        let (lease, doorbell) = forget_racing_a_refusal(CostUnits(3), CostUnits(4));
+        assert_eq!(
+            lease.largest_refused_quote(),
+            CostUnits(4),
+            "I27: a larger quote recorded since the read stays recorded"
+        );
+        assert_eq!(
+            doorbell.rings(),
+            2,
+            "I28: the larger quote woke the task, whichever came first"
+        );
+        assert_eq!(lease.refill_due_or_rearm(), RefillVerdict::Refused);
+    });
+}
+
+/// I7, I27: the refill task forgets the refused quote it read while a
+/// request is refused a smaller one. Either the smaller quote was recorded
+/// while the first stood, rang nothing and is forgotten with it (a retry
+/// records it afresh and rings), or it was recorded after the forget and
+/// rang afresh. A quote left recorded has always woken the refill task
+/// since the task's read, and the quote forgotten never comes back.
+#[test]
+fn a_smaller_quote_refused_as_the_last_one_is_forgotten_goes_with_it_or_rings() {
+    loom::model(|| {
+        let (lease, doorbell) = forget_racing_a_refusal(CostUnits(3), TWO);
+        match lease.largest_refused_quote() {
+            CostUnits::ZERO => {
+                assert_eq!(
+                    doorbell.rings(),
+                    1,
+                    "I7: recorded while the first quote stood, it rang nothing"
+                );
+                // The request's retry, refused again, is heard.
+                assert!(
+                    lease
+                        .try_reserve_at(TWO, inside_window(), Locality::new(0))
+                        .is_err()
+                );
+                assert_eq!(lease.largest_refused_quote(), TWO);
+                assert_eq!(doorbell.rings(), 2, "I7: the retry rings afresh");
+            }
+            TWO => assert_eq!(
+                doorbell.rings(),
+                2,
+                "I7: a refusal left recorded after the forget rang afresh"
+            ),
+            other => panic!("I27: the forgotten quote came back as {other:?}"),
+        }
     });
 }
 
