@@ -416,20 +416,40 @@ impl LocalLease {
         CostUnits(total)
     }
 
-    /// [`remaining`](Self::remaining), when no units were between shards
-    /// while it was read; `None` when a spread or a gather was moving some,
-    /// which the reading may have missed. A refusal answered with a
-    /// reading that may be short is no ground for telling the client the
-    /// account cannot fund its quote (I23).
+    /// [`remaining`](Self::remaining), when it is a total the lease held at
+    /// some moment; `None` when it may be short of every moment's total.
+    /// A refusal answered with a reading that may be short is no ground for
+    /// telling the client the account cannot fund its quote (I23).
+    ///
+    /// Shards are read one after another, so two kinds of change while
+    /// they are read can make the sum short: units a spread or a gather
+    /// moves between two shards (counted by the transit word), and a credit
+    /// to a shard already read beside a debit from one read after it. The
+    /// shards are therefore read twice, and the reading counts only if both
+    /// passes agree shard by shard, with no move started meanwhile. (A
+    /// shard that went up and back down between its two reads still
+    /// agrees: that takes changes to it that cancel out, and more beside,
+    /// inside the few loads of one reading.)
     pub(crate) fn settled_remaining(&self) -> Option<CostUnits> {
         let before = self.transit.load(Ordering::Acquire);
         if before & MOVES_UNDER_WAY != 0 {
             return None;
         }
-        let remaining = self.remaining();
+        let mut first = [0_u64; LocalSharding::MAX_SHARDS];
+        for (read, shard) in first.iter_mut().zip(self.shards.iter()) {
+            *read = shard.remaining.load(Ordering::Acquire);
+        }
+        let mut total = 0_u64;
+        for (read, shard) in first.iter().zip(self.shards.iter()) {
+            let again = shard.remaining.load(Ordering::Acquire);
+            if again != *read {
+                return None;
+            }
+            total = total.saturating_add(again);
+        }
         // Read after every shard: a move that took from one of them before
         // it was read started before this load, so this load sees it.
-        (self.transit.load(Ordering::Acquire) == before).then_some(remaining)
+        (self.transit.load(Ordering::Acquire) == before).then_some(CostUnits(total))
     }
 
     /// Whether no debit holds a view of any shard.

@@ -435,6 +435,39 @@ fn a_settled_reading_racing_a_spread_counts_every_unit() {
     });
 }
 
+/// I23: a credit to one shard followed by a debit from the other, both
+/// while a reading runs, cannot make a settled reading short of every
+/// moment's total. Read once, the sum could take the credited shard
+/// before its credit and the debited one after its debit: 2 units, when
+/// the lease held 5, then 8, then 5 again.
+#[test]
+fn a_settled_reading_racing_a_credit_then_a_debit_is_a_total_the_lease_held() {
+    const GRANTED: u64 = 8;
+    loom::model(|| {
+        // Shards of 4 each; a request holds 3 of shard 0's.
+        let (lease, _doorbell) = two_shard_lease(GRANTED, CostUnits::ZERO);
+        let pending = lease
+            .try_reserve_at(CostUnits(3), inside_window(), Locality::new(0))
+            .expect("I6: shard 0 funds it");
+        let reader = {
+            let lease = Arc::clone(&lease);
+            thread::spawn(move || lease.settled_remaining())
+        };
+        // Released for zero, then another request debits shard 1.
+        lease.credit(pending);
+        let spent = lease
+            .try_reserve_at(CostUnits(3), inside_window(), Locality::new(1))
+            .expect("I6: shard 1 funds it");
+        drop(spent);
+        if let Some(read) = join(reader) {
+            assert!(
+                [CostUnits(5), CostUnits(8)].contains(&read),
+                "I23: a settled reading is a total the lease held, not {read:?}"
+            );
+        }
+    });
+}
+
 /// I7: with no re-arm in between, two racing debits that both leave the
 /// lease at or below its mark ring once between them, not once each.
 #[test]
