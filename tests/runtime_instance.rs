@@ -1043,8 +1043,9 @@ async fn the_report_follows_the_usage_drain_through_shutdown() {
 }
 
 /// A runtime dropped without its shutdown leaves the counts it made in
-/// the report a surviving handle reads, and the usage it could not deliver
-/// counted lost (I21): totals never go down, and nothing is lost silently.
+/// the report a surviving handle reads, the usage it could not deliver
+/// counted lost (I21), and the lease it leaves to TTL reclaim counted
+/// unrecovered (I29): totals never go down, and nothing is lost silently.
 #[tokio::test(start_paused = true)]
 async fn a_runtime_dropped_without_shutdown_keeps_its_counts_and_counts_its_losses() {
     let w = world(10_000);
@@ -1084,6 +1085,7 @@ async fn a_runtime_dropped_without_shutdown_keeps_its_counts_and_counts_its_loss
         (3, 0, 0),
         "{after:?}"
     );
+    assert_eq!(after.unrecovered_grants, 1, "the serving lease");
 }
 
 /// I29: an account that comes back while its retired manager is still

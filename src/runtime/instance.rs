@@ -735,15 +735,19 @@ impl Drop for InstanceRuntime {
         let planes = &mut *planes;
         let accounts: Vec<AccountId> = planes.accounts.keys().copied().collect();
         // What each plane counted stays in the totals a handle still
-        // reports, and the usage left undelivered is counted lost (I21).
+        // reports; the usage left undelivered is counted lost (I21), and
+        // the leases left to TTL reclaim unrecovered (I29).
         for manager in planes.accounts.values().filter_map(|m| m.manager.as_ref()) {
             planes.retired = planes
                 .retired
                 .and_then(|sum| sum.checked_add(&manager.stats()));
+            self.shared
+                .unrecovered
+                .fetch_add(manager.leases_held(), Ordering::Relaxed);
         }
         let stopped = &mut planes.stopped;
-        if let Some(writer) = &planes.writer {
-            stopped.writer = writer.left_behind();
+        if let Some(writer) = planes.writer.take() {
+            stopped.writer = writer.abandon();
         }
         if let Some(snapshots) = &planes.snapshots {
             stopped.snapshots = snapshots.stats();
@@ -754,7 +758,6 @@ impl Drop for InstanceRuntime {
         // Dropping each plane's handle aborts its task.
         planes.accounts.clear();
         planes.departures.abort_all();
-        planes.writer = None;
         planes.snapshots = None;
         planes.reclaimer = None;
         tracing::warn!(

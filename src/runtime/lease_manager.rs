@@ -747,6 +747,16 @@ impl LeaseManager {
         stats
     }
 
+    /// The leases an abort would leave to TTL reclaim: those the task held
+    /// outside the slot as of its last count, and the serving one.
+    pub(crate) fn leases_held(&self) -> u64 {
+        let serving = self.slot.load_observed().is_some();
+        self.shared
+            .held_leases
+            .load(Ordering::Relaxed)
+            .saturating_add(u64::from(serving))
+    }
+
     /// What an ended task leaves behind: the leases it held outside the
     /// slot as of its last count, and the serving lease, taken out of the
     /// slot so requests stop spending on an account nobody manages any

@@ -150,9 +150,11 @@ pub struct SnapshotManagerConfig {
     ///
     /// Snapshots age through the pause: for one failed refresh not to
     /// deny requests (`SnapshotStale`, readiness down), `max_staleness`
-    /// should exceed `refresh_interval` plus the pause plus two calls'
-    /// timeouts. Not enforced, since a deployment may rather deny than
-    /// retry sooner.
+    /// should exceed `refresh_interval` plus the pause plus the timeouts
+    /// of the calls made meanwhile: the failed refresh's and the retry's
+    /// (one per page of an enumeration), and a lookup of principals not
+    /// yet loaded between them. Not enforced, since a deployment may rather
+    /// deny than retry sooner.
     pub retry_backoff: Duration,
     /// The bound on every `fetch` call (I22). Must be positive.
     pub fetch_timeout: Duration,

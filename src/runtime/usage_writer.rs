@@ -333,10 +333,18 @@ impl UsageWriter {
         self.left_behind()
     }
 
+    /// Gives up on the queue and aborts the task, as dropping the handle
+    /// does, and returns the counters with everything left undelivered
+    /// counted lost. The queue is abandoned first, so no commit can add an
+    /// event after the count (I21).
+    pub(crate) fn abandon(self) -> WriterStats {
+        self.queue.abandon();
+        self.left_behind()
+    }
+
     /// The counters with everything undelivered counted lost: what the
-    /// writer leaves behind once its task has ended, or is about to be
-    /// aborted.
-    pub(crate) fn left_behind(&self) -> WriterStats {
+    /// writer leaves behind once its task has ended.
+    fn left_behind(&self) -> WriterStats {
         let stats = self.counted();
         let lost = stats.lost.saturating_add(self.queue.undelivered() as u64);
         WriterStats {
@@ -479,7 +487,6 @@ impl fmt::Debug for UsageWriter {
     }
 }
 
-/// What the handle and the task share.
 /// A writer's counters and health, read while it drains (see
 /// [`UsageWriter::view`]). It cannot tell a task that panicked from one
 /// still draining, so it is read only until the shutdown's report is in.
@@ -518,6 +525,7 @@ fn counted(shared: &Shared, queue: &UsageQueue) -> WriterStats {
     }
 }
 
+/// What the handle and the task share.
 struct Shared {
     /// Written only by the task.
     counters: Counters,
