@@ -369,11 +369,15 @@ async fn steady_load(
     handle: RuntimeHandle,
     principal: Principal,
     clock: Arc<ManualClock>,
-    stop: Arc<AtomicBool>,
+    (stop, held): (Arc<AtomicBool>, Arc<AtomicBool>),
     committed: Arc<AtomicU64>,
     denied: Arc<std::sync::Mutex<Vec<DenyReason>>>,
 ) {
     while !stop.load(Ordering::Relaxed) {
+        if held.load(Ordering::Relaxed) {
+            tokio::time::sleep(ms(1)).await;
+            continue;
+        }
         match handle.begin(principal, PermissionBits::NONE, CostUnits(1), clock.now()) {
             Ok(mut context) => {
                 context
@@ -432,13 +436,16 @@ async fn a_server_outage_serves_from_held_leases_then_fails_closed_then_recovers
     ready(&handle).await;
 
     let stop = Arc::new(AtomicBool::new(false));
+    // Held while the server is being stopped, which takes a while: a lease
+    // drained meanwhile would leave nothing to serve once it is down.
+    let held = Arc::new(AtomicBool::new(false));
     let committed = Arc::new(AtomicU64::new(0));
     let denied = Arc::new(std::sync::Mutex::new(Vec::new()));
     let load = tokio::spawn(steady_load(
         handle.clone(),
         principal,
         Arc::clone(&clock),
-        Arc::clone(&stop),
+        (Arc::clone(&stop), Arc::clone(&held)),
         Arc::clone(&committed),
         Arc::clone(&denied),
     ));
@@ -449,8 +456,10 @@ async fn a_server_outage_serves_from_held_leases_then_fails_closed_then_recovers
     );
 
     // The server goes away. The held lease keeps serving until it drains.
+    held.store(true, Ordering::Relaxed);
     cluster.pause();
     let at_outage = committed.load(Ordering::Relaxed);
+    held.store(false, Ordering::Relaxed);
     let mut drained_at = None;
     for _ in 0..2_000 {
         tokio::time::sleep(ms(5)).await;
