@@ -1,6 +1,6 @@
 //! Log lines captured from the `tracing` events of the current thread.
 
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
 use tracing::subscriber::DefaultGuard;
 
@@ -12,6 +12,13 @@ impl Logs {
     /// Starts hearing this thread's events until the guard drops. A task on
     /// a current-thread runtime driven from this thread is heard too.
     pub(crate) fn capture() -> (Self, DefaultGuard) {
+        // While one dispatcher is registered, `tracing` takes a callsite's
+        // interest from whichever thread hits it first: a test without a
+        // capture could then silence a callsite for this one. A second
+        // dispatcher, kept for the whole run, makes every registration ask
+        // all of them.
+        static ALSO_REGISTERED: OnceLock<tracing::Dispatch> = OnceLock::new();
+        ALSO_REGISTERED.get_or_init(|| tracing::Dispatch::new(tracing_subscriber::registry()));
         let logs = Self::default();
         let guard = tracing::subscriber::set_default(
             tracing_subscriber::fmt()
