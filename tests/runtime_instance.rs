@@ -724,10 +724,16 @@ async fn evidence_of_a_remainder_is_not_readiness_without_a_lease() {
         !handle.readiness(),
         "a remainder nobody can spend is not ready"
     );
+    assert_eq!(
+        handle.report().unrecovered_grants,
+        1,
+        "the stranded lease is reported, not hidden"
+    );
     // Restarted, the manager takes up the remainder and serves again.
     tokio::time::sleep(config().manager_restart_backoff + ms(300)).await;
     assert_eq!(w.begin(&handle, 1), Ok(CostUnits(1)));
     assert!(handle.readiness());
+    assert_eq!(handle.report().manager_restarts, 1);
     runtime.shutdown().await;
 }
 

@@ -28,7 +28,7 @@ use tokio::sync::watch;
 use tokio::task::{JoinHandle, JoinSet};
 use tokio::time::{Instant, sleep};
 
-use super::after;
+use super::{after, bump};
 use crate::admission::{
     AdmissionEngine, AdmissionStats, ArcSwapSnapshotMap, RequestContext, RequestIds, SlotRegistry,
     SnapshotMapConfig, SnapshotMapConfigError, UsageRecorder,
@@ -676,9 +676,7 @@ impl InstanceRuntime {
                     // I29: a manager that died before the shutdown reached
                     // it left its grants to TTL reclaim, as one found dead
                     // while serving does.
-                    self.shared
-                        .unrecovered
-                        .fetch_add(report.abandoned, Ordering::Relaxed);
+                    bump(&self.shared.unrecovered, report.abandoned);
                 }
                 let mut planes = self.shared.lock_planes();
                 planes.retired = planes
@@ -741,9 +739,7 @@ impl Drop for InstanceRuntime {
             planes.retired = planes
                 .retired
                 .and_then(|sum| sum.checked_add(&manager.stats()));
-            self.shared
-                .unrecovered
-                .fetch_add(manager.leases_held(), Ordering::Relaxed);
+            bump(&self.shared.unrecovered, manager.leases_held());
         }
         let stopped = &mut planes.stopped;
         if let Some(writer) = planes.writer.take() {
@@ -1176,8 +1172,7 @@ impl Shared {
         // A manager retired with its account may have died meanwhile.
         if died || report.task_died {
             // I29: the grants a dead task held settle at TTL reclaim.
-            self.unrecovered
-                .fetch_add(report.abandoned, Ordering::Relaxed);
+            bump(&self.unrecovered, report.abandoned);
         } else {
             tracing::info!(%account, released = report.released, abandoned = report.abandoned, "retired idle account");
         }
@@ -1242,7 +1237,7 @@ impl Shared {
         ) {
             Ok(started) => {
                 if managed.restart_at.take().is_some() {
-                    self.restarts.fetch_add(1, Ordering::Relaxed);
+                    bump(&self.restarts, 1);
                 }
                 managed.manager = Some(started);
             }

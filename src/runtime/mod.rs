@@ -19,6 +19,15 @@ pub use usage_writer::{
     UsageWriter, UsageWriterConfig, UsageWriterConfigError, WriterHealth, WriterReport, WriterStats,
 };
 
+/// Adds `by` to a shared count, saturating: a count that cannot grow says
+/// "at least this many" rather than wrapping to a small, false number.
+fn bump(counter: &std::sync::atomic::AtomicU64, by: u64) {
+    use std::sync::atomic::Ordering;
+    let _ = counter.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |current| {
+        Some(current.saturating_add(by))
+    });
+}
+
 /// `from + wait`, with waits beyond thirty years treated as thirty years.
 ///
 /// Every deadline the planes compute goes through here: `Instant`

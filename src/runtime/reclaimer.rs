@@ -60,6 +60,8 @@ use tokio::task::JoinHandle;
 use tokio::time::{MissedTickBehavior, interval, timeout};
 use tokio_util::task::AbortOnDropHandle;
 
+use super::bump;
+
 use crate::model::LeaseId;
 use crate::store::{Clock, LeaseAllocator, ReclaimBatch};
 
@@ -577,12 +579,4 @@ async fn until_stopped<F: Future>(
         _ = stop.wait_for(|stopping| *stopping) => Err(Stopped),
         output = work => Ok(output),
     }
-}
-
-fn bump(counter: &AtomicU64, by: u64) {
-    // Saturating: a count that cannot grow says "at least this many" rather
-    // than wrapping to a small, false number.
-    let _ = counter.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |current| {
-        Some(current.saturating_add(by))
-    });
 }

@@ -100,7 +100,7 @@ use tokio::task::JoinHandle;
 use tokio::time::error::Elapsed;
 use tokio::time::{Instant, sleep_until, timeout};
 
-use super::after;
+use super::{after, bump};
 use crate::admission::ArcSwapSnapshotMap;
 use crate::model::{
     AccountId, AccountStatus, CostUnits, KeyStatus, PolicyRevision, Principal, PrincipalSnapshot,
@@ -859,7 +859,7 @@ impl Task {
             .pending_lookups
             .split_off(self.lookup_batch.min(self.pending_lookups.len()));
         let asked = std::mem::replace(&mut self.pending_lookups, rest);
-        bump(&self.counters.lookups, asked.len());
+        bump(&self.counters.lookups, asked.len() as u64);
         let limit = self.config.fetch_timeout;
         let answer = self
             .vigil
@@ -941,7 +941,7 @@ impl Task {
         if snapshots.is_empty() {
             return;
         }
-        bump(&self.counters.published, snapshots.len());
+        bump(&self.counters.published, snapshots.len() as u64);
         let principals: Vec<Principal> = snapshots.iter().map(|s| s.principal).collect();
         // Revoked keys and suspended accounts are published as they are:
         // admission denies them by name (I23).
@@ -1029,7 +1029,7 @@ impl Task {
         if marked.is_empty() {
             return;
         }
-        bump(&self.counters.unknown, newly);
+        bump(&self.counters.unknown, newly as u64);
         if newly > 0 {
             tracing::debug!(
                 count = newly,
@@ -1329,8 +1329,4 @@ fn restricts(published: &PrincipalSnapshot, next: &PrincipalSnapshot) -> bool {
         || cap(next) < cap(published)
         || (published.key_hash.is_some() && next.key_hash != published.key_hash)
         || next.account_id != published.account_id
-}
-
-fn bump(counter: &AtomicU64, by: usize) {
-    counter.fetch_add(by as u64, Ordering::Relaxed);
 }

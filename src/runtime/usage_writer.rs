@@ -49,7 +49,7 @@ use tokio::task::{JoinError, JoinHandle};
 use tokio::time::error::Elapsed;
 use tokio::time::{Instant, sleep, sleep_until, timeout};
 
-use super::after;
+use super::{after, bump};
 use crate::admission::{UsageQueue, UsageRecorder};
 use crate::model::{LocalSharding, UsageEvent};
 use crate::store::{Clock, IngestOutcome, StoreError, UsageSink};
@@ -558,10 +558,6 @@ impl Shared {
         // still holds a valid reading.
         self.health.lock().unwrap_or_else(PoisonError::into_inner)
     }
-}
-
-fn bump(counter: &AtomicU64, by: u64) {
-    counter.fetch_add(by, Ordering::Relaxed);
 }
 
 /// The writer task.
