@@ -1354,6 +1354,36 @@ mod tests {
         assert_eq!(Arc::strong_count(slot.overage()), shared);
     }
 
+    /// I10: a late commit falls back to overage under the cap the request
+    /// was admitted under. Strict mode, or a lower cap, published between
+    /// admission and the handler's start changes nothing for it, while the
+    /// next admission reads the new policy.
+    #[test]
+    fn a_late_commit_falls_back_under_the_cap_it_was_admitted_under() {
+        for later in [
+            EnforcementMode::Strict,
+            EnforcementMode::Elastic {
+                overage_cap: CostUnits(1),
+            },
+        ] {
+            let f = elastic(CostUnits(10));
+            f.lease(10);
+            let mut late = f.begin(4, 99).expect("the lease funds it");
+            f.map.publish([PrincipalSnapshot {
+                policy_revision: PolicyRevision(5),
+                ..snapshot(later, READ)
+            }]);
+            assert_eq!(late.commit(at(100)), Ok(CostUnits(4)), "{later:?}");
+            assert_eq!(f.slot().overage().spent(), CostUnits(4), "{later:?}");
+            let sources: Vec<_> = f.queued().iter().map(|e| (e.source, e.units)).collect();
+            assert_eq!(sources, [(UsageSource::Overage, CostUnits(4))], "{later:?}");
+            // The next request is admitted under the new policy, which
+            // refuses what the old cap's 6 left would have funded.
+            let next = f.begin(5, 100).map(|context| context.units());
+            assert!(next.is_err(), "{later:?}: {next:?}");
+        }
+    }
+
     /// An Elastic account falls back to overage whenever its lease cannot
     /// fund the quote, not only when it has no lease, and the lease keeps
     /// what it holds.
