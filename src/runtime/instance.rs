@@ -849,8 +849,9 @@ impl RuntimeHandle {
     }
 
     /// Whether the instance should receive traffic: admission open, no
-    /// fault, snapshots loaded and fresh, the usage writer running, and
-    /// every account a usable principal is bound to either funded by its
+    /// fault, snapshots loaded and fresh, the usage writer running and not
+    /// stuck behind a full queue (retrying a failing sink with no place
+    /// left for a new request's event), and every account a usable principal is bound to either funded by its
     /// live lease manager or known by the allocator's evidence to be out of
     /// funds (so it answers truthfully). An account kept only for its
     /// linger serves nobody, so its manager does not count.
@@ -976,10 +977,15 @@ impl RuntimeHandle {
         // linger (its keys revoked, its account suspended) serves nobody,
         // and its lease may be refused for good.
         let accounts_ready = bound.usable_accounts().all(|account| answers_for(&account));
+        // A queue with no free place denies every admission (503), and one
+        // the writer cannot empty, its sink failing, stays that way.
+        let backlogged = matches!(writer_health, WriterHealth::Retrying { .. })
+            && shared.engine.recorder().available() == 0;
         let ready = admitting
             && !faulted
             && snapshots_ready
             && writer_health != WriterHealth::Stopped
+            && !backlogged
             && accounts_ready;
         let leases = planes.retired.and_then(|retired| {
             accounts
