@@ -361,6 +361,11 @@ struct Harness {
 
 impl Harness {
     fn start(allocator: Arc<Scripted>) -> Self {
+        Self::start_with(allocator, config())
+    }
+
+    /// [`start`](Self::start) with another configuration.
+    fn start_with(allocator: Arc<Scripted>, config: LeaseManagerConfig) -> Self {
         let slot = Arc::new(LeaseSlot::new(ACCOUNT, LocalSharding::Single));
         *lock(&allocator.slot) = Some(Arc::clone(&slot));
         let clock = Arc::new(ManualClock::new(start()));
@@ -368,7 +373,7 @@ impl Harness {
             Arc::clone(&allocator) as Arc<dyn LeaseAllocator>,
             Arc::clone(&slot),
             Arc::clone(&clock) as Arc<dyn Clock>,
-            config(),
+            config,
         )
         .expect("the test configuration is valid");
         Self {
@@ -381,7 +386,12 @@ impl Harness {
 
     /// Starts, and waits for the cold-start acquire to be answered.
     async fn started(allocator: Arc<Scripted>) -> Self {
-        let harness = Self::start(allocator);
+        Self::started_with(allocator, config()).await
+    }
+
+    /// [`started`](Self::started) with another configuration.
+    async fn started_with(allocator: Arc<Scripted>, config: LeaseManagerConfig) -> Self {
+        let harness = Self::start_with(allocator, config);
         harness.allocator.calls_reach(1).await;
         settle().await;
         harness
@@ -507,6 +517,40 @@ async fn a_cold_start_acquires_at_once_without_waiting_for_a_poll() {
         [acquire()],
         "an idle lease costs no calls"
     );
+}
+
+/// I7, I28: a grant at or below the low-water mark (the allocator shrank it
+/// near the end of a balance) gets a mark one unit below it: with the
+/// configured mark it would be due for replacement as soon as it was
+/// installed, and every poll would acquire again. It stays idle until a
+/// debit takes it to that lower mark, which rings at once.
+#[tokio::test(start_paused = true)]
+async fn a_grant_at_or_below_the_low_water_mark_gets_a_mark_one_unit_below_it() {
+    for granted in [LOW_WATER - 5, LOW_WATER] {
+        let allocator = Scripted::new();
+        allocator.plan_acquires([Reply::Grant(granted)]);
+        let h = Harness::started(allocator).await;
+        assert_eq!(h.serving(), Some((1, granted)), "{granted}");
+        let lease = h.slot.load_observed().expect("installed");
+        assert_eq!(lease.low_water(), CostUnits(granted - 1), "{granted}");
+        drop(lease);
+
+        sleep(POLL * 3).await;
+        assert_eq!(
+            h.allocator.calls(),
+            [acquire()],
+            "{granted}: above its mark, it is not due for replacement"
+        );
+        h.spend(1);
+        h.allocator.calls_reach(2).await;
+        settle().await;
+        assert_eq!(
+            h.allocator.timed_calls(),
+            [(Duration::ZERO, acquire()), (POLL * 3, acquire())],
+            "{granted}: one unit down it reaches its mark and rings"
+        );
+        assert_eq!(h.serving(), Some((2, TARGET)), "{granted}");
+    }
 }
 
 /// I7, I28: the debit that reaches low water rings the doorbell, and the
@@ -1276,6 +1320,143 @@ async fn a_consolidation_of_a_lease_the_store_no_longer_holds_drops_it_and_acqui
                 (POLL, release(77, 100)),
             ],
             "{error}: lease 1 is never claimed; the published lease is returned"
+        );
+    }
+}
+
+/// How a fold ends while a lease (77) published meanwhile is in the slot,
+/// and where that lease and the folded one (1, holding 30) go.
+struct FoldBesidePublished {
+    /// The fold's answer once lease 77 is in the slot.
+    reply: Reply,
+    /// Whether shutdown is asked for while the call runs.
+    stop_in_flight: bool,
+    /// The lease serving once the fold has ended.
+    serving: Option<(u64, u64)>,
+    /// Every call after the fold, wind-down's releases included.
+    after_fold: Vec<Call>,
+    /// The leases and units shutdown abandons.
+    abandoned: (u64, u64),
+}
+
+/// Every end of a fold that the lease manager treats in a way of its own.
+fn folds_beside_a_published_lease() -> Vec<FoldBesidePublished> {
+    let case = |reply, serving, after_fold: &[Call]| FoldBesidePublished {
+        reply,
+        stop_in_flight: false,
+        serving,
+        after_fold: after_fold.to_vec(),
+        abandoned: (0, 0),
+    };
+    // A grant settles lease 1 and parks 77 as a rotation does.
+    let granted = [release(77, 100), release(2, 150)];
+    // Rolled back: lease 1 serves again and 77 is parked.
+    let rolled_back = [release(77, 100), release(1, 30)];
+    // Gone: lease 1 is dropped and a fresh lease acquired; 77 is parked,
+    // replaced by it or, on a fence, taken out of the slot before.
+    let gone = [acquire(), release(77, 100), release(2, TARGET)];
+    // No answer: lease 1 is parked and 77 keeps serving.
+    let unanswered = [release(1, 30), release(77, 100)];
+    let shortfall = AllocateError::BalanceInsufficient(BalanceShortfall {
+        remaining: CostUnits(37),
+        period_end: None,
+    });
+    vec![
+        case(Reply::Grant(150), Some((2, 150)), &granted),
+        case(
+            Reply::Refuse(AllocateError::InsufficientBalance),
+            Some((1, 30)),
+            &rolled_back,
+        ),
+        case(Reply::Refuse(shortfall), Some((1, 30)), &rolled_back),
+        case(
+            Reply::Refuse(AllocateError::LeaseNotActive),
+            Some((2, TARGET)),
+            &gone,
+        ),
+        case(
+            Reply::Refuse(AllocateError::Fenced),
+            Some((2, TARGET)),
+            &gone,
+        ),
+        case(Reply::Refuse(storage_error()), Some((77, 100)), &unanswered),
+        case(Reply::Hang, Some((77, 100)), &unanswered),
+        FoldBesidePublished {
+            stop_in_flight: true,
+            ..case(Reply::Hang, Some((77, 100)), &unanswered)
+        },
+        // An accounting fault withholds lease 1 and empties the slot.
+        FoldBesidePublished {
+            abandoned: (1, 30),
+            ..case(
+                Reply::Refuse(AllocateError::InvalidRelease),
+                None,
+                &[release(77, 100)],
+            )
+        },
+    ]
+}
+
+/// I26, I27: a lease published into the slot while the serving one is out
+/// of it to be folded (as a concurrent publisher would) is never lost,
+/// whatever the fold's end: a grant, or an answer that the folded lease is
+/// gone, parks it (the new lease replaces it, or a fence takes it out
+/// first); a rolled-back fold parks it and
+/// serves the old lease again; a fold that got no answer (an error, a
+/// timeout, a shutdown) leaves it serving and parks the old lease; an
+/// accounting fault takes it out of the slot. Each way it is released once,
+/// with all its units, and only the faulted fold's own lease is abandoned.
+#[tokio::test(start_paused = true)]
+async fn a_lease_published_during_a_fold_is_kept_whatever_the_fold_answers() {
+    for case in folds_beside_a_published_lease() {
+        let label = format!(
+            "{:?}{}",
+            case.reply,
+            if case.stop_in_flight { ", stopped" } else { "" }
+        );
+        let allocator = Scripted::new();
+        allocator.plan_consolidations([Reply::PublishThen(77, Box::new(case.reply.clone()))]);
+        let mut h = Harness::started(allocator).await;
+        h.spend(70);
+        h.refused(50);
+        h.allocator.calls_reach(2).await;
+        if matches!(case.reply, Reply::Hang) && !case.stop_in_flight {
+            sleep(CALL_TIMEOUT).await;
+        }
+        settle().await;
+        assert_eq!(h.serving(), case.serving, "{label}");
+
+        let report = h.shutdown().await;
+
+        let calls = h.allocator.calls();
+        assert_eq!(
+            calls[1],
+            Call::Consolidate {
+                lease: 1,
+                unspent: 30,
+                requested: TARGET,
+                needed: 50,
+            },
+            "{label}"
+        );
+        assert_eq!(calls[2..], case.after_fold, "{label}");
+        let released: Vec<u64> = case
+            .after_fold
+            .iter()
+            .filter_map(|call| match call {
+                Call::Release { unspent, .. } => Some(*unspent),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(
+            (report.released, report.released_units),
+            (released.len() as u64, released.iter().sum()),
+            "{label}"
+        );
+        assert_eq!(
+            (report.abandoned, report.abandoned_units),
+            case.abandoned,
+            "{label}"
         );
     }
 }
@@ -2326,6 +2507,39 @@ async fn a_lease_whose_release_eats_the_budget_goes_behind_the_others() {
     assert_eq!((stats.released, stats.released_units), (2, 50));
 }
 
+/// I22, I26: a storage error releasing one parked lease leaves that lease
+/// parked without ending the pass: the leases behind it are released at the
+/// same poll, and the one that failed is asked again at the next pass.
+#[tokio::test(start_paused = true)]
+async fn a_release_that_fails_does_not_hold_up_the_parked_leases_behind_it() {
+    let allocator = Scripted::new();
+    allocator.plan_releases(1, [Reply::Refuse(storage_error())]);
+    let h = Harness::started(allocator).await;
+    three_parked_leases(&h).await;
+    h.allocator.calls_reach(8).await;
+    settle().await;
+
+    assert_eq!(
+        h.allocator.timed_calls()[4..],
+        [
+            (POLL, release(1, 25)),
+            (POLL, release(2, 25)),
+            (POLL, release(3, 25)),
+            (POLL * 2, release(1, 25)),
+        ],
+        "one pass reaches every lease; the failed one is retried at the next"
+    );
+    let stats = h.stats();
+    assert_eq!(stats.release_refused_for(&storage_error()), 1);
+    assert_eq!(
+        (stats.released, stats.released_units),
+        (3, 75),
+        "lease 1 settled by its retry"
+    );
+    assert_eq!(h.serving(), Some((4, 100)));
+    assert!(h.ready(), "not a fault");
+}
+
 // --------------------------------------------------------------- shutdown
 
 /// I25: shutdown returns every quiescent lease at once and abandons, never
@@ -2396,7 +2610,9 @@ async fn shutdown_waits_for_a_held_lease_to_quiesce_and_then_releases_it() {
 }
 
 /// I22, I25: a release that hangs at shutdown cannot stretch it past the
-/// deadline; the lease is abandoned to TTL reclaim and reported.
+/// deadline. Cut off at its timeout, it is tried once more a call's
+/// timeout before the deadline, hangs again, and the lease is abandoned to
+/// TTL reclaim and reported.
 #[tokio::test(start_paused = true)]
 async fn a_hung_release_cannot_stretch_shutdown_past_its_deadline() {
     let allocator = Scripted::new();
@@ -2407,10 +2623,181 @@ async fn a_hung_release_cannot_stretch_shutdown_past_its_deadline() {
     let report = h.shutdown().await;
 
     assert_eq!(began.elapsed(), SHUTDOWN_DEADLINE);
-    assert_eq!(h.allocator.calls(), [acquire(), release(1, 100)]);
+    assert_eq!(
+        h.allocator.timed_calls()[1..],
+        [
+            (Duration::ZERO, release(1, 100)),
+            (
+                SHUTDOWN_DEADLINE.saturating_sub(CALL_TIMEOUT),
+                release(1, 100)
+            ),
+        ]
+    );
     assert_eq!((report.released, report.abandoned), (0, 1));
     assert_eq!(report.abandoned_units, 100);
+    // The second ends at the deadline, cut off rather than timed out.
     assert_eq!(report.stats.release_timeouts, 1);
+}
+
+/// I22, I25, I26: a shutdown that arrives while a steady-state release
+/// hangs cuts that call short at once, not after its timeout, and the lease
+/// goes back to the front of the parked list, never dropped: the call may
+/// or may not have settled it, so wind-down asks again, then returns the
+/// other parked leases and the serving one. None is abandoned.
+#[tokio::test(start_paused = true)]
+async fn a_shutdown_during_a_hung_release_asks_again_and_returns_every_lease() {
+    let allocator = Scripted::new();
+    allocator.plan_releases(1, [Reply::Hang, Reply::Grant(0)]);
+    let mut h = Harness::started(allocator).await;
+    three_parked_leases(&h).await;
+    h.allocator.calls_reach(5).await;
+    settle().await;
+    assert_eq!(h.allocator.timed_calls()[4], (POLL, release(1, 25)));
+
+    let began = Instant::now();
+    let report = h.shutdown().await;
+
+    assert_eq!(
+        began.elapsed(),
+        Duration::ZERO,
+        "the hung call is not waited for"
+    );
+    assert_eq!(
+        h.allocator.timed_calls()[4..],
+        [
+            (POLL, release(1, 25)),
+            (POLL, release(1, 25)),
+            (POLL, release(2, 25)),
+            (POLL, release(3, 25)),
+            (POLL, release(4, 100)),
+        ],
+        "lease 1 keeps its turn, then the others and the serving lease"
+    );
+    assert_eq!((report.released, report.released_units), (4, 175));
+    assert_eq!((report.abandoned, report.abandoned_units), (0, 0));
+    assert_eq!(report.stats.release_timeouts, 0, "cut short, not timed out");
+    assert!(!report.faulted);
+    assert!(!report.task_died);
+}
+
+/// I25, I26: a lease whose release at shutdown is answered "settled
+/// already" or "fenced" is done with: counted released (it left the books
+/// settled or disowned), asked once, neither abandoned nor a fault, and
+/// shutdown returns at once rather than wait out its deadline.
+#[tokio::test(start_paused = true)]
+async fn a_release_refused_as_settled_or_fenced_at_shutdown_is_done_with_at_once() {
+    for error in [
+        AllocateError::LeaseNotActive,
+        AllocateError::UnknownLease,
+        AllocateError::Fenced,
+    ] {
+        let allocator = Scripted::new();
+        allocator.plan_releases(1, [Reply::Refuse(error.clone())]);
+        let mut h = Harness::started(allocator).await;
+        h.spend(30);
+
+        let began = Instant::now();
+        let report = h.shutdown().await;
+
+        assert_eq!(began.elapsed(), Duration::ZERO, "{error}");
+        assert_eq!(
+            h.allocator.calls(),
+            [acquire(), release(1, 70)],
+            "{error}: not asked again"
+        );
+        assert_eq!((report.released, report.released_units), (1, 0), "{error}");
+        assert_eq!(
+            (report.abandoned, report.abandoned_units),
+            (0, 0),
+            "{error}"
+        );
+        assert!(!report.faulted, "{error}");
+        assert_eq!(report.stats.release_refused_for(&error), 1, "{error}");
+    }
+}
+
+/// I22, I25, I26: a release that fails at shutdown may or may not have
+/// settled, so the lease is kept and asked again once the store has had the
+/// poll interval to recover, for as long as the deadline allows: an answer
+/// then returns it; a store still failing at the deadline leaves it
+/// abandoned to TTL reclaim, never dropped as if settled. When the next poll
+/// would come at or past the deadline, the last try comes one call's
+/// timeout before it, so a poll as long as the deadline (the default here)
+/// still leaves a retry.
+#[tokio::test(start_paused = true)]
+async fn a_release_that_fails_at_shutdown_is_retried_until_the_deadline() {
+    let second = Duration::from_secs(1);
+    let last_try = SHUTDOWN_DEADLINE.saturating_sub(CALL_TIMEOUT);
+    let recovers = || vec![Reply::Refuse(storage_error()), Reply::Grant(0)];
+    let keeps_failing = vec![Reply::Refuse(storage_error()); 8];
+    // The poll, the store's answers, when releases are asked, how many of
+    // them fail, how long shutdown takes, and the (released, abandoned)
+    // counts.
+    let cases = [
+        (
+            "recovers",
+            second,
+            recovers(),
+            vec![Duration::ZERO, second],
+            1,
+            second,
+            (1, 0),
+        ),
+        (
+            "keeps failing",
+            second,
+            keeps_failing,
+            vec![Duration::ZERO, second, second * 2, last_try],
+            4,
+            SHUTDOWN_DEADLINE,
+            (0, 1),
+        ),
+        (
+            "recovers, polling past the deadline",
+            POLL,
+            recovers(),
+            vec![Duration::ZERO, last_try],
+            1,
+            last_try,
+            (1, 0),
+        ),
+    ];
+    for (label, poll, replies, asked_at, failed, took, (released, abandoned)) in cases {
+        let allocator = Scripted::new();
+        allocator.plan_releases(1, replies);
+        let mut h = Harness::started_with(
+            allocator,
+            LeaseManagerConfig {
+                poll_interval: poll,
+                ..config()
+            },
+        )
+        .await;
+        h.spend(30);
+
+        let began = Instant::now();
+        let report = h.shutdown().await;
+
+        assert_eq!(began.elapsed(), took, "{label}");
+        let asked: Vec<_> = asked_at.iter().map(|at| (*at, release(1, 70))).collect();
+        assert_eq!(h.allocator.timed_calls()[1..], asked, "{label}");
+        assert_eq!(
+            report.stats.release_refused_for(&storage_error()),
+            failed,
+            "{label}"
+        );
+        assert_eq!(
+            (report.released, report.abandoned),
+            (released, abandoned),
+            "{label}"
+        );
+        assert_eq!(
+            report.released_units + report.abandoned_units,
+            70,
+            "{label}: the lease's units, returned or left to reclaim"
+        );
+        assert!(!report.faulted, "{label}");
+    }
 }
 
 /// No grant call starts once shutdown is asked for, even when the stop
@@ -2492,6 +2879,47 @@ async fn shutdown_cuts_a_hanging_acquire_short_at_once() {
     assert!(!report.task_died);
     assert_eq!(report.stats.uncertain_acquires, 1);
     assert_eq!(report.stats.acquire_timeouts, 0);
+}
+
+/// I25, I26: shutdown is acted on inside a hung fold too, not after its
+/// timeout. The fold may have committed, so it counts as uncertain (not as
+/// a timeout), and the folded lease is parked, never dropped: wind-down
+/// releases it with its exact unspent units (a fold that had committed
+/// would be answered "not active" there).
+#[tokio::test(start_paused = true)]
+async fn shutdown_cuts_a_hanging_fold_short_and_releases_the_folded_lease() {
+    let allocator = Scripted::new();
+    allocator.plan_consolidations([Reply::Hang]);
+    let mut h = Harness::started(allocator).await;
+    h.spend(70);
+    h.refused(50);
+    h.allocator.calls_reach(2).await;
+    settle().await;
+    assert_eq!(h.serving(), None, "out of the slot while it is folded");
+
+    let began = Instant::now();
+    let report = h.shutdown().await;
+
+    assert_eq!(began.elapsed(), Duration::ZERO);
+    assert_eq!(
+        h.allocator.calls(),
+        [
+            acquire(),
+            Call::Consolidate {
+                lease: 1,
+                unspent: 30,
+                requested: TARGET,
+                needed: 50,
+            },
+            release(1, 30),
+        ]
+    );
+    assert_eq!((report.released, report.released_units), (1, 30));
+    assert_eq!((report.abandoned, report.abandoned_units), (0, 0));
+    assert!(!report.task_died);
+    assert_eq!(report.stats.uncertain_acquires, 1);
+    assert_eq!(report.stats.acquire_timeouts, 0);
+    assert_eq!(report.stats.consolidated, 0);
 }
 
 /// Dropping the handle aborts the task: readiness falls, no further call is

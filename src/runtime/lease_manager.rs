@@ -115,7 +115,10 @@
 //! (an allocator call, the poll) is raced against that request, so it acts on
 //! it at once. The task stops acquiring, takes the serving lease out of the
 //! slot, and until `shutdown_release_deadline` releases each parked lease as
-//! soon as it is quiescent. A lease still held by a request at the deadline is
+//! soon as it is quiescent. A release the store fails is tried again after
+//! the poll interval, or, when that would be past the deadline, one call's
+//! timeout before the deadline. A lease still held by a request at the
+//! deadline is
 //! *abandoned*, never released: the request may still commit against it
 //! (I25). The embedding service should stop admitting and drain its usage
 //! before shutting the manager down, so that nothing is still held. Abandoned leases
@@ -2320,14 +2323,24 @@ impl Task {
             if self.parked.is_empty() || now >= deadline {
                 break;
             }
-            // A store that just failed is given the poll interval to recover;
-            // a lease a request still holds is looked at again shortly.
-            let pause = if store_failed {
-                self.config.poll_interval
+            // A lease a request still holds is looked at again shortly. A
+            // store that just failed is given the poll interval to recover;
+            // when the next poll would come at or past the deadline, the
+            // last try comes one call's timeout before it instead, so one
+            // failure does not abandon a lease with most of the budget left.
+            let wake = if store_failed {
+                let next_poll = after(now, self.config.poll_interval);
+                let last_try = deadline
+                    .checked_sub(self.config.store_call_timeout)
+                    .filter(|at| *at > now);
+                match last_try {
+                    Some(at) if next_poll >= deadline => at,
+                    _ => next_poll,
+                }
             } else {
-                QUIESCENCE_POLL
+                after(now, QUIESCENCE_POLL)
             };
-            sleep_until(deadline.min(after(now, pause))).await;
+            sleep_until(deadline.min(wake)).await;
         }
         self.abandon_rest(&before)
     }
