@@ -1000,49 +1000,58 @@ async fn report_totals_never_go_down_through_shutdown() {
     assert!(!after.ready);
 }
 
-/// A sink out of reach with the usage queue full: every admission is
-/// denied (`AccountingBackpressure`), and the instance says so by turning
-/// unready, rather than drawing traffic it can only refuse. Once the sink
-/// takes the backlog, it is ready again.
+/// A sink out of reach with the usage queue full of events it could not
+/// deliver: every admission is denied (`AccountingBackpressure`), and the
+/// instance says so by turning unready, rather than drawing traffic it can
+/// only refuse. A queue full while deliveries are only slow, or a failing
+/// sink with places left, is no reason to turn traffic away. Once the sink
+/// takes the backlog, the instance is ready again.
 #[tokio::test(start_paused = true)]
 async fn a_full_queue_behind_a_failing_sink_is_not_ready() {
-    let w = world(10_000);
-    let (open, gate) = tokio::sync::watch::channel(false);
-    let sink = Arc::new(GatedSink {
-        store: Arc::clone(&w.store),
-        open: gate,
-    });
-    let mut config = config();
-    config.usage.queue_capacity = 4;
-    config.usage.max_batch = 4;
-    let (runtime, handle) = InstanceRuntime::spawn(
-        Arc::clone(&w.store) as _,
-        Arc::clone(&w.store) as _,
-        sink as _,
-        Arc::clone(&w.clock) as Arc<dyn Clock>,
-        config,
-    )
-    .unwrap();
-    tokio::time::sleep(ms(200)).await;
-    assert!(handle.readiness());
-    for _ in 0..4 {
+    for (capacity, jammed) in [(4, true), (8, false)] {
+        let w = world(10_000);
+        let (open, gate) = tokio::sync::watch::channel(false);
+        let sink = Arc::new(GatedSink {
+            store: Arc::clone(&w.store),
+            open: gate,
+        });
+        let mut config = config();
+        config.usage.queue_capacity = capacity;
+        config.usage.max_batch = 4;
+        let (runtime, handle) = InstanceRuntime::spawn(
+            Arc::clone(&w.store) as _,
+            Arc::clone(&w.store) as _,
+            sink as _,
+            Arc::clone(&w.clock) as Arc<dyn Clock>,
+            config,
+        )
+        .unwrap();
+        tokio::time::sleep(ms(200)).await;
+        assert!(handle.readiness());
+        for _ in 0..4 {
+            assert_eq!(w.begin(&handle, 1), Ok(CostUnits(1)));
+        }
+        tokio::time::sleep(ms(60)).await;
+        let slow = handle.report();
+        assert_eq!(slow.writer_health, WriterHealth::Healthy, "{slow:?}");
+        assert!(slow.ready, "{capacity}: a slow delivery: {slow:?}");
+        // The ingest times out and is retried: the sink is failing.
+        tokio::time::sleep(ms(500)).await;
+        let failing = handle.report();
+        assert!(
+            matches!(failing.writer_health, WriterHealth::Retrying { .. }),
+            "{failing:?}"
+        );
+        assert_eq!(failing.ready, !jammed, "{capacity}: {failing:?}");
+        if jammed {
+            assert_eq!(w.begin(&handle, 1), Err(DenyReason::AccountingBackpressure));
+        }
+        open.send_replace(true);
+        tokio::time::sleep(ms(500)).await;
+        assert!(handle.readiness(), "{capacity}: {:?}", handle.report());
         assert_eq!(w.begin(&handle, 1), Ok(CostUnits(1)));
+        runtime.shutdown().await;
     }
-    assert_eq!(w.begin(&handle, 1), Err(DenyReason::AccountingBackpressure));
-    // A delivery that is merely slow is no reason to turn traffic away;
-    // one that has failed, with no place left, is.
-    tokio::time::sleep(ms(500)).await;
-    let report = handle.report();
-    assert!(
-        matches!(report.writer_health, WriterHealth::Retrying { .. }),
-        "{report:?}"
-    );
-    assert!(!report.ready, "{report:?}");
-    open.send_replace(true);
-    tokio::time::sleep(ms(500)).await;
-    assert!(handle.readiness(), "{:?}", handle.report());
-    assert_eq!(w.begin(&handle, 1), Ok(CostUnits(1)));
-    runtime.shutdown().await;
 }
 
 /// While a shutdown drains usage, the report reads the writer live: its

@@ -2635,8 +2635,13 @@ async fn a_hung_release_cannot_stretch_shutdown_past_its_deadline() {
     );
     assert_eq!((report.released, report.abandoned), (0, 1));
     assert_eq!(report.abandoned_units, 100);
-    // The second ends at the deadline, cut off rather than timed out.
-    assert_eq!(report.stats.release_timeouts, 1);
+    // The second's timeout falls on the deadline itself, so it is counted
+    // as timed out or cut off, as the two timers are polled.
+    assert!(
+        (1..=2).contains(&report.stats.release_timeouts),
+        "{:?}",
+        report.stats
+    );
 }
 
 /// I22, I25, I26: a shutdown that arrives while a steady-state release
@@ -2721,9 +2726,9 @@ async fn a_release_refused_as_settled_or_fenced_at_shutdown_is_done_with_at_once
 /// poll interval to recover, for as long as the deadline allows: an answer
 /// then returns it; a store still failing at the deadline leaves it
 /// abandoned to TTL reclaim, never dropped as if settled. When the next poll
-/// would come at or past the deadline, the last try comes one call's
-/// timeout before it, so a poll as long as the deadline (the default here)
-/// still leaves a retry.
+/// would come later than one call's timeout before the deadline, the last
+/// try comes then instead, so a poll as long as the deadline (the default
+/// here) still leaves a retry, and one with its full timeout.
 #[tokio::test(start_paused = true)]
 async fn a_release_that_fails_at_shutdown_is_retried_until_the_deadline() {
     let second = Duration::from_secs(1);
@@ -2755,6 +2760,17 @@ async fn a_release_that_fails_at_shutdown_is_retried_until_the_deadline() {
         (
             "recovers, polling past the deadline",
             POLL,
+            recovers(),
+            vec![Duration::ZERO, last_try],
+            1,
+            last_try,
+            (1, 0),
+        ),
+        // A poll landing less than a call's timeout before the deadline
+        // would leave the retry a short call.
+        (
+            "recovers, polling just before the deadline",
+            SHUTDOWN_DEADLINE.saturating_sub(CALL_TIMEOUT / 2),
             recovers(),
             vec![Duration::ZERO, last_try],
             1,

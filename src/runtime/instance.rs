@@ -850,8 +850,8 @@ impl RuntimeHandle {
 
     /// Whether the instance should receive traffic: admission open, no
     /// fault, snapshots loaded and fresh, the usage writer running and not
-    /// stuck behind a full queue (retrying a failing sink with no place
-    /// left for a new request's event), and every account a usable principal is bound to either funded by its
+    /// stuck behind a full queue (retrying a failing sink with every place
+    /// holding an event it has not delivered), and every account a usable principal is bound to either funded by its
     /// live lease manager or known by the allocator's evidence to be out of
     /// funds (so it answers truthfully). An account kept only for its
     /// linger serves nobody, so its manager does not count.
@@ -977,10 +977,18 @@ impl RuntimeHandle {
         // linger (its keys revoked, its account suspended) serves nobody,
         // and its lease may be refused for good.
         let accounts_ready = bound.usable_accounts().all(|account| answers_for(&account));
-        // A queue with no free place denies every admission (503), and one
-        // the writer cannot empty, its sink failing, stays that way.
+        let writer = planes
+            .writer
+            .as_ref()
+            .map_or_else(|| planes.stopped.writer(), UsageWriter::stats);
+        // Every place holding an event the writer cannot deliver, its sink
+        // failing: each admission is denied (503) until the sink answers.
+        // Places merely reserved by requests in flight come back as they
+        // end, so a busy queue is not counted, nor does readiness flicker
+        // as they do.
+        let undelivered = writer.queued.saturating_add(writer.in_flight);
         let backlogged = matches!(writer_health, WriterHealth::Retrying { .. })
-            && shared.engine.recorder().available() == 0;
+            && undelivered >= shared.engine.recorder().capacity() as u64;
         let ready = admitting
             && !faulted
             && snapshots_ready
@@ -1002,10 +1010,7 @@ impl RuntimeHandle {
             admitting,
             faulted,
             admission: shared.engine.counters().read(),
-            writer: planes
-                .writer
-                .as_ref()
-                .map_or_else(|| planes.stopped.writer(), UsageWriter::stats),
+            writer,
             writer_health,
             snapshots: planes
                 .snapshots

@@ -116,9 +116,8 @@
 //! it at once. The task stops acquiring, takes the serving lease out of the
 //! slot, and until `shutdown_release_deadline` releases each parked lease as
 //! soon as it is quiescent. A release the store fails is tried again after
-//! the poll interval, or, when that would be past the deadline, one call's
-//! timeout before the deadline. A lease still held by a request at the
-//! deadline is
+//! the poll interval, and no later than one call's timeout before the
+//! deadline. A lease still held by a request at the deadline is
 //! *abandoned*, never released: the request may still commit against it
 //! (I25). The embedding service should stop admitting and drain its usage
 //! before shutting the manager down, so that nothing is still held. Abandoned leases
@@ -2324,19 +2323,16 @@ impl Task {
                 break;
             }
             // A lease a request still holds is looked at again shortly. A
-            // store that just failed is given the poll interval to recover;
-            // when the next poll would come at or past the deadline, the
-            // last try comes one call's timeout before it instead, so one
-            // failure does not abandon a lease with most of the budget left.
+            // store that just failed is given the poll interval to recover,
+            // but tried again no later than one call's timeout before the
+            // deadline, so one failure does not abandon a lease with most
+            // of the budget left, nor leave the last try a short call.
             let wake = if store_failed {
                 let next_poll = after(now, self.config.poll_interval);
-                let last_try = deadline
+                deadline
                     .checked_sub(self.config.store_call_timeout)
-                    .filter(|at| *at > now);
-                match last_try {
-                    Some(at) if next_poll >= deadline => at,
-                    _ => next_poll,
-                }
+                    .filter(|last_try| *last_try > now)
+                    .map_or(next_poll, |last_try| next_poll.min(last_try))
             } else {
                 after(now, QUIESCENCE_POLL)
             };
