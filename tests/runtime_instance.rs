@@ -302,6 +302,32 @@ impl World {
         self.spawn_with(Arc::clone(&self.store) as _, config())
     }
 
+    /// An instance whose usage goes through a [`GatedSink`], closed until
+    /// the returned sender opens it.
+    fn spawn_gated(
+        &self,
+        config: InstanceRuntimeConfig,
+    ) -> (
+        InstanceRuntime,
+        RuntimeHandle,
+        tokio::sync::watch::Sender<bool>,
+    ) {
+        let (open, gate) = tokio::sync::watch::channel(false);
+        let sink = Arc::new(GatedSink {
+            store: Arc::clone(&self.store),
+            open: gate,
+        });
+        let (runtime, handle) = InstanceRuntime::spawn(
+            Arc::clone(&self.store) as _,
+            Arc::clone(&self.store) as _,
+            sink as _,
+            Arc::clone(&self.clock) as Arc<dyn Clock>,
+            config,
+        )
+        .unwrap();
+        (runtime, handle, open)
+    }
+
     fn begin(&self, handle: &RuntimeHandle, units: u64) -> Result<CostUnits, DenyReason> {
         let mut context = handle.begin(
             self.principal,
@@ -420,18 +446,7 @@ impl UsageSink for GatedSink {
 #[tokio::test(start_paused = true)]
 async fn a_quote_a_busy_lease_refused_is_funded_by_a_rotation() {
     let w = world(10_000);
-    let (open, gate) = tokio::sync::watch::channel(false);
-    let (runtime, handle) = InstanceRuntime::spawn(
-        Arc::clone(&w.store) as _,
-        Arc::clone(&w.store) as _,
-        Arc::new(GatedSink {
-            store: Arc::clone(&w.store),
-            open: gate,
-        }),
-        Arc::clone(&w.clock) as Arc<dyn Clock>,
-        config(),
-    )
-    .unwrap();
+    let (runtime, handle, open) = w.spawn_gated(config());
     tokio::time::sleep(ms(200)).await;
     assert_eq!(w.begin(&handle, 5), Ok(CostUnits(5)));
     // The lease holds 500 units: a quote of 600 is refused and rings for a
@@ -1010,22 +1025,10 @@ async fn report_totals_never_go_down_through_shutdown() {
 async fn a_full_queue_behind_a_failing_sink_is_not_ready() {
     for (capacity, jammed) in [(4, true), (8, false)] {
         let w = world(10_000);
-        let (open, gate) = tokio::sync::watch::channel(false);
-        let sink = Arc::new(GatedSink {
-            store: Arc::clone(&w.store),
-            open: gate,
-        });
         let mut config = config();
         config.usage.queue_capacity = capacity;
         config.usage.max_batch = 4;
-        let (runtime, handle) = InstanceRuntime::spawn(
-            Arc::clone(&w.store) as _,
-            Arc::clone(&w.store) as _,
-            sink as _,
-            Arc::clone(&w.clock) as Arc<dyn Clock>,
-            config,
-        )
-        .unwrap();
+        let (runtime, handle, open) = w.spawn_gated(config);
         tokio::time::sleep(ms(200)).await;
         assert!(handle.readiness());
         for _ in 0..4 {
@@ -1061,19 +1064,7 @@ async fn a_full_queue_behind_a_failing_sink_is_not_ready() {
 #[tokio::test(start_paused = true)]
 async fn the_report_follows_the_usage_drain_through_shutdown() {
     let w = world(10_000);
-    let (open, gate) = tokio::sync::watch::channel(false);
-    let sink = Arc::new(GatedSink {
-        store: Arc::clone(&w.store),
-        open: gate,
-    });
-    let (runtime, handle) = InstanceRuntime::spawn(
-        Arc::clone(&w.store) as _,
-        Arc::clone(&w.store) as _,
-        sink as _,
-        Arc::clone(&w.clock) as Arc<dyn Clock>,
-        config(),
-    )
-    .unwrap();
+    let (runtime, handle, open) = w.spawn_gated(config());
     tokio::time::sleep(ms(200)).await;
     for _ in 0..3 {
         assert_eq!(w.begin(&handle, 2), Ok(CostUnits(2)));
@@ -1109,19 +1100,7 @@ async fn the_report_follows_the_usage_drain_through_shutdown() {
 #[tokio::test(start_paused = true)]
 async fn a_runtime_dropped_without_shutdown_keeps_its_counts_and_counts_its_losses() {
     let w = world(10_000);
-    let (_open, gate) = tokio::sync::watch::channel(false);
-    let sink = Arc::new(GatedSink {
-        store: Arc::clone(&w.store),
-        open: gate,
-    });
-    let (runtime, handle) = InstanceRuntime::spawn(
-        Arc::clone(&w.store) as _,
-        Arc::clone(&w.store) as _,
-        sink as _,
-        Arc::clone(&w.clock) as Arc<dyn Clock>,
-        config(),
-    )
-    .unwrap();
+    let (runtime, handle, _open) = w.spawn_gated(config());
     tokio::time::sleep(ms(200)).await;
     for _ in 0..3 {
         assert_eq!(w.begin(&handle, 2), Ok(CostUnits(2)));
