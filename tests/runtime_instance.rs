@@ -1018,9 +1018,10 @@ async fn report_totals_never_go_down_through_shutdown() {
 /// A sink out of reach with the usage queue full of events it could not
 /// deliver: every admission is denied (`AccountingBackpressure`), and the
 /// instance says so by turning unready, rather than drawing traffic it can
-/// only refuse. A queue full while deliveries are only slow, or a failing
-/// sink with places left, is no reason to turn traffic away. Once the sink
-/// takes the backlog, the instance is ready again.
+/// only refuse. A queue full while deliveries are only slow, a failing sink
+/// with places left, or one whose places are held by requests in flight
+/// (they give them back as they end), is no reason to turn traffic away.
+/// Once the sink takes the backlog, the instance is ready again.
 #[tokio::test(start_paused = true)]
 async fn a_full_queue_behind_a_failing_sink_is_not_ready() {
     for (capacity, jammed) in [(4, true), (8, false)] {
@@ -1048,6 +1049,32 @@ async fn a_full_queue_behind_a_failing_sink_is_not_ready() {
         assert_eq!(failing.ready, !jammed, "{capacity}: {failing:?}");
         if jammed {
             assert_eq!(w.begin(&handle, 1), Err(DenyReason::AccountingBackpressure));
+        } else {
+            // Requests in flight take the places left: admission is full
+            // for now, but they give them back as they end, so the queue
+            // is not jammed. Committed, their events fill it.
+            let held: Vec<_> = (0..4)
+                .map(|_| {
+                    handle
+                        .begin(
+                            w.principal,
+                            PermissionBits::NONE,
+                            CostUnits(1),
+                            w.clock.now(),
+                        )
+                        .expect("a place is left")
+                })
+                .collect();
+            assert_eq!(w.begin(&handle, 1), Err(DenyReason::AccountingBackpressure));
+            assert!(
+                handle.readiness(),
+                "places held in flight: {:?}",
+                handle.report()
+            );
+            for mut context in held {
+                assert_eq!(context.commit(w.clock.now()), Ok(CostUnits(1)));
+            }
+            assert!(!handle.readiness(), "events fill it: {:?}", handle.report());
         }
         open.send_replace(true);
         tokio::time::sleep(ms(500)).await;

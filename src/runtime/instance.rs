@@ -936,6 +936,13 @@ impl RuntimeHandle {
             || accounts
                 .iter()
                 .any(|account| account.health == Some(LeaseHealth::Faulted));
+        // The counts first, then the health: read the other way round, a
+        // retry that succeeds in between, its places refilled at once,
+        // would read as a jammed queue behind a failing sink.
+        let writer = planes
+            .writer
+            .as_ref()
+            .map_or_else(|| planes.stopped.writer(), UsageWriter::stats);
         let writer_health = planes
             .writer
             .as_ref()
@@ -977,10 +984,6 @@ impl RuntimeHandle {
         // linger (its keys revoked, its account suspended) serves nobody,
         // and its lease may be refused for good.
         let accounts_ready = bound.usable_accounts().all(|account| answers_for(&account));
-        let writer = planes
-            .writer
-            .as_ref()
-            .map_or_else(|| planes.stopped.writer(), UsageWriter::stats);
         // Every place holding an event the writer cannot deliver, its sink
         // failing: each admission is denied (503) until the sink answers.
         // Places merely reserved by requests in flight come back as they

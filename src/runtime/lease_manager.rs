@@ -115,9 +115,10 @@
 //! (an allocator call, the poll) is raced against that request, so it acts on
 //! it at once. The task stops acquiring, takes the serving lease out of the
 //! slot, and until `shutdown_release_deadline` releases each parked lease as
-//! soon as it is quiescent. A release the store fails is tried again after
-//! the poll interval, and no later than one call's timeout before the
-//! deadline. A lease still held by a request at the deadline is
+//! soon as it is quiescent. After a release the store fails, the next pass
+//! comes after the poll interval, and starts no later than one call's
+//! timeout before the deadline. A lease still held by a request at the
+//! deadline is
 //! *abandoned*, never released: the request may still commit against it
 //! (I25). The embedding service should stop admitting and drain its usage
 //! before shutting the manager down, so that nothing is still held. Abandoned leases
@@ -2324,9 +2325,10 @@ impl Task {
             }
             // A lease a request still holds is looked at again shortly. A
             // store that just failed is given the poll interval to recover,
-            // but tried again no later than one call's timeout before the
-            // deadline, so one failure does not abandon a lease with most
-            // of the budget left, nor leave the last try a short call.
+            // but the next pass starts no later than one call's timeout
+            // before the deadline, so one failure does not abandon a lease
+            // with most of the budget left, nor leave the first lease it
+            // tries a short call.
             let wake = if store_failed {
                 let next_poll = after(now, self.config.poll_interval);
                 deadline
