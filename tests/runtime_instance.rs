@@ -1120,6 +1120,42 @@ async fn the_report_follows_the_usage_drain_through_shutdown() {
     assert_eq!((after.writer.accepted, after.writer.queued), (3, 0));
 }
 
+/// A shutdown cancelled while it drains usage (its future dropped, say in
+/// a `select!` against a second signal) leaves the usage writer draining
+/// on to its own deadline in the background: what it delivers is counted
+/// as delivered, and the report reads it live until it stops (I21).
+#[tokio::test(start_paused = true)]
+async fn a_shutdown_cancelled_while_draining_leaves_the_writer_to_finish_its_drain() {
+    let w = world(10_000);
+    let (runtime, handle, open) = w.spawn_gated(config());
+    tokio::time::sleep(ms(200)).await;
+    for _ in 0..3 {
+        assert_eq!(w.begin(&handle, 2), Ok(CostUnits(2)));
+    }
+    let cancelled = tokio::time::timeout(ms(100), runtime.shutdown()).await;
+    assert!(cancelled.is_err(), "still draining when cancelled");
+    let draining = handle.report();
+    assert_ne!(
+        draining.writer_health,
+        WriterHealth::Stopped,
+        "{draining:?}"
+    );
+    assert_eq!(
+        draining.writer.queued + draining.writer.in_flight,
+        3,
+        "{draining:?}"
+    );
+    open.send_replace(true);
+    tokio::time::sleep(ms(500)).await;
+    let after = handle.report();
+    assert_eq!(after.writer_health, WriterHealth::Stopped, "{after:?}");
+    assert_eq!(
+        (after.writer.accepted, after.writer.lost),
+        (3, 0),
+        "{after:?}"
+    );
+    assert_eq!(w.store.usage(w.account).unwrap().len(), 3);
+}
 /// A runtime dropped without its shutdown leaves the counts it made in
 /// the report a surviving handle reads, the usage it could not deliver
 /// counted lost (I21), and the lease it leaves to TTL reclaim counted

@@ -539,6 +539,14 @@ impl UsageQueue {
         self.len() + self.lock_taken().len()
     }
 
+    /// Whether the writer has given up on the queue: nothing recorded in
+    /// it will be delivered.
+    pub(crate) fn is_abandoned(&self) -> bool {
+        self.stripes
+            .iter()
+            .all(|stripe| stripe.available.load(Ordering::Acquire) & ABANDONED != 0)
+    }
+
     /// Whether the queue refuses new permits.
     pub(crate) fn is_closed(&self) -> bool {
         self.stripes

@@ -624,6 +624,11 @@ impl InstanceRuntime {
     /// Stops the instance in order, inside one `shutdown_deadline` (I25):
     /// stop admitting, drain usage, release leases. A lease still held by a
     /// request at its deadline is abandoned to TTL reclaim, never released.
+    ///
+    /// Dropping the returned future before it completes cuts the shutdown
+    /// short where it stands: a usage drain under way goes on in the
+    /// background to its own deadline, and the lease managers are aborted,
+    /// their leases left to TTL reclaim.
     pub async fn shutdown(mut self) -> RuntimeShutdownReport {
         let started = Instant::now();
         let deadline = after(started, self.shared.config.shutdown_deadline);

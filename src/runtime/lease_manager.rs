@@ -102,8 +102,8 @@
 //! eight, back to the usual cadence at the store's first answer to any
 //! call. A grant that arrives unable to serve a debit (empty, or usable for
 //! no time: the store's `max_ttl` is no longer than the safety margin) is
-//! returned, and acquires wait the same way after each, until a grant
-//! serves. A release pass shares one such budget across all parked
+//! returned, and acquires and folds wait the same way after each, until a
+//! grant serves. A release pass shares one such budget across all parked
 //! leases, each call capped by what is left of it, so a store that hangs
 //! costs one timeout per pass however many leases are parked; a lease whose
 //! call used up the budget goes to the back of the queue so the others get

@@ -333,11 +333,15 @@ impl UsageWriter {
         self.left_behind()
     }
 
-    /// Gives up on the queue and aborts the task, as dropping the handle
+    /// Aborts the task and gives up on the queue, as dropping the handle
     /// does, and returns the counters with everything left undelivered
-    /// counted lost. The queue is abandoned first, so no commit can add an
-    /// event after the count (I21).
+    /// counted lost. The queue is abandoned before the count, so no commit
+    /// can add an event after it (I21); a batch the sink answers as the
+    /// task is aborted may be counted both accepted and lost.
     pub(crate) fn abandon(self) -> WriterStats {
+        if let Some(task) = &self.task {
+            task.abort();
+        }
         self.queue.abandon();
         self.left_behind()
     }
@@ -345,14 +349,7 @@ impl UsageWriter {
     /// The counters with everything undelivered counted lost: what the
     /// writer leaves behind once its task has ended.
     fn left_behind(&self) -> WriterStats {
-        let stats = self.counted();
-        let lost = stats.lost.saturating_add(self.queue.undelivered() as u64);
-        WriterStats {
-            queued: 0,
-            in_flight: 0,
-            lost,
-            ..stats
-        }
+        left_behind(&self.shared, &self.queue)
     }
 
     /// The counters as the task left them.
@@ -489,7 +486,10 @@ impl fmt::Debug for UsageWriter {
 
 /// A writer's counters and health, read while it drains (see
 /// [`UsageWriter::view`]). It cannot tell a task that panicked from one
-/// still draining, so it is read only until the shutdown's report is in.
+/// still draining, so it is read only until the shutdown's report is in;
+/// but once the queue is given up on (the writer's deadline passed, or its
+/// handle was dropped with the shutdown cancelled) it reads as stopped,
+/// with what is left undelivered counted lost.
 pub(crate) struct WriterView {
     shared: Arc<Shared>,
     queue: Arc<UsageQueue>,
@@ -498,12 +498,31 @@ pub(crate) struct WriterView {
 impl WriterView {
     /// The counters as they stand now.
     pub(crate) fn stats(&self) -> WriterStats {
+        if self.queue.is_abandoned() {
+            return left_behind(&self.shared, &self.queue);
+        }
         counted(&self.shared, &self.queue)
     }
 
-    /// The health the task last wrote.
+    /// The health the task last wrote, or stopped once the queue is given
+    /// up on.
     pub(crate) fn health(&self) -> WriterHealth {
+        if self.queue.is_abandoned() {
+            return WriterHealth::Stopped;
+        }
         *self.shared.health()
+    }
+}
+
+/// The counters with everything undelivered counted lost: nothing will
+/// deliver it once the task has ended or the queue is given up on.
+fn left_behind(shared: &Shared, queue: &UsageQueue) -> WriterStats {
+    let stats = counted(shared, queue);
+    WriterStats {
+        queued: 0,
+        in_flight: 0,
+        lost: stats.lost.saturating_add(queue.undelivered() as u64),
+        ..stats
     }
 }
 
