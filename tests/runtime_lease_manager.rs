@@ -459,6 +459,16 @@ impl Harness {
             .expect("commits inside the window");
     }
 
+    /// Spends the serving lease down to 30 units, has it refuse a quote of
+    /// 50, and waits for the fold that asks for (the allocator's second
+    /// call) to be made.
+    async fn fold_a_refused_quote(&self) {
+        self.spend(70);
+        self.refused(50);
+        self.allocator.calls_reach(2).await;
+        settle().await;
+    }
+
     /// A quote the serving lease cannot fund.
     #[track_caller]
     fn refused(&self, units: u64) {
@@ -663,10 +673,7 @@ async fn a_fold_refused_without_evidence_puts_the_withdrawn_evidence_back() {
     allocator.plan_consolidations([Reply::Refuse(AllocateError::AccountInactive)]);
     let h = Harness::started(allocator).await;
     assert_eq!(h.slot.funding_evidence(h.now()), Some(shown));
-    h.spend(70);
-    h.refused(50);
-    h.allocator.calls_reach(2).await;
-    settle().await;
+    h.fold_a_refused_quote().await;
     assert!(matches!(h.allocator.calls()[1], Call::Consolidate { .. }));
     assert_eq!(h.serving(), Some((1, 30)), "the lease is back");
     assert_eq!(h.slot.funding_evidence(h.now()), Some(shown));
@@ -1039,10 +1046,7 @@ async fn a_domain_refusal_of_a_consolidation_puts_the_old_lease_back_and_publish
         let allocator = Scripted::new();
         allocator.plan_consolidations([Reply::Refuse(error.clone())]);
         let h = Harness::started(allocator).await;
-        h.spend(70);
-        h.refused(50);
-        h.allocator.calls_reach(2).await;
-        settle().await;
+        h.fold_a_refused_quote().await;
 
         assert_eq!(h.serving(), Some((1, 30)), "{error}: the lease is back");
         // The lease goes back to serving with its 30 units, so the balance
@@ -1470,10 +1474,7 @@ async fn a_consolidation_refused_as_an_over_claim_faults_and_stops_spending() {
     let allocator = Scripted::new();
     allocator.plan_consolidations([Reply::Refuse(AllocateError::InvalidRelease)]);
     let mut h = Harness::started(allocator).await;
-    h.spend(70);
-    h.refused(50);
-    h.allocator.calls_reach(2).await;
-    settle().await;
+    h.fold_a_refused_quote().await;
 
     assert_eq!(h.manager().health(), LeaseHealth::Faulted);
     assert!(!h.ready());
@@ -2864,10 +2865,7 @@ async fn a_stop_that_arrives_with_a_fold_answer_starts_no_grant() {
         Box::new(Reply::Refuse(AllocateError::LeaseNotActive)),
     )]);
     let mut h = Harness::started(allocator).await;
-    h.spend(70);
-    h.refused(50);
-    h.allocator.calls_reach(2).await;
-    settle().await;
+    h.fold_a_refused_quote().await;
     assert!(matches!(h.allocator.calls()[1], Call::Consolidate { .. }));
 
     gate.notify_one();
@@ -2907,10 +2905,7 @@ async fn shutdown_cuts_a_hanging_fold_short_and_releases_the_folded_lease() {
     let allocator = Scripted::new();
     allocator.plan_consolidations([Reply::Hang]);
     let mut h = Harness::started(allocator).await;
-    h.spend(70);
-    h.refused(50);
-    h.allocator.calls_reach(2).await;
-    settle().await;
+    h.fold_a_refused_quote().await;
     assert_eq!(h.serving(), None, "out of the slot while it is folded");
 
     let began = Instant::now();
@@ -2983,10 +2978,7 @@ async fn a_task_that_dies_folding_a_lease_reports_it_abandoned() {
     let allocator = Scripted::new();
     allocator.plan_consolidations([Reply::Panic]);
     let mut h = Harness::started(allocator).await;
-    h.spend(70);
-    h.refused(50);
-    h.allocator.calls_reach(2).await;
-    settle().await;
+    h.fold_a_refused_quote().await;
     assert!(h.manager().is_finished());
     let report = h.shutdown().await;
     assert!(report.task_died);
