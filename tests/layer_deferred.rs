@@ -239,7 +239,7 @@ async fn a_marker_on_the_handlers_leaves_unrouted_requests_uncharged() {
     );
 }
 
-/// I23, fail closed: a commit point on a route no tollgate layer admitted
+/// I9, I23, fail closed: a commit point on a route no tollgate layer admitted
 /// (here the layer wraps only the routes added before it, as axum's
 /// `Router::layer` does) does not let its handler run unmetered: the
 /// marker and the `Charged` extractor each answer 500 naming the cause,

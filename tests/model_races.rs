@@ -64,7 +64,7 @@ fn worker(
                 None => None,
                 Some(overage) => match Reservation::reserve_overage(overage, quote, cap) {
                     Ok(reservation) => Some(reservation),
-                    // I11: only the overage refusals, each for its reason.
+                    // I11: only the overage refusals.
                     Err(
                         DenyReason::OverageCapExhausted { overage_cap, .. }
                         | DenyReason::OverageCapTemporarilyExhausted { overage_cap, .. },

@@ -818,7 +818,7 @@ async fn an_integrity_fault_takes_the_instance_out_of_service_for_good() {
     runtime.shutdown().await;
 }
 
-/// I15: once the instance is out of service for good, its other accounts
+/// I29: once the instance is out of service for good, its other accounts
 /// take no new leases. They answer from what they hold, but a faulted
 /// instance rotating every busy account's lease would keep those units
 /// from the instances still in service until someone restarted it.
@@ -916,7 +916,7 @@ async fn a_faulted_manager_that_later_dies_is_not_restarted() {
     drop(runtime);
 }
 
-/// I15: an integrity fault found while an account retires (the release of
+/// I29: an integrity fault found while an account retires (the release of
 /// its lease refused as an accounting fault) takes the instance out of
 /// service as surely as one found while the account served.
 #[tokio::test(start_paused = true)]
@@ -935,7 +935,7 @@ async fn an_integrity_fault_found_as_an_account_retires_takes_the_instance_out_o
     assert_eq!(report.accounts, 0, "retired after the linger");
     assert!(
         report.faulted,
-        "I15: the refused release is an integrity fault"
+        "I29: the refused release is an integrity fault"
     );
     assert!(!report.ready);
     runtime.shutdown().await;
@@ -1724,7 +1724,7 @@ async fn no_grant_is_asked_for_once_shutdown_has_begun() {
     drop(held);
 }
 
-/// I15: an accounting refusal met while returning leases at shutdown
+/// I29: an accounting refusal met while returning leases at shutdown
 /// faults the instance as one met while serving does.
 #[tokio::test(start_paused = true)]
 async fn an_integrity_fault_found_at_shutdown_is_reported() {
@@ -1739,5 +1739,5 @@ async fn an_integrity_fault_found_at_shutdown_is_reported() {
         report.leases.iter().any(|(_, lease)| lease.faulted),
         "the release was refused as an accounting fault"
     );
-    assert!(handle.report().faulted, "I15: and the instance says so");
+    assert!(handle.report().faulted, "I29: and the instance says so");
 }

@@ -2301,7 +2301,7 @@ async fn a_quote_refused_as_the_window_closes_is_chased_by_the_replacement() {
     assert_eq!(h.serving(), Some((2, 150)), "the retry is funded");
 }
 
-/// I11: an account refused for an exhausted balance is told to retry at
+/// I23, I28: an account refused for an exhausted balance is told to retry at
 /// the period end, when the refill brings more. With no lease, nothing
 /// rings for it, so the manager wakes then and acquires, rather than leave
 /// the account refused (and the instance unready) until the next poll.

@@ -886,7 +886,7 @@ mod tests {
         assert!(std::mem::size_of::<RequestContext>() <= 120);
     }
 
-    /// I23: a thread's cached generation belongs to one map. A thread that
+    /// I24: a thread's cached generation belongs to one map. A thread that
     /// admits through two engines in turn reads each one's own policy and
     /// funds, and a publish on one is seen by its next read on the same
     /// thread while the other keeps its own.

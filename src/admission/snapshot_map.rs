@@ -295,7 +295,7 @@ pub(crate) struct Entry {
 }
 
 /// A generation of the map pinned for the reads of one admission: the
-/// request path's view of the map (I23).
+/// request path's view of the map (I24).
 ///
 /// Entries borrow from it, so the admission built from them is the caller's
 /// last expression and lands where the caller wants it. Dropping it puts the
@@ -523,7 +523,7 @@ impl ArcSwapSnapshotMap {
     /// was read, so while the number still matches the cache is no older
     /// than what a fresh load would give: a publish that happens before this
     /// read (in the happens-before sense, such as an earlier publish on this
-    /// thread) is always seen (I23).
+    /// thread) is always seen (I24).
     #[allow(clippy::inline_always, reason = "the request path's first step")]
     #[inline(always)]
     pub(crate) fn pin(&self) -> Pinned<'_> {

@@ -342,8 +342,9 @@ pub(super) fn commit(
     request_id: RequestId,
 ) -> Option<DenyReason> {
     let now = shared.handle.clock().now();
-    // I3: this commit and the release a dropped context performs are one
-    // compare-exchange apart, so the request is charged once or not at all.
+    // I3: the context is owned here, so this commit and the release a
+    // dropped context performs are exclusive writes, and the first decides:
+    // the request is charged once or not at all.
     match context.commit(now) {
         Ok(units) => {
             tracing::trace!(%request_id, units = units.get(), "tollgate commit");

@@ -67,8 +67,9 @@ pub enum RefillVerdict {
 /// - No debit succeeds at or after [`usable_until`](Self::usable_until)
 ///   (I2).
 /// - The low-water doorbell rings at most once per shard between two calls
-///   of [`refill_due_or_rearm`](Self::refill_due_or_rearm), and a refusal
-///   rings it at most once per lease (I7).
+///   of [`refill_due_or_rearm`](Self::refill_due_or_rearm); a refusal rings
+///   it when the refusal record goes from empty to set, and a forget that
+///   finds a larger quote recorded rings it again (I7).
 ///
 /// A lease is *quiescent* when the caller holds the only `Arc` to it and
 /// [`is_only_local_view`](Self::is_only_local_view) is true: then no request

@@ -673,7 +673,7 @@ impl InstanceRuntime {
             if let Ok((account, report, counted)) = joined {
                 unfinished.remove(&account);
                 if report.faulted {
-                    // I15: a fault found while returning leases counts as
+                    // I29: a fault found while returning leases counts as
                     // much as one found while serving.
                     self.shared.faulted.store(true, Ordering::Release);
                 }
@@ -1160,7 +1160,7 @@ impl Shared {
         died: bool,
     ) {
         if manager.is_faulted() {
-            // I15: a fault found as the account leaves is booked now, not
+            // I29: a fault found as the account leaves is booked now, not
             // only once its wind-down reports: readiness must not come
             // back meanwhile, nor another manager start on faulted books.
             self.faulted.store(true, Ordering::Release);
@@ -1184,7 +1184,7 @@ impl Shared {
         died: bool,
     ) {
         if report.faulted {
-            // I15: a fault found while the account was retiring counts as
+            // I29: a fault found while the account was retiring counts as
             // much as one found while it served.
             self.faulted.store(true, Ordering::Release);
         }
@@ -1226,7 +1226,7 @@ impl Shared {
             // faulted books.
             let finished = manager.is_finished();
             if manager.is_faulted() {
-                // I15: books that disagree with the store are no basis for
+                // I29: books that disagree with the store are no basis for
                 // spending; the instance is taken out of service for good.
                 self.faulted.store(true, Ordering::Release);
                 return None;
@@ -1238,7 +1238,7 @@ impl Shared {
             managed.restart_at = Some(after(now, self.config.manager_restart_backoff));
             return managed.manager.take();
         }
-        // I15: once any manager faulted, the instance is out of service for
+        // I29: once any manager faulted, the instance is out of service for
         // good, and no manager starts again to spend on its books (nor
         // once its usage writer stopped, when nothing could be billed).
         if !may_start

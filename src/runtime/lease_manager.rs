@@ -1306,7 +1306,7 @@ impl Task {
 
     /// When an account without a lease may be funded again: the period
     /// end its evidence names, by when the refill brings more than is left
-    /// (I11). Clients are told to retry then, and an empty slot rings no
+    /// (I23, I28). Clients are told to retry then, and an empty slot rings no
     /// doorbell: without this wake-up they would be refused, and readiness
     /// withdrawn, from then until the next poll. Awaited for the clock's
     /// staleness bound past it, as a lease's close is, and once per period
