@@ -1117,23 +1117,32 @@ fn a_place_borrowed_from_another_stripe_as_the_queue_closes_is_seen_or_refused()
 /// and frees what is queued, then counts what is still recorded and the
 /// places permits still hold. A recorded event is counted exactly once (taken,
 /// found queued, or its place still held when the writer looked); an event
-/// not recorded is in neither count, so nothing is lost silently.
+/// not recorded is in neither count, so nothing is lost silently. And a
+/// commit that comes after the give-up (the committer saw it happen) is
+/// refused: nothing would deliver its event.
 #[test]
 fn a_commit_racing_the_writers_give_up_is_counted_once_or_refused() {
     loom::model(|| {
         let recorder = UsageRecorder::striped(1, 1, LocalSharding::Single);
         let queue = Arc::clone(recorder.queue());
         let permit = recorder.try_permit().expect("a free place");
-        let committer = thread::spawn(move || {
-            if permit.writer_gone() {
-                // Refused at commit: the handler does not run.
-                drop(permit);
-                return false;
+        let gave_up = Arc::new(AtomicBool::new(false));
+        let committer = thread::spawn({
+            let gave_up = Arc::clone(&gave_up);
+            move || {
+                let after_give_up = gave_up.load(Ordering::Acquire);
+                if permit.writer_gone() {
+                    // Refused at commit: the handler does not run.
+                    drop(permit);
+                    return false;
+                }
+                assert!(!after_give_up, "I21: a commit after the give-up is refused");
+                permit.record(event(1));
+                true
             }
-            permit.record(event(1));
-            true
         });
         queue.abandon();
+        gave_up.store(true, Ordering::Release);
         let mut taken = Vec::new();
         let given_up = queue.take_into(&mut taken, usize::MAX);
         queue.release(given_up);
@@ -1149,6 +1158,7 @@ fn a_commit_racing_the_writers_give_up_is_counted_once_or_refused() {
         } else {
             assert_eq!(given_up + undelivered, 0, "nothing was recorded");
         }
+        assert_eq!(queue.overflowed(), 0, "I20: the event had its place");
     });
 }
 
