@@ -15,6 +15,9 @@ use tollgate::{
 
 const THREADS: usize = 4;
 const GRANTED: u64 = 3_000;
+/// Quotes run from 1 to this; the threads' committed demand (about 4,270
+/// units) is well over [`GRANTED`], so the lease runs dry.
+const MAX_QUOTE: u64 = 7;
 
 fn at(second: i64) -> Timestamp {
     Timestamp::from_second(second).expect("test instants are in range")
@@ -71,12 +74,12 @@ fn run(sharding: LocalSharding) {
             let workers: Vec<_> = principals
                 .iter()
                 .map(|principal| {
-                    let (engine, start) = (&engine, &start);
+                    let (engine, start, lease) = (&engine, &start, &lease);
                     scope.spawn(move || {
                         start.wait();
                         let (mut units, mut commits) = (0, 0);
                         for op in 0..400_u64 {
-                            let quote = CostUnits(1 + op % 7);
+                            let quote = CostUnits(1 + op % MAX_QUOTE);
                             let mut context = match engine.begin(
                                 *principal,
                                 PermissionBits::NONE,
@@ -84,7 +87,12 @@ fn run(sharding: LocalSharding) {
                                 at(1),
                             ) {
                                 Ok(context) => context,
-                                Err(DenyReason::LeaseExhausted) => continue,
+                                Err(DenyReason::LeaseExhausted) => {
+                                    if sharding == LocalSharding::Single {
+                                        assert_refused_short(lease, quote);
+                                    }
+                                    continue;
+                                }
                                 Err(other) => panic!("unexpected denial {other:?}"),
                             };
                             if op % 3 != 0 {
@@ -120,6 +128,21 @@ fn run(sharding: LocalSharding) {
         let billed: u64 = delivered.iter().map(|event| event.units.get()).sum();
         assert_eq!(billed, committed, "round {round}");
     }
+}
+
+/// A refusal of `quote` by an unsharded lease is a true shortage: the lease
+/// held less than `quote` when it refused, and since then it can have got
+/// back only what the other threads had in flight then (each holds at most
+/// one charge, of at most [`MAX_QUOTE`]); any charge taken later is paid
+/// for before it can be given back. A debit refused while the lease could
+/// fund it, such as a lost exchange taken for want of units, leaves more.
+fn assert_refused_short(lease: &LocalLease, quote: CostUnits) {
+    let left = lease.remaining().get();
+    let bound = (quote.get() - 1) + MAX_QUOTE * (THREADS as u64 - 1);
+    assert!(
+        left <= bound,
+        "a quote of {quote:?} refused with {left} units left"
+    );
 }
 
 #[test]

@@ -8,6 +8,7 @@ mod support;
 
 use std::collections::BTreeMap;
 use std::convert::Infallible;
+use std::fmt::Write as _;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -28,7 +29,7 @@ use tollgate::store::{
 };
 use tollgate::{
     AccountId, AccountStatus, CostUnits, DenyReason, EnforcementMode, PermissionBits,
-    PolicyRevision,
+    PolicyRevision, UsageSource,
 };
 use tower::{Layer, Service, ServiceExt, service_fn};
 use tracing_subscriber::layer::SubscriberExt as _;
@@ -1157,16 +1158,31 @@ async fn no_event_or_span_at_any_level_carries_the_key() {
         "the capture heard the layer: {text}"
     );
     let secret = &w.key[11..];
+    // As it would print if logged as bytes rather than text: their debug
+    // list (without its brackets, so a part of a key matches too) and hex.
+    let bytes = |text: &str| {
+        let listed = format!("{:?}", text.as_bytes());
+        listed[1..listed.len() - 1].to_owned()
+    };
+    let hex = |text: &str| {
+        text.bytes().fold(String::new(), |mut hex, byte| {
+            let _ = write!(hex, "{byte:02x}");
+            hex
+        })
+    };
     for (what, needle) in [
-        ("the key", w.key.as_str()),
-        ("its secret part", secret),
-        ("an unknown key", unknown.as_str()),
-        ("an unknown key's secret part", &unknown[11..]),
+        ("the key", w.key.clone()),
+        ("its secret part", secret.to_owned()),
+        ("an unknown key", unknown.clone()),
+        ("an unknown key's secret part", unknown[11..].to_owned()),
+        ("its secret part's bytes", bytes(secret)),
+        ("its secret part in hex", hex(secret)),
+        ("an unknown key's bytes", bytes(&unknown[11..])),
     ] {
         assert!(
-            !text.contains(needle),
+            !text.contains(&needle),
             "I16: {what} reached the logs: {}",
-            support::logs::Logs::lines(&text, needle).join("\n")
+            support::logs::Logs::lines(&text, &needle).join("\n")
         );
     }
 }
@@ -1657,10 +1673,11 @@ async fn an_axum_handler_reads_its_admission_and_a_route_outside_the_layer_is_a_
 }
 
 /// I9: a route priced at nothing serves a key whose account has no funds and
-/// no lease; the same key on a priced route is told the truth, 402.
+/// no lease, and bills it as zero units of overage (I8: its one event); the
+/// same key on a priced route is told the truth, 402, and bills nothing.
 #[tokio::test(start_paused = true)]
 async fn a_free_route_serves_an_account_with_no_funds() {
-    let w = world(0).await;
+    let mut w = world(0).await;
     let layer = TollgateLayer::builder(w.handle.clone())
         .price(|parts: &http::request::Parts| Price {
             units: CostUnits(u64::from(parts.uri.path() != "/free")),
@@ -1687,4 +1704,19 @@ async fn a_free_route_serves_an_account_with_no_funds() {
     )
     .await;
     check_denial(&priced, StatusCode::PAYMENT_REQUIRED, "balance_exhausted");
+    let report = w.runtime.take().unwrap().shutdown().await;
+    assert_eq!(report.lost_events(), 0);
+    let events = w.store.usage(w.account).unwrap();
+    assert_eq!(events.len(), 1, "one event, the free request's: {events:?}");
+    assert_eq!(
+        (events[0].units, events[0].source),
+        (CostUnits::ZERO, UsageSource::Overage),
+        "no lease served it"
+    );
+    assert_eq!(
+        w.handle
+            .counters()
+            .denied_for(DenyReason::BalanceExhausted { period_end: None }),
+        1
+    );
 }

@@ -423,7 +423,13 @@ async fn a_server_outage_serves_from_held_leases_then_fails_closed_then_recovers
         inner: Arc::clone(&store),
         longest_us: AtomicU64::new(0),
     });
-    let runtime_config = config(Pace::RealTime);
+    let mut runtime_config = config(Pace::RealTime);
+    // The drain at the end must deliver everything the recovered load
+    // committed, to a server just restarted, on a machine that may be busy
+    // with other tests: a budget that long is no part of what this test
+    // checks, so it is generous.
+    runtime_config.usage.shutdown_drain_deadline = Duration::from_secs(10);
+    runtime_config.shutdown_deadline = Duration::from_secs(12);
     let store_call_timeout = runtime_config.leases.store_call_timeout;
     let (runtime, handle) = InstanceRuntime::spawn(
         Arc::clone(&store) as _,
@@ -488,7 +494,23 @@ async fn a_server_outage_serves_from_held_leases_then_fails_closed_then_recovers
     assert!(closed, "I5: the drained lease is reported unavailable");
     denied.lock().unwrap().clear();
     let during = committed.load(Ordering::Relaxed);
-    tokio::time::sleep(ms(500)).await;
+    // Watched for half a second at least, and until the load has been
+    // refused a hundred times: how long that takes depends on how finely
+    // this machine's timers pace the load, not on the runtime, so the
+    // deadline is generous. The manual clock does not move meanwhile, so
+    // no snapshot goes stale however long the wait.
+    let watched = Instant::now();
+    loop {
+        tokio::time::sleep(ms(50)).await;
+        let refused = denied.lock().unwrap().len();
+        if refused >= 100 && watched.elapsed() >= ms(500) {
+            break;
+        }
+        assert!(
+            watched.elapsed() < Duration::from_secs(30),
+            "the load kept coming: only {refused} denials in thirty seconds"
+        );
+    }
     assert_eq!(
         committed.load(Ordering::Relaxed),
         during,
@@ -496,7 +518,6 @@ async fn a_server_outage_serves_from_held_leases_then_fails_closed_then_recovers
     );
     {
         let denied = denied.lock().unwrap();
-        assert!(denied.len() > 100, "the load kept coming: {}", denied.len());
         assert!(
             denied
                 .iter()
@@ -536,10 +557,18 @@ async fn a_server_outage_serves_from_held_leases_then_fails_closed_then_recovers
         committed.load(Ordering::Relaxed),
         "every committed charge is billed exactly once"
     );
+    // I22: a call to the stopped server is cut off at store_call_timeout
+    // (200 ms here). Uncut, it would wait out the pool's five-second
+    // acquire timeout, or never end at all on a connection already open.
+    // The slack, for a loaded machine to get round to dropping the
+    // abandoned call's future, is generous and still far short of that.
+    assert!(
+        store_call_timeout <= ms(500),
+        "the bound below assumes a short store_call_timeout, not {store_call_timeout:?}"
+    );
     let longest = Duration::from_micros(timed.longest_us.load(Ordering::Relaxed));
     assert!(
-        // Slack for a busy machine to drop the abandoned call's future.
-        longest <= store_call_timeout + ms(300),
+        longest <= store_call_timeout + Duration::from_secs(2),
         "allocator calls stayed bounded by store_call_timeout ({store_call_timeout:?}): the longest took {longest:?}"
     );
     let violations = store.audit().await.unwrap();

@@ -802,6 +802,10 @@ async fn an_instant_past_the_representable_range_is_a_storage_error() {
 
 // ---- reclaim -------------------------------------------------------------------------
 
+/// I19: reclaimers on three pools of their own, started together over the
+/// same due leases, settle each lease once between them. The pools are
+/// opened before any reclaimer starts, and the three start behind one
+/// barrier, so none has drained the backlog before the others connect.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn three_concurrent_reclaimers_settle_each_lease_exactly_once() {
     let Some(store) = store("reclaim_race", 1).await else {
@@ -822,10 +826,20 @@ async fn three_concurrent_reclaimers_settle_each_lease_exactly_once() {
             .units
             .get();
     }
-    let mut reclaimers = Vec::new();
+    let mut pools = Vec::new();
     for _ in 0..3 {
         let reclaimer = sibling(&store).await;
+        // A connection of its own already open, so no reclaimer's first
+        // call waits to connect while the others work.
+        drop(reclaimer.pool().acquire().await.unwrap());
+        pools.push(reclaimer);
+    }
+    let start = Arc::new(tokio::sync::Barrier::new(pools.len()));
+    let mut reclaimers = Vec::new();
+    for reclaimer in pools {
+        let start = Arc::clone(&start);
         reclaimers.push(tokio::spawn(async move {
+            start.wait().await;
             let mut mine = Vec::new();
             loop {
                 let batch = reclaimer.reclaim_expired_batch(at(100), 4).await.unwrap();
@@ -1544,12 +1558,14 @@ async fn race_revision_writers(name: &str, change: Change) {
 // ---- concurrency and failure --------------------------------------------------------------
 
 /// I8 across racing batches that lock different rows: two batches, each on
-/// its own account, claim one request id between them. Neither sees the
-/// other's row when it checks, so the one that inserts second finds the id
-/// taken and must fall back to judging its events one by one, taking back
-/// what it inserted. Every round exactly one of the two claims is accepted,
-/// every other event is accepted once, and the debt booked is exactly the
-/// units accepted.
+/// its own account, claim one request id between them. Their locks do not
+/// order them, so it is the timing that decides how the second meets the
+/// first's claim: already committed when it checks, so it judges its events
+/// one by one from the start, or only as it inserts, so it falls back to
+/// judging them one by one and takes back what it inserted (the next test
+/// forces that case). Either way, every round exactly one of the two claims
+/// is accepted, every other event is accepted once, and the debt booked is
+/// exactly the units accepted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn racing_batches_claiming_one_request_id_book_it_once() {
     const ROUNDS: u64 = 60;
@@ -1624,6 +1640,131 @@ async fn racing_batches_claiming_one_request_id_book_it_once() {
     audited(&pools[1]).await;
 }
 
+/// I8 when a batch finds its claimed request id taken only as it inserts:
+/// another batch, on another account (so no lock of the first's orders
+/// them), has recorded the id but not yet committed. The first batch's
+/// check cannot see that row, so it takes the all-new path and waits at its
+/// insert on the other's uncommitted entry in the request-id index. Once
+/// the other commits, the insert skips the id, and the batch must take back
+/// the events it inserted and judge them one by one: the claim is a
+/// conflicting duplicate, its other events are accepted, and each is booked
+/// once. The interleaving is forced, not raced for.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[allow(clippy::too_many_lines, reason = "one scenario, read top to bottom")]
+async fn a_batch_that_finds_its_claim_taken_at_insert_judges_its_events_one_by_one() {
+    let Some(store) = store("ingest_claim_fallback", 1).await else {
+        return;
+    };
+    let accounts = [account(&store, 0).await, account(&store, 0).await];
+    let claimed = RequestId::from_parts(7, 0);
+    let schema = store.schema().to_owned();
+    // The other batch: the store's own ingest function, called by a session
+    // that keeps its transaction open.
+    let mut other = store.pool().begin().await.unwrap();
+    let other_pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut *other)
+        .await
+        .unwrap();
+    let recorded: String = sqlx::query_scalar(&format!(
+        "SELECT outcome FROM {schema}.ingest_usage(ARRAY[$1::uuid], ARRAY[$2::bigint], \
+         ARRAY[NULL::bigint], ARRAY[NULL::bigint], ARRAY[$3::bigint], ARRAY[to_timestamp(1)], \
+         ARRAY[1::bigint], ARRAY[NULL::bigint])"
+    ))
+    .bind(format!("{:032x}", claimed.get()))
+    .bind(i64::try_from(accounts[1].get()).unwrap())
+    .bind(2_i64)
+    .fetch_one(&mut *other)
+    .await
+    .unwrap();
+    assert_eq!(recorded, "accepted");
+
+    let overage = |request: RequestId, units: u64| UsageEvent {
+        request_id: request,
+        account_id: accounts[0],
+        source: UsageSource::Overage,
+        units: CostUnits(units),
+        at: at(1),
+        policy_revision: PolicyRevision(1),
+        key_id: None,
+    };
+    let batch = [
+        overage(RequestId::from_parts(7, 1), 10),
+        overage(claimed, 1),
+        overage(RequestId::from_parts(7, 3), 100),
+    ];
+    let ingesting = tokio::spawn({
+        let store = sibling(&store).await;
+        async move { store.ingest(&batch).await }
+    });
+    // Wait until the batch waits on the other's transaction: the only thing
+    // of the other's it can wait on is the index entry of the claimed id,
+    // since the other locked only its own account's row.
+    let seen_waiting = "SELECT count(*) FROM pg_locks l \
+                        JOIN pg_stat_activity a ON a.backend_xid = l.transactionid \
+                        WHERE l.locktype = 'transactionid' AND NOT l.granted AND a.pid = $1";
+    let give_up = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
+    while sqlx::query_scalar::<_, i64>(seen_waiting)
+        .bind(other_pid)
+        .fetch_one(store.pool())
+        .await
+        .unwrap()
+        == 0
+    {
+        assert!(
+            !ingesting.is_finished(),
+            "the batch ended without waiting: {:?}",
+            ingesting.await
+        );
+        assert!(
+            tokio::time::Instant::now() < give_up,
+            "the batch never waited on the other's claim"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    other.commit().await.unwrap();
+    let outcomes = ingesting.await.unwrap().unwrap();
+    assert_eq!(
+        outcomes,
+        vec![
+            IngestOutcome::Accepted,
+            IngestOutcome::Rejected(RejectReason::ConflictingDuplicate),
+            IngestOutcome::Accepted,
+        ],
+        "I8: the claim meets the other's record; the batch's own events are accepted"
+    );
+    let debts = [
+        store
+            .account(accounts[0], at(2))
+            .await
+            .unwrap()
+            .overage_debt,
+        store
+            .account(accounts[1], at(2))
+            .await
+            .unwrap()
+            .overage_debt,
+    ];
+    assert_eq!(
+        debts,
+        [CostUnits(110), CostUnits(2)],
+        "every accepted event booked once, the taken-back ones not at all"
+    );
+    let ids = |events: Vec<UsageEvent>| -> Vec<RequestId> {
+        events.iter().map(|event| event.request_id).collect()
+    };
+    let mut first = ids(store.usage(accounts[0], None, None).await.unwrap());
+    first.sort_unstable();
+    assert_eq!(
+        first,
+        vec![RequestId::from_parts(7, 1), RequestId::from_parts(7, 3)]
+    );
+    assert_eq!(
+        ids(store.usage(accounts[1], None, None).await.unwrap()),
+        vec![claimed]
+    );
+    audited(&store).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn sixteen_concurrent_acquirers_on_one_account_never_over_grant() {
     let Some(store) = store("acquire_race", 4).await else {
@@ -1689,11 +1830,20 @@ async fn sixteen_concurrent_acquirers_on_one_account_never_over_grant() {
         .iter()
         .map(|e| e.units.get())
         .sum();
-    // I14: every unit is in the balance, on a held lease, billed, or
-    // settled unbilled; nothing was granted twice.
+    // Every released lease was released with exactly its unspent remainder
+    // (its grant less the one event billed against it), so settlement left
+    // nothing unbilled (I15). Adding `settled_unbilled` to the sum below
+    // would hide a release that credits the wrong amount: it absorbs
+    // whatever a release failed to credit.
     assert_eq!(
-        view.balance.get() + view.leased.get() + billed - used_on_held(&store, acct).await
-            + view.settled_unbilled.get(),
+        view.settled_unbilled,
+        CostUnits::ZERO,
+        "I15: a lease released with its exact remainder leaves nothing unbilled"
+    );
+    // I14: every unit is in the balance, on a held lease, or billed;
+    // nothing was granted twice and nothing went missing.
+    assert_eq!(
+        view.balance.get() + view.leased.get() + billed - used_on_held(&store, acct).await,
         5_000
     );
     assert!(view.leased.get() <= 5_000);
@@ -1779,9 +1929,19 @@ async fn hold_row(
 /// A call its caller gave up on must not hold an account's locks: every
 /// transaction the store opens, a usage batch's included, bounds its lock
 /// waits by the configured `lock_timeout`, whatever the pool's connections
-/// say.
+/// say. The blocked calls are timed: they wait the configured timeout,
+/// neither less (no lock wait at all, or a shorter bound) nor much more
+/// (the server's default, or the five seconds of the store's other pools).
 #[tokio::test]
 async fn lock_waits_are_bounded_and_an_abandoned_call_changes_nothing() {
+    const CONFIGURED: std::time::Duration = std::time::Duration::from_millis(300);
+    // The server counts the timeout from when the wait starts, after the
+    // call has begun its transaction, so a call cannot end sooner; the
+    // tolerance only absorbs timer rounding.
+    const AT_LEAST: std::time::Duration = std::time::Duration::from_millis(290);
+    // Generous for a loaded machine, and still short of LOCK_TIMEOUT, the
+    // five seconds this test's other store waits.
+    const BELOW: std::time::Duration = std::time::Duration::from_secs(5);
     let Some(store) = store("lock_waits", 1).await else {
         return;
     };
@@ -1796,21 +1956,27 @@ async fn lock_waits_are_bounded_and_an_abandoned_call_changes_nothing() {
         PostgresConfig {
             schema: store.schema().to_owned(),
             policy: *store.policy(),
-            lock_timeout: std::time::Duration::from_millis(300),
+            lock_timeout: CONFIGURED,
         },
     )
     .unwrap();
     let acct = account(&store, 100).await;
     let holder = hold_row(&store, "accounts", acct.get()).await;
+    let started = std::time::Instant::now();
     let blocked = tokio::time::timeout(
         std::time::Duration::from_secs(60),
         bounded.acquire(acct, CostUnits(10), TTL, at(0)),
     )
     .await
     .expect("the wait for the lock is bounded");
+    let waited = started.elapsed();
     assert!(
         matches!(blocked, Err(AllocateError::Storage(_))),
         "{blocked:?}"
+    );
+    assert!(
+        (AT_LEAST..BELOW).contains(&waited),
+        "the grant waited the configured {CONFIGURED:?} for the lock, not {waited:?}"
     );
     // A call its caller gives up on while it waits changes nothing, and
     // leaves the store usable once the row is free.
@@ -1834,13 +2000,19 @@ async fn lock_waits_are_bounded_and_an_abandoned_call_changes_nothing() {
     assert_eq!(balance(&store, acct, at(0)).await, 90);
     // The same for a usage batch whose lease another session holds.
     let holder = hold_row(&store, "leases", granted.grant.lease_id.get()).await;
+    let started = std::time::Instant::now();
     let blocked = tokio::time::timeout(
         std::time::Duration::from_secs(60),
         bounded.ingest(&[leased(1, acct, &granted, 4)]),
     )
     .await
     .expect("the wait for the lock is bounded");
+    let waited = started.elapsed();
     assert!(blocked.is_err(), "a storage error: {blocked:?}");
+    assert!(
+        (AT_LEAST..BELOW).contains(&waited),
+        "the batch waited the configured {CONFIGURED:?} for the lock, not {waited:?}"
+    );
     holder.rollback().await.unwrap();
     assert_eq!(
         bounded
@@ -2171,18 +2343,132 @@ async fn a_random_walk_gets_the_memory_stores_answer_to_every_call() {
     audited(&store).await;
 }
 
+/// What one worker of `mixed_traffic_from_many_pools_never_deadlocks` was
+/// told by the store: every grant, every settlement, and every event
+/// accepted. The books are checked against these answers, not against the
+/// store's own audit alone.
+#[derive(Default)]
+struct Answers {
+    /// Every lease granted (acquired, or granted by a consolidation): its
+    /// account and units.
+    granted: std::collections::HashMap<LeaseId, (AccountId, u64)>,
+    /// Every settlement answered: the lease, the units credited, and
+    /// whether a reclaim settled it (rather than a release or a
+    /// consolidation, which credit the zero units claimed here).
+    settled: Vec<(LeaseId, u64, bool)>,
+    /// Units of accepted leased events, by lease.
+    used: std::collections::HashMap<LeaseId, u64>,
+    /// Units of accepted overage events, by account.
+    overage: std::collections::HashMap<AccountId, u64>,
+}
+
+impl Answers {
+    fn merge(&mut self, other: Self) {
+        for (lease, grant) in other.granted {
+            assert!(
+                self.granted.insert(lease, grant).is_none(),
+                "{lease} granted twice"
+            );
+        }
+        self.settled.extend(other.settled);
+        for (lease, units) in other.used {
+            *self.used.entry(lease).or_default() += units;
+        }
+        for (account, units) in other.overage {
+            *self.overage.entry(account).or_default() += units;
+        }
+    }
+
+    /// Checks the store's books against these answers, the workers' all
+    /// merged; each account started with `initial` units.
+    async fn check(&self, store: &PostgresStore, accounts: &[AccountId], initial: u64) {
+        // I15: a lease settles once, and only a lease that was granted.
+        let mut settled = std::collections::HashMap::new();
+        for (lease, credited, reclaimed) in &self.settled {
+            assert!(
+                self.granted.contains_key(lease),
+                "{lease} settled but never granted"
+            );
+            assert!(
+                settled.insert(*lease, *credited).is_none(),
+                "I15: {lease} settled twice"
+            );
+            let used = self.used.get(lease).copied().unwrap_or(0);
+            if *reclaimed {
+                // I19: a reclaim credits everything not billed; no event is
+                // accepted after it, since those units now count as credited.
+                assert_eq!(
+                    *credited,
+                    self.granted[lease].1 - used,
+                    "I19: {lease} reclaimed for its grant less its billed usage"
+                );
+            } else {
+                assert_eq!(
+                    *credited, 0,
+                    "{lease}: a release or consolidation credits the zero units it claimed"
+                );
+            }
+        }
+        for &acct in accounts {
+            let (mut granted, mut credited, mut leased, mut unbilled, mut used) = (0, 0, 0, 0, 0);
+            for (lease, &(owner, units)) in &self.granted {
+                if owner != acct {
+                    continue;
+                }
+                let billed = self.used.get(lease).copied().unwrap_or(0);
+                granted += units;
+                used += billed;
+                match settled.get(lease) {
+                    Some(&credit) => {
+                        credited += credit;
+                        unbilled += units - credit - billed;
+                    }
+                    None => leased += units,
+                }
+            }
+            let overage = self.overage.get(&acct).copied().unwrap_or(0);
+            let view = store.account(acct, at(100)).await.unwrap();
+            assert_eq!(
+                (
+                    view.balance.get(),
+                    view.leased.get(),
+                    view.settled_unbilled.get(),
+                    view.overage_debt.get()
+                ),
+                (initial - granted + credited, leased, unbilled, overage),
+                "I14: {acct}'s balance, leased units, unbilled remainder and debt are what \
+                 the answers add up to"
+            );
+            let billed: u64 = store
+                .usage(acct, None, None)
+                .await
+                .unwrap()
+                .iter()
+                .map(|event| event.units.get())
+                .sum();
+            assert_eq!(billed, used + overage, "every accepted event billed once");
+        }
+    }
+}
+
 /// Acquire, ingest (leased and overage events across accounts in one
 /// batch), release, consolidate and reclaim, all at once from several pools
 /// over the same accounts: the one lock order means no call ever fails with
-/// a deadlock (I31), and the books balance at the end.
+/// a deadlock (I31), and the books balance at the end, by the store's audit
+/// and by the store's own answers: each account's balance, leased units,
+/// overage debt and unbilled remainder are what its grants, settlements
+/// and accepted events add up to (I14, I15), and a reclaim credits exactly
+/// what was granted and not billed (I19).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[allow(clippy::too_many_lines, reason = "one scenario, read top to bottom")]
 async fn mixed_traffic_from_many_pools_never_deadlocks() {
+    const INITIAL: u64 = 20_000;
     let Some(store) = store("mixed", 2).await else {
         return;
     };
     let mut accounts = Vec::new();
     for _ in 0..3 {
-        accounts.push(account(&store, 20_000).await);
+        accounts.push(account(&store, INITIAL).await);
     }
     let accounts = Arc::new(accounts);
     let mut tasks = Vec::new();
@@ -2190,6 +2476,7 @@ async fn mixed_traffic_from_many_pools_never_deadlocks() {
         let worker = sibling(&store).await;
         let accounts = Arc::clone(&accounts);
         tasks.push(tokio::spawn(async move {
+            let mut answers = Answers::default();
             let mut walk = Walk(0x9e37_79b9_7f4a_7c15 ^ (task + 1));
             let mut held: Vec<tollgate::LeaseGrant> = Vec::new();
             for round in 0..60_u64 {
@@ -2198,7 +2485,13 @@ async fn mixed_traffic_from_many_pools_never_deadlocks() {
                 // A refusal (a short balance) is an answer; a storage error,
                 // such as a deadlock PostgreSQL broke, is not.
                 match worker.acquire(acct, CostUnits(30), secs(5), now).await {
-                    Ok(allocation) => held.push(allocation.grant),
+                    Ok(allocation) => {
+                        let grant = allocation.grant;
+                        answers
+                            .granted
+                            .insert(grant.lease_id, (grant.account_id, grant.units.get()));
+                        held.push(grant);
+                    }
                     Err(AllocateError::Storage(error)) => panic!("acquire: {error}"),
                     Err(_) => {}
                 }
@@ -2226,14 +2519,29 @@ async fn mixed_traffic_from_many_pools_never_deadlocks() {
                         key_id: None,
                     })
                     .collect();
-                worker.ingest(&batch).await.expect("no deadlock in ingest");
+                let outcomes = worker.ingest(&batch).await.expect("no deadlock in ingest");
+                for (event, outcome) in batch.iter().zip(outcomes) {
+                    if outcome != IngestOutcome::Accepted {
+                        continue;
+                    }
+                    match event.source.lease_id() {
+                        Some(lease) => *answers.used.entry(lease).or_default() += 1,
+                        None => *answers.overage.entry(event.account_id).or_default() += 1,
+                    }
+                }
                 if held.len() > 2 {
                     let grant = held.remove(0);
                     let outcome = if round % 2 == 0 {
                         worker
                             .release(grant.lease_id, grant.fencing_token, CostUnits::ZERO, now)
                             .await
-                            .map(|_| ())
+                            .map(|released| {
+                                answers.settled.push((
+                                    grant.lease_id,
+                                    released.credited.get(),
+                                    false,
+                                ));
+                            })
                     } else {
                         worker
                             .consolidate(
@@ -2246,22 +2554,41 @@ async fn mixed_traffic_from_many_pools_never_deadlocks() {
                                 now,
                             )
                             .await
-                            .map(|allocation| held.push(allocation.grant))
+                            .map(|allocation| {
+                                // The old lease is settled with the zero
+                                // units claimed.
+                                answers.settled.push((grant.lease_id, 0, false));
+                                let new = allocation.grant;
+                                answers
+                                    .granted
+                                    .insert(new.lease_id, (new.account_id, new.units.get()));
+                                held.push(new);
+                            })
                     };
                     assert!(
                         !matches!(outcome, Err(AllocateError::Storage(_))),
                         "{outcome:?}"
                     );
                 }
-                worker
+                let reclaimed = worker
                     .reclaim_expired_batch(now, 5)
                     .await
                     .expect("no deadlock in reclaim");
+                for lease in reclaimed.reclaimed {
+                    answers
+                        .settled
+                        .push((lease.lease_id, lease.credited.get(), true));
+                }
             }
+            answers
         }));
     }
+    let mut answers = Answers::default();
     for task in tasks {
-        task.await.unwrap();
+        answers.merge(task.await.unwrap());
     }
     audited(&store).await;
+    // The audit checks the store by its own rows; these check it by what
+    // it answered.
+    answers.check(&store, &accounts, INITIAL).await;
 }
