@@ -240,8 +240,9 @@ async fn a_marker_on_the_handlers_leaves_unrouted_requests_uncharged() {
 }
 
 /// I9, I23, fail closed: a commit point on a route no tollgate layer admitted
-/// (here the layer wraps only the routes added before it, as axum's
-/// `Router::layer` does) does not let its handler run unmetered: the
+/// (as happens to routes added after `Router::layer`, which wraps only the
+/// routes before it; here there is no layer at all, which the commit point
+/// cannot tell apart) does not let its handler run unmetered: the
 /// marker and the `Charged` extractor each answer 500 naming the cause,
 /// and the handler never runs.
 #[tokio::test]
