@@ -21,7 +21,6 @@ use tollgate::{
     FencingToken, LeaseId, PolicyRevision, RequestId, UsageEvent, UsageSource,
 };
 
-const TTL: SignedDuration = SignedDuration::from_secs(30);
 const REFILL: RefillSchedule = RefillSchedule {
     amount: CostUnits(300),
     interval: SignedDuration::from_secs(100),
@@ -44,6 +43,7 @@ enum Op {
         requested: u64,
         needed: u64,
         stale: bool,
+        ttl_secs: i64,
     },
     Ingest {
         lease: usize,
@@ -72,8 +72,8 @@ fn op() -> impl Strategy<Value = Op> {
         3 => (1..150_u64, -5..90_i64).prop_map(|(requested, ttl_secs)| Op::Acquire { requested, ttl_secs }),
         2 => (any::<usize>(), 0..160_u64, prop::bool::weighted(0.1))
             .prop_map(|(lease, claim, stale)| Op::Release { lease, claim, stale }),
-        2 => (any::<usize>(), 0..160_u64, 0..150_u64, 0..200_u64, prop::bool::weighted(0.1))
-            .prop_map(|(lease, claim, requested, needed, stale)| Op::Consolidate { lease, claim, requested, needed, stale }),
+        2 => (any::<usize>(), 0..160_u64, 0..150_u64, 0..200_u64, prop::bool::weighted(0.1), -5..90_i64)
+            .prop_map(|(lease, claim, requested, needed, stale, ttl_secs)| Op::Consolidate { lease, claim, requested, needed, stale, ttl_secs }),
         3 => (any::<usize>(), 0..60_u64, prop::bool::weighted(0.1))
             .prop_map(|(lease, units, stale)| Op::Ingest { lease, units, stale }),
         1 => (0..40_u64).prop_map(|units| Op::IngestOverage { units }),
@@ -332,11 +332,13 @@ async fn step<S: TestStore>(store: &S, model: &mut Model, op: Op) -> Result<(), 
             requested,
             needed,
             stale,
+            ttl_secs,
         } => {
             let Some(index) = model.pick(lease) else {
                 return Ok(());
             };
             let l = model.leases[index];
+            let ttl = SignedDuration::from_secs(ttl_secs);
             let outcome = store
                 .consolidate(
                     l.id,
@@ -344,12 +346,14 @@ async fn step<S: TestStore>(store: &S, model: &mut Model, op: Op) -> Result<(), 
                     CostUnits(claim),
                     CostUnits(requested),
                     CostUnits(needed),
-                    TTL,
+                    ttl,
                     now,
                 )
                 .await;
             let available = model.balance + claim;
-            if requested.max(needed) == 0 {
+            if ttl_secs <= 0 {
+                prop_assert_eq!(outcome, Err(AllocateError::InvalidTtl));
+            } else if requested.max(needed) == 0 {
                 prop_assert_eq!(outcome, Err(AllocateError::InvalidRequest));
             } else if stale {
                 prop_assert_eq!(outcome, Err(AllocateError::Fenced));
@@ -376,6 +380,12 @@ async fn step<S: TestStore>(store: &S, model: &mut Model, op: Op) -> Result<(), 
                 );
                 let size = CostUnits(consolidation_grant(requested, needed, available));
                 prop_assert_eq!(allocation.grant.units, size);
+                // The new lease's window, as an acquire's: what was asked,
+                // cut to the policy's max_ttl.
+                prop_assert_eq!(
+                    allocation.grant.expires_at,
+                    now + ttl.min(SignedDuration::from_secs(60))
+                );
                 model.leases[index].settled = true;
                 model.leases[index].credited = claim;
                 model.balance = available - size.get();

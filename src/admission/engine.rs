@@ -1377,10 +1377,14 @@ mod tests {
             assert_eq!(f.slot().overage().spent(), CostUnits(4), "{later:?}");
             let sources: Vec<_> = f.queued().iter().map(|e| (e.source, e.units)).collect();
             assert_eq!(sources, [(UsageSource::Overage, CostUnits(4))], "{later:?}");
-            // The next request is admitted under the new policy, which
-            // refuses what the old cap's 6 left would have funded.
+            // The next request is judged under the new policy, which
+            // refuses what the old cap's 6 left would have funded: Strict
+            // funds nothing from overage, and the cap of 1 is spent. The
+            // lease's window has closed and nothing says the account is out
+            // of funds, so it is told the lease's refusal, which a
+            // replacement lease ends (I23).
             let next = f.begin(5, 100).map(|context| context.units());
-            assert!(next.is_err(), "{later:?}: {next:?}");
+            assert_eq!(next, Err(DenyReason::LeaseExpired), "{later:?}");
         }
     }
 
