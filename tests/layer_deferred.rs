@@ -289,3 +289,42 @@ async fn a_commit_point_on_a_route_outside_the_layer_answers_500_and_runs_nothin
     }
     assert_eq!(ran.load(Ordering::SeqCst), 0, "no handler ran");
 }
+
+/// I25: once shutdown begins, no handler starts. A request admitted before
+/// it and still queued for the limit is refused where it would have been
+/// charged, with `503 shutting_down`, and pays nothing; the handler already
+/// running finishes and pays in full. So a server's connection drain only
+/// has to outlast the handlers running at the stop.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_queued_when_shutdown_begins_is_refused_at_its_commit_and_pays_nothing() {
+    let (server, mut slow_started, gate) = serve(App::LimitInside).await;
+
+    let first = server.send("/slow");
+    started(&mut slow_started).await;
+    let queued = server.send("/slow");
+    eventually("the queued request was admitted before it queued", || {
+        server.handle.counters().admitted == 2
+    })
+    .await;
+
+    server.handle.request_shutdown();
+    gate.add_permits(2);
+    let (first, queued) = tokio::join!(TestServer::read(first), TestServer::read(queued));
+    assert!(first.starts_with("HTTP/1.1 200"), "{first}");
+    assert!(queued.starts_with("HTTP/1.1 503"), "{queued}");
+    assert!(queued.contains("shutting_down"), "{queued}");
+    assert!(
+        queued.contains("x-tollgate-request-id"),
+        "an admitted request's refusal names its id: {queued}"
+    );
+    assert!(
+        slow_started.try_recv().is_err(),
+        "the queued request's handler never started"
+    );
+
+    assert_eq!(
+        server.finish().await,
+        vec![SLOW_PRICE],
+        "I3, I25: the running request paid in full, the one refused at the stop nothing"
+    );
+}

@@ -442,9 +442,10 @@ impl RequestContext {
     #[inline]
     pub fn commit(&mut self, now: Timestamp) -> Result<CostUnits, CommitError> {
         // I21: with nothing left to deliver its event, the handler must not
-        // run, and the charge is released now, as `Denied` says.
-        if self.permit.writer_gone() {
-            return Err(self.deny_for_lost_writer());
+        // run; I25: nor once the instance's shutdown began, which may cut it
+        // off after charging. The charge is released now, as `Denied` says.
+        if self.permit.refuses_commits() {
+            return Err(self.deny_for_stopped());
         }
         // Elastic: a lease whose window has closed falls back to the
         // account's overage, reached through the lease when it carries the
@@ -490,10 +491,11 @@ impl RequestContext {
         Ok(units)
     }
 
-    /// The commit's answer once the usage writer has given up: the charge
-    /// is released for zero, or, if it was resolved already, says how.
+    /// The commit's answer once the instance stopped starting handlers or
+    /// its usage writer gave up: the charge is released for zero, or, if it
+    /// was resolved already, says how.
     #[cold]
-    fn deny_for_lost_writer(&self) -> CommitError {
+    fn deny_for_stopped(&self) -> CommitError {
         if self.reservation.is_committed() {
             return CommitError::AlreadyCommitted;
         }

@@ -83,7 +83,8 @@ struct Recorded {
 }
 
 struct Stripe {
-    /// Free places, with [`CLOSED`] and [`ABANDONED`] in its top bits.
+    /// Free places, with [`CLOSED`], [`ABANDONED`] and [`STOPPING`] in its
+    /// top bits.
     available: AtomicUsize,
     events: ArrayQueue<Recorded>,
     capacity: usize,
@@ -106,8 +107,18 @@ const CLOSED: usize = 1 << (usize::BITS - 1);
 /// than let a handler run whose charge can never be billed.
 const ABANDONED: usize = 1 << (usize::BITS - 2);
 
+/// Set in every stripe's `available`, with [`CLOSED`], when the instance
+/// stops starting handlers (its shutdown began): a commit is refused, and
+/// its charge released, so no handler starts that the shutdown may cut off
+/// after charging for it (I25). Events already recorded are delivered as
+/// usual.
+const STOPPING: usize = 1 << (usize::BITS - 3);
+
 /// The count of free places in an `available` word.
-const PLACES: usize = ABANDONED - 1;
+const PLACES: usize = STOPPING - 1;
+
+/// The bits that refuse a commit.
+const REFUSE_COMMITS: usize = ABANDONED | STOPPING;
 
 /// What every stripe shares: read on the request path, written rarely.
 struct Hub {
@@ -383,18 +394,20 @@ impl UsagePermit {
 }
 
 impl UsagePermit {
-    /// Whether the writer has given up, so that an event recorded now would
-    /// never be delivered. A commit checks it first and is refused rather
-    /// than let a handler run unbilled (I21).
+    /// Whether a commit must be refused: the writer has given up, so that
+    /// an event recorded now would never be delivered (I21), or the
+    /// instance has stopped starting handlers (I25). A commit checks it
+    /// first and is refused rather than let a handler run unbilled, or be
+    /// charged for work the shutdown may cut off.
     ///
     /// A commit that passes the check just before the writer gives up
     /// records into the abandoned queue; the writer's report finds the
     /// event there and counts it lost, so the charge is never lost silently.
     #[inline]
-    pub(crate) fn writer_gone(&self) -> bool {
+    pub(crate) fn refuses_commits(&self) -> bool {
         self.stripe
             .as_ref()
-            .is_some_and(|stripe| stripe.available.load(Ordering::Relaxed) & ABANDONED != 0)
+            .is_some_and(|stripe| stripe.available.load(Ordering::Relaxed) & REFUSE_COMMITS != 0)
     }
 
     /// Moves the place out, leaving this permit empty (dropping it then
@@ -563,6 +576,19 @@ impl UsageQueue {
                 .available
                 .fetch_or(CLOSED | ABANDONED, Ordering::AcqRel);
         }
+    }
+
+    /// Refuses new permits and commits from now on: the instance's shutdown
+    /// began, and no handler may start (see [`STOPPING`]). What is recorded
+    /// is delivered as usual; permits still out come back as their requests
+    /// end.
+    pub(crate) fn stop_commits(&self) {
+        for stripe in &self.stripes[..] {
+            stripe
+                .available
+                .fetch_or(CLOSED | STOPPING, Ordering::AcqRel);
+        }
+        self.hub.waker.wake();
     }
 
     /// Refuses new permits from now on. Permits already taken still record.

@@ -86,7 +86,9 @@ pub enum DenyReason {
     },
     /// The usage queue is full: a charge admitted now might not be recorded.
     AccountingBackpressure,
-    /// The instance is shutting down and admits nothing new.
+    /// The instance is shutting down: it admits nothing new, and starts no
+    /// handler of a request admitted before (refused at its commit, charged
+    /// nothing).
     ShuttingDown,
 }
 

@@ -1131,7 +1131,7 @@ fn a_commit_racing_the_writers_give_up_is_counted_once_or_refused() {
             let gave_up = Arc::clone(&gave_up);
             move || {
                 let after_give_up = gave_up.load(Ordering::Acquire);
-                if permit.writer_gone() {
+                if permit.refuses_commits() {
                     // Refused at commit: the handler does not run.
                     drop(permit);
                     return false;

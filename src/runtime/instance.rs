@@ -622,7 +622,9 @@ impl InstanceRuntime {
     }
 
     /// Stops the instance in order, inside one `shutdown_deadline` (I25):
-    /// stop admitting, drain usage, release leases. A lease still held by a
+    /// stop admitting and starting handlers (see
+    /// [`RuntimeHandle::request_shutdown`]), drain usage, release leases. A
+    /// lease still held by a
     /// request at its deadline is abandoned to TTL reclaim, never released.
     ///
     /// Dropping the returned future before it completes cuts the shutdown
@@ -866,7 +868,10 @@ impl RuntimeHandle {
     }
 
     /// Starts the shutdown from the serving side (for example, on a signal):
-    /// admission closes at once; the owner's
+    /// admission closes at once, and so does every commit point: a request
+    /// admitted earlier whose handler has not started is refused there
+    /// ([`DenyReason::ShuttingDown`]) and charged nothing, so the handlers
+    /// that run are the ones already running (I25). The owner's
     /// [`InstanceRuntime::shutdown`] performs the rest.
     pub fn request_shutdown(&self) {
         self.shared.begin_shutdown();
@@ -1048,8 +1053,12 @@ impl fmt::Debug for RuntimeHandle {
 
 impl Shared {
     fn begin_shutdown(&self) {
-        // I25: stop admitting first.
+        // I25: stop admitting first, and starting handlers: a request
+        // admitted before now but not yet started is refused at its commit
+        // and charged nothing, rather than started where the shutdown may
+        // cut it off after charging.
         self.admitting.store(false, Ordering::Release);
+        self.engine.recorder().queue().stop_commits();
         self.shutdown.send_replace(true);
         // Requests still in flight hold their reservations; no new lease is
         // needed, and one being acquired when the release phase stops its
