@@ -310,7 +310,7 @@ impl Backend {
                         .map_or(0, |events| events.iter().map(|e| e.units.get()).sum());
                     let _ = writeln!(
                         out,
-                        "{account} ({}): balance {} · leased {} · billed {billed} units · overage debt {}",
+                        "{account} ({}): balance {} · granted to open leases {} · billed {billed} units · overage debt {}",
                         mode_name(view.mode),
                         view.balance.get(),
                         view.leased.get(),
@@ -324,7 +324,7 @@ impl Backend {
                     for view in views {
                         let _ = writeln!(
                             out,
-                            "{} ({}): balance {} · leased {} · overage debt {}",
+                            "{} ({}): balance {} · granted to open leases {} · overage debt {}",
                             view.id,
                             mode_name(view.mode),
                             view.balance.get(),
@@ -501,9 +501,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
 /// Serves the API and the ops routes until a stop is asked for or a
 /// listener fails. A stop closes admission at once (so /readyz turns 503
-/// and new requests are refused), then gives open connections one bounded
-/// drain: the API's first, while the ops listener still answers /readyz,
-/// then the ops listener's in what is left of it. A client that never
+/// and new requests are refused) and starts no more handlers (a request
+/// still queued for the slow route's limit is answered 503 and pays
+/// nothing), then gives open connections one bounded drain: the API's
+/// first, while the ops listener still answers /readyz, then the ops
+/// listener's in what is left of it. A client that never
 /// finishes its request cannot hold the shutdown: past the drain it is
 /// dropped with the process.
 async fn serve_until_stopped(
@@ -536,7 +538,16 @@ async fn serve_until_stopped(
     let drained_by = tokio::time::Instant::now() + HTTP_DRAIN;
     stop_api.cancel();
     if api_done.is_none() {
-        api_done = tokio::time::timeout_at(drained_by, &mut api).await.ok();
+        // The ops listener is driven meanwhile: its accept loop runs only
+        // while its future is polled, and a probe of /readyz (503 now) or
+        // a scrape of /metrics must be answered during the drain.
+        tokio::select! {
+            drained = tokio::time::timeout_at(drained_by, &mut api) => api_done = drained.ok(),
+            served = &mut ops, if ops_done.is_none() => {
+                ops_done = Some(served);
+                api_done = tokio::time::timeout_at(drained_by, &mut api).await.ok();
+            }
+        }
     }
     stop_ops.cancel();
     if ops_done.is_none() {

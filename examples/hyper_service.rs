@@ -15,7 +15,7 @@ use http::{Request, Response};
 use http_body_util::Full;
 use hyper::body::{Bytes, Incoming};
 use hyper::server::conn::http1;
-use hyper_util::rt::TokioIo;
+use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
 use jiff::SignedDuration;
 use tollgate::admission::SnapshotMapConfig;
@@ -27,6 +27,9 @@ use tollgate::runtime::{
 use tollgate::store::{AccountSpec, Clock, CoarseClock, GrantPolicy, MemoryStore, TailSharing};
 use tollgate::{AccountStatus, CostUnits, EnforcementMode, LocalSharding, PermissionBits};
 use tower::{Layer, service_fn};
+
+/// How long a client has to send a request's headers.
+const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
 
 #[derive(Debug, Parser)]
 #[command(about = "tollgate around a plain hyper service")]
@@ -159,7 +162,12 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             };
             let service = TowerToHyperService::new(service.clone());
             tokio::spawn(async move {
+                // hyper times out a client that never finishes its headers
+                // only when it has a timer; without one, stalled
+                // connections would pile up until file descriptors ran out.
                 let _ = http1::Builder::new()
+                    .timer(TokioTimer::new())
+                    .header_read_timeout(HEADER_READ_TIMEOUT)
                     .serve_connection(TokioIo::new(stream), service)
                     .await;
             });

@@ -79,7 +79,11 @@ pub struct AccountView {
     pub refill: Option<RefillSchedule>,
     /// When the current refill period ends.
     pub period_end: Option<Timestamp>,
-    /// Units held by active leases.
+    /// The grants of active leases, in full: the units instances hold for
+    /// the account, counting what they have already spent against them
+    /// (and whose usage the store may already have billed). Until a lease
+    /// settles, a unit it spent is counted here and, once billed, in the
+    /// account's usage too.
     pub leased: CostUnits,
     /// Overage billed and not yet paid.
     pub overage_debt: CostUnits,
