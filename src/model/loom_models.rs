@@ -1162,6 +1162,49 @@ fn a_commit_racing_the_writers_give_up_is_counted_once_or_refused() {
     });
 }
 
+/// I25: a commit racing the instance's stop. A commit that comes after the
+/// stop (the committer saw it happen) is refused and gives its place back;
+/// one that comes before records as usual. Either way every place is
+/// accounted for, and a permit asked for after the stop is refused as
+/// shutting down without touching the count of places.
+#[test]
+fn a_commit_racing_the_stop_is_refused_after_it_and_recorded_before_it() {
+    loom::model(|| {
+        let recorder = UsageRecorder::striped(2, 2, LocalSharding::Single);
+        let queue = Arc::clone(recorder.queue());
+        let permit = recorder.try_permit().expect("a free place");
+        let stopped = Arc::new(AtomicBool::new(false));
+        let committer = thread::spawn({
+            let stopped = Arc::clone(&stopped);
+            move || {
+                let after_stop = stopped.load(Ordering::Acquire);
+                if permit.refuses_commits() {
+                    drop(permit);
+                    return false;
+                }
+                assert!(!after_stop, "I25: a commit after the stop is refused");
+                permit.record(event(1));
+                true
+            }
+        });
+        queue.stop_commits();
+        stopped.store(true, Ordering::Release);
+        assert_eq!(
+            recorder.try_permit().map(|_| ()),
+            Err(DenyReason::ShuttingDown),
+            "no permit after the stop"
+        );
+        let recorded = join(committer);
+        assert_eq!(
+            queue.in_use(),
+            usize::from(recorded),
+            "I20: a place per event"
+        );
+        assert_eq!(queue.len(), usize::from(recorded));
+        assert_eq!(queue.overflowed(), 0);
+    });
+}
+
 /// A shared charge's worker whose commit loses to a cancel sees the cancel
 /// requested: the request is recorded before the phase is tried.
 #[test]
