@@ -845,6 +845,80 @@ async fn under_service_builder_a_limit_inside_the_layer_queues_only_admitted_req
     }
 }
 
+/// I25: once shutdown begins, no handler starts. A request admitted before
+/// it and waiting for a concurrency limit inside the layer is refused where
+/// it would have been charged (the hand-over in the default commit mode,
+/// the marker in the deferred one) with `503 shutting_down`, naming its id,
+/// and pays nothing; the request already running finishes and pays once.
+#[tokio::test(start_paused = true)]
+async fn a_request_waiting_inside_the_layer_when_shutdown_begins_never_starts() {
+    for deferred in [false, true] {
+        let mut w = world(INITIAL).await;
+        let before = w.remaining();
+        let (release, released) = tokio::sync::watch::channel(false);
+        let started = Arc::new(AtomicUsize::new(0));
+        let counted = Arc::clone(&started);
+        let handler = service_fn(move |request: Request<String>| {
+            let mut released = released.clone();
+            let counted = Arc::clone(&counted);
+            async move {
+                counted.fetch_add(1, Ordering::SeqCst);
+                released.wait_for(|go| *go).await.unwrap();
+                echo_admission(request).await
+            }
+        });
+        let layer = if deferred {
+            w.deferred_layer()
+        } else {
+            w.layer()
+        };
+        let service = tower::ServiceBuilder::new()
+            .layer(layer)
+            .layer(tower::limit::ConcurrencyLimitLayer::new(1))
+            .layer(tollgate::layer::CommitMarkerLayer::new())
+            .service(handler);
+        let running = tokio::spawn(service.clone().oneshot(w.bearer("/read")));
+        tokio::time::sleep(ms(10)).await;
+        let waiting = tokio::spawn(service.clone().oneshot(w.bearer("/read")));
+        tokio::time::sleep(ms(10)).await;
+        assert_eq!(started.load(Ordering::SeqCst), 1, "deferred: {deferred}");
+        assert_eq!(w.remaining(), before - 2 * PRICE, "both were admitted");
+
+        w.handle.request_shutdown();
+        release.send(true).unwrap();
+        let running = answer(running.await.unwrap().unwrap()).await;
+        assert_eq!(running.status, StatusCode::OK, "deferred: {deferred}");
+        let refused = answer(waiting.await.unwrap().unwrap()).await;
+        check_denial(&refused, StatusCode::SERVICE_UNAVAILABLE, "shutting_down");
+        assert_eq!(refused.headers[RETRY_AFTER], "1");
+        assert!(
+            refused.headers.contains_key(REQUEST_ID_HEADER),
+            "an admitted request's refusal names its id"
+        );
+        assert_eq!(
+            started.load(Ordering::SeqCst),
+            1,
+            "deferred: {deferred}: the waiting handler never started"
+        );
+        assert_eq!(w.remaining(), before - PRICE, "its price came back");
+        let counters = w.handle.counters();
+        assert_eq!(
+            (
+                counters.admitted,
+                counters.denied_for(DenyReason::ShuttingDown),
+                counters.released
+            ),
+            (2, 1, 0),
+            "deferred: {deferred}: admitted twice, refused once at its commit point"
+        );
+        assert_eq!(
+            w.shutdown_and_usage().await,
+            vec![PRICE],
+            "deferred: {deferred}: only the running request paid"
+        );
+    }
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_lease_that_expires_between_admission_and_start_denies_without_running_the_handler() {
     let mut w = world(INITIAL).await;

@@ -386,9 +386,10 @@ async fn an_instance_is_ready_only_once_policy_and_funds_are_loaded_and_stops_ad
 }
 
 /// I21, I25: a request admitted before shutdown whose handler would start
-/// only after the usage writer has given up is refused at commit, because
-/// its usage event could never be delivered: the handler must not run
-/// unbilled. The writer counted its place as lost; the charge itself is
+/// only after the usage writer has given up is refused at commit: the
+/// shutdown starts no handler, and its usage event could never be
+/// delivered anyway, so the handler must not run unbilled. (The give-up
+/// alone, outside a shutdown, is covered by the engine's unit test.) The writer counted its place as lost; the charge itself is
 /// released, and the lease goes back whole.
 #[tokio::test(start_paused = true)]
 async fn a_commit_after_the_usage_writer_gave_up_is_refused_and_charges_nothing() {

@@ -438,7 +438,9 @@ impl RequestContext {
     ///
     /// See [`CommitError`]; on any error the handler must not run. After
     /// [`CommitError::AlreadyCommitted`] the first commit's charge stands;
-    /// after any other error the charge is zero.
+    /// after any other error the charge is zero. Once the instance's
+    /// shutdown has begun (or its usage writer has given up), every commit
+    /// is refused with [`DenyReason::ShuttingDown`] (I21, I25).
     #[inline]
     pub fn commit(&mut self, now: Timestamp) -> Result<CostUnits, CommitError> {
         // I21: with nothing left to deliver its event, the handler must not
@@ -1048,6 +1050,29 @@ mod tests {
         f.slot().publish_allocator_reachable(true);
         denied(f.begin(1, 0), DenyReason::LeaseExhausted);
         drop(spent);
+    }
+
+    /// I21: a usage writer that gives up while the instance serves (its
+    /// task ended) leaves nothing to deliver an event, so a context admitted
+    /// before is refused at its commit: its handler must not run unbilled.
+    /// Its charge and its place come back, and nothing is queued.
+    #[test]
+    fn a_commit_after_the_writer_gave_up_is_refused_and_charges_nothing() {
+        let f = fixture(4);
+        f.map.publish([snapshot(EnforcementMode::Strict, READ)]);
+        let lease = f.lease(10);
+        let mut context = f.begin(4, 0).expect("the lease funds it");
+        assert_eq!(lease.remaining(), CostUnits(6));
+        f.recorder.queue().abandon();
+        assert_eq!(
+            context.commit(at(1)),
+            Err(CommitError::Denied(DenyReason::ShuttingDown))
+        );
+        assert!(!context.is_committed(), "released, not committed");
+        assert_eq!(lease.remaining(), CostUnits(10), "I4: the units came back");
+        drop(context);
+        assert_eq!(f.recorder.available(), 4, "the place came back");
+        assert!(f.queued().is_empty(), "I8: no event");
     }
 
     #[test]

@@ -227,7 +227,8 @@ impl UsageRecorder {
     /// # Errors
     ///
     /// [`DenyReason::AccountingBackpressure`] when every place is taken, and
-    /// [`DenyReason::ShuttingDown`] once the writer has been told to stop.
+    /// [`DenyReason::ShuttingDown`] once the queue is closed: the writer has
+    /// been told to stop, or the instance's shutdown has begun.
     #[inline]
     pub fn try_permit(&self) -> Result<UsagePermit, DenyReason> {
         self.try_permit_at(Locality::current())

@@ -46,8 +46,11 @@ pub enum CancelOutcome {
 /// case the caller must not run the work.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CommitError {
-    /// The funding could not stand at execution start, so the reservation
-    /// was released for zero. The reason keeps its own retry class: a lapsed
+    /// The funding could not stand at execution start, or (for an admitted
+    /// request's context) the instance can no longer start its handler:
+    /// its shutdown began, or its usage writer gave up
+    /// ([`ShuttingDown`](DenyReason::ShuttingDown)). The reservation was
+    /// released for zero. The reason keeps its own retry class: a lapsed
     /// lease is [`FundingExpiredAtStart`](DenyReason::FundingExpiredAtStart)
     /// under Strict, and under Elastic when the overage cap is spent too (a
     /// retry is admitted on the replacement lease, I12); the overage
