@@ -293,6 +293,7 @@ async fn metrics_publish_the_exact_admission_counts_as_prometheus_text() {
     check_series(&series, "tollgate_writer_state{state=\"stopped\"}", 0.0);
     check_series(&series, "tollgate_manager_restarts_total", 0.0);
     check_series(&series, "tollgate_unrecovered_grants_total", 0.0);
+    check_series(&series, "tollgate_usage_places_reserved", 0.0);
     assert!(
         series["tollgate_lease_acquired_total"] >= 1.0,
         "the account holds a lease"

@@ -883,6 +883,11 @@ async fn a_request_waiting_inside_the_layer_when_shutdown_begins_never_starts() 
         tokio::time::sleep(ms(10)).await;
         assert_eq!(started.load(Ordering::SeqCst), 1, "deferred: {deferred}");
         assert_eq!(w.remaining(), before - 2 * PRICE, "both were admitted");
+        assert_eq!(
+            w.handle.report().usage_places_reserved,
+            1,
+            "the waiting request holds its event's place"
+        );
 
         w.handle.request_shutdown();
         release.send(true).unwrap();
@@ -901,6 +906,7 @@ async fn a_request_waiting_inside_the_layer_when_shutdown_begins_never_starts() 
             "deferred: {deferred}: the waiting handler never started"
         );
         assert_eq!(w.remaining(), before - PRICE, "its price came back");
+        assert_eq!(w.handle.report().usage_places_reserved, 0, "and its place");
         let counters = w.handle.counters();
         assert_eq!(
             (

@@ -12,6 +12,7 @@
 //! becomes a label, so the number of series is bounded whatever the traffic.
 
 use std::fmt::Write as _;
+use std::sync::{Mutex, PoisonError};
 
 use axum::Router;
 use axum::http::{StatusCode, header};
@@ -88,7 +89,9 @@ where
 
 /// Publishes every counter and level of `report` through the [`metrics`]
 /// facade, to whatever recorder is installed. Call it at scrape time;
-/// [`ops_router`]'s `/metrics` does.
+/// [`ops_router`]'s `/metrics` does, one scrape at a time. A caller that
+/// publishes from several tasks serializes its publish-and-render the same
+/// way: two publishes at once leave the recorder with some of each.
 ///
 /// Monotonic counts become counters set with `absolute` and named
 /// `tollgate_..._total`; levels become gauges:
@@ -101,6 +104,7 @@ where
 /// | `tollgate_denied_total` | counter | `code` ([`DenyReason::code`]) |
 /// | `tollgate_writer_{accepted,duplicate,rejected,lost,batches,retries,ingest_timeouts,storage_errors}_total` | counter | |
 /// | `tollgate_writer_queued`, `tollgate_writer_in_flight` | gauge | |
+/// | `tollgate_usage_places_reserved` (held by requests admitted and not yet started) | gauge | |
 /// | `tollgate_writer_state` | gauge 0/1 | `state` (`healthy`, `retrying`, `stopped`) |
 /// | `tollgate_writer_retry_attempts` | gauge | |
 /// | `tollgate_snapshot_{refreshes,failures,timeouts,published,unknown,lookups}_total` | counter | |
@@ -165,14 +169,23 @@ fn readyz(handle: &RuntimeHandle) -> Response {
 }
 
 fn metrics_text<R: Fn() -> String>(handle: &RuntimeHandle, render: &R) -> Response {
-    publish_metrics(&handle.report());
+    // One scrape at a time publishes and renders: two at once (a pair of
+    // Prometheus replicas) would interleave their readings in the shared
+    // recorder, and a scrape could render one writer state from each, or
+    // none at 1. Both steps are quick and never await.
+    static SCRAPE: Mutex<()> = Mutex::new(());
+    let text = {
+        let _one_at_a_time = SCRAPE.lock().unwrap_or_else(PoisonError::into_inner);
+        publish_metrics(&handle.report());
+        render()
+    };
     (
         StatusCode::OK,
         [
             (header::CONTENT_TYPE, PROMETHEUS_CONTENT_TYPE),
             (header::CACHE_CONTROL, "no-store"),
         ],
-        render(),
+        text,
     )
         .into_response()
 }
@@ -255,6 +268,10 @@ fn publish_writer(report: &RuntimeReport) {
     metrics::counter!("tollgate_writer_storage_errors_total").absolute(writer.storage_errors);
     level("tollgate_writer_queued", writer.queued);
     level("tollgate_writer_in_flight", writer.in_flight);
+    level(
+        "tollgate_usage_places_reserved",
+        report.usage_places_reserved,
+    );
     let (state, attempts) = match report.writer_health {
         WriterHealth::Healthy => ("healthy", 0),
         WriterHealth::Retrying { attempts, .. } => ("retrying", attempts),

@@ -110,7 +110,13 @@ where
     /// the error), this answers the inner service's readiness until it is
     /// ready again: tower's contract is that the caller drops a failed
     /// service, so the failure is the caller's to see, not the next
-    /// admitted request's to wait on.
+    /// admitted request's to wait on. The layer cannot hand that error on
+    /// a second time (it has only the inner service's error type, and the
+    /// request took the error), so it asks the inner service again: tower's
+    /// own services keep answering with an error once failed (a buffer
+    /// whose worker is gone, a load-shedder), and that error is returned.
+    /// An inner service that could not be polled after failing would leave
+    /// this pending.
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         if self.failed {
             ready!(self.inner.poll_ready(cx))?;

@@ -464,6 +464,14 @@ pub struct RuntimeReport {
     pub unrecovered_grants: u64,
     /// The accounts whose debits contend most, hottest first (at most five).
     pub hottest_accounts: Vec<(AccountId, u64)>,
+    /// Usage-queue places held by requests admitted and not yet committed
+    /// or released: those waiting for their handler to start (queued for a
+    /// concurrency limit, or for a deferred commit point). They share the
+    /// queue with undelivered events, so a queue they fill denies every
+    /// admission with `accounting_backpressure`; size the queue for them
+    /// (see [`UsageWriterConfig::queue_capacity`](crate::runtime::UsageWriterConfig::queue_capacity)).
+    /// Read beside the writer's counts, so off by a batch while it moves one.
+    pub usage_places_reserved: u64,
 }
 
 /// What a shutdown did.
@@ -1039,6 +1047,7 @@ impl RuntimeHandle {
             manager_restarts: shared.restarts.load(Ordering::Relaxed),
             unrecovered_grants: shared.unrecovered.load(Ordering::Relaxed),
             hottest_accounts: hottest,
+            usage_places_reserved: places_reserved(shared.engine.recorder(), &writer),
         }
     }
 }
@@ -1285,6 +1294,15 @@ const HOTTEST_REPORTED: usize = 5;
 /// The accounts whose debits lost the most races, hottest first, ties by
 /// account id; accounts with none are left out. Sharding those accounts'
 /// leases is what takes the heat off.
+/// The places permits hold (I20: free places, permits and undelivered
+/// events add up to the capacity), from readings taken one after another.
+fn places_reserved(recorder: &UsageRecorder, writer: &WriterStats) -> u64 {
+    let in_use = (recorder.capacity() - recorder.available()) as u64;
+    in_use
+        .saturating_sub(writer.queued)
+        .saturating_sub(writer.in_flight)
+}
+
 fn hottest_accounts(contention: impl Iterator<Item = (AccountId, u64)>) -> Vec<(AccountId, u64)> {
     let mut hottest: Vec<(AccountId, u64)> = contention.filter(|(_, lost)| *lost > 0).collect();
     hottest.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));

@@ -62,7 +62,14 @@ use crate::store::{Clock, IngestOutcome, StoreError, UsageSink};
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct UsageWriterConfig {
     /// Places in the usage queue: the most charges this process may hold
-    /// committed but not yet written. Must be positive and at most
+    /// committed but not yet written, together with the requests admitted
+    /// and still waiting for their handler to start (each holds the place
+    /// its event will take, I20). Size it above both: a backlog of events
+    /// while the sink is slow, plus every request that can wait admitted
+    /// (a concurrency limit's queue inside the layer, bodies a deferred
+    /// commit point is still reading); once it is full, every admission on
+    /// the instance is denied (`accounting_backpressure`), whichever account
+    /// it is for. Must be positive and at most
     /// [`UsageRecorder::MAX_CAPACITY`]; every place is allocated up front.
     pub queue_capacity: usize,
     /// How the queue is split so threads recording in parallel do not
