@@ -406,6 +406,13 @@ fn open_demo_accounts(
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
     args.check()?;
+    // tollgate reports trouble it handles on its own (a store call timed
+    // out and retried, a lease abandoned at shutdown, an integrity fault)
+    // as `tracing` warnings and errors: print them.
+    tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::WARN)
+        .with_writer(std::io::stderr)
+        .init();
     // The request path reads time with one atomic load; the ticker keeps it
     // within two milliseconds, far inside the leases' safety margin.
     let clock: Arc<dyn Clock> = Arc::new(CoarseClock::start(Duration::from_millis(1))?);
