@@ -331,6 +331,17 @@ impl World {
         (runtime, handle, open)
     }
 
+    /// The units of every usage event the store billed to the account, in
+    /// the order it recorded them.
+    fn billed(&self) -> Vec<u64> {
+        self.store
+            .usage(self.account)
+            .unwrap()
+            .iter()
+            .map(|event| event.units.get())
+            .collect()
+    }
+
     fn begin(&self, handle: &RuntimeHandle, units: u64) -> Result<CostUnits, DenyReason> {
         let mut context = handle.begin(
             self.principal,
@@ -510,14 +521,7 @@ async fn a_quote_a_busy_lease_refused_is_funded_by_a_rotation() {
         1,
         "the shutdown returned the serving lease"
     );
-    let billed: Vec<u64> = w
-        .store
-        .usage(w.account)
-        .unwrap()
-        .iter()
-        .map(|event| event.units.get())
-        .collect();
-    assert_eq!(billed, vec![5, 600], "the trailing event was billed");
+    assert_eq!(w.billed(), vec![5, 600], "the trailing event was billed");
     let view = w.store.account(w.account, w.clock.now()).unwrap();
     assert_eq!(view.balance, CostUnits(10_000 - 605));
     assert_eq!(view.leased, CostUnits::ZERO);
@@ -1319,13 +1323,7 @@ async fn the_undelivered_charges_of_a_crashed_instance_go_back_to_the_balance() 
         .await
         .unwrap();
     assert_eq!((batch.reclaimed.len(), batch.more), (1, false));
-    let billed: u64 = w
-        .store
-        .usage(w.account)
-        .unwrap()
-        .iter()
-        .map(|event| event.units.get())
-        .sum();
+    let billed: u64 = w.billed().iter().sum();
     assert_eq!(billed, committed - undelivered, "only what was delivered");
     assert_eq!(
         batch.reclaimed[0].credited,
@@ -1563,13 +1561,7 @@ async fn shutdown_is_prompt_after_the_snapshot_manager_died() {
     assert_eq!(report.lost_events(), 0);
     assert_eq!(report.abandoned(), 0);
     assert!(report.unfinished_accounts.is_empty());
-    let billed: u64 = w
-        .store
-        .usage(w.account)
-        .unwrap()
-        .iter()
-        .map(|event| event.units.get())
-        .sum();
+    let billed: u64 = w.billed().iter().sum();
     assert_eq!(billed, 5);
 }
 

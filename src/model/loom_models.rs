@@ -24,7 +24,7 @@ use jiff::{SignedDuration, Timestamp};
 use loom::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use loom::thread;
 
-use crate::admission::UsageRecorder;
+use crate::admission::{UsagePermit, UsageRecorder};
 use crate::model::{
     AccountId, AccountOverage, CancelOutcome, CommitError, CommitFunding, CostUnits, DenyReason,
     FencingToken, LeaseGrant, LeaseId, LocalLease, LocalSharding, Locality, PolicyRevision,
@@ -1112,6 +1112,29 @@ fn a_place_borrowed_from_another_stripe_as_the_queue_closes_is_seen_or_refused()
     });
 }
 
+/// A thread that commits on `permit` as a request context does: refused
+/// if the queue refuses commits (the handler does not run), recorded
+/// otherwise. It first reads `happened`, which the other side sets after
+/// the change that refuses commits; a commit that saw it must be refused
+/// (`rule`). Returns whether it recorded.
+fn committing(
+    permit: UsagePermit,
+    happened: &Arc<AtomicBool>,
+    rule: &'static str,
+) -> thread::JoinHandle<bool> {
+    let happened = Arc::clone(happened);
+    thread::spawn(move || {
+        let after = happened.load(Ordering::Acquire);
+        if permit.refuses_commits() {
+            drop(permit);
+            return false;
+        }
+        assert!(!after, "{rule}");
+        permit.record(event(1));
+        true
+    })
+}
+
 /// I21: a commit racing the writer's give-up. The commit checks whether the
 /// writer is gone, and records if not; the writer abandons the queue, takes
 /// and frees what is queued, then counts what is still recorded and the
@@ -1127,20 +1150,11 @@ fn a_commit_racing_the_writers_give_up_is_counted_once_or_refused() {
         let queue = Arc::clone(recorder.queue());
         let permit = recorder.try_permit().expect("a free place");
         let gave_up = Arc::new(AtomicBool::new(false));
-        let committer = thread::spawn({
-            let gave_up = Arc::clone(&gave_up);
-            move || {
-                let after_give_up = gave_up.load(Ordering::Acquire);
-                if permit.refuses_commits() {
-                    // Refused at commit: the handler does not run.
-                    drop(permit);
-                    return false;
-                }
-                assert!(!after_give_up, "I21: a commit after the give-up is refused");
-                permit.record(event(1));
-                true
-            }
-        });
+        let committer = committing(
+            permit,
+            &gave_up,
+            "I21: a commit after the give-up is refused",
+        );
         queue.abandon();
         gave_up.store(true, Ordering::Release);
         let mut taken = Vec::new();
@@ -1174,19 +1188,7 @@ fn a_commit_racing_the_stop_is_refused_after_it_and_recorded_before_it() {
         let queue = Arc::clone(recorder.queue());
         let permit = recorder.try_permit().expect("a free place");
         let stopped = Arc::new(AtomicBool::new(false));
-        let committer = thread::spawn({
-            let stopped = Arc::clone(&stopped);
-            move || {
-                let after_stop = stopped.load(Ordering::Acquire);
-                if permit.refuses_commits() {
-                    drop(permit);
-                    return false;
-                }
-                assert!(!after_stop, "I25: a commit after the stop is refused");
-                permit.record(event(1));
-                true
-            }
-        });
+        let committer = committing(permit, &stopped, "I25: a commit after the stop is refused");
         queue.stop_commits();
         stopped.store(true, Ordering::Release);
         assert_eq!(
