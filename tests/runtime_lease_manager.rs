@@ -3548,6 +3548,50 @@ async fn readiness_falls_as_a_lease_closes_after_its_replacement_failed() {
     assert!(acquires >= 2, "its replacement was tried and failed");
 }
 
+/// I5, I29: a lease drained while the allocator cannot be reached serves
+/// nobody (admission answers `LeaseUnavailable`), so readiness falls then,
+/// not only when its window closes, and comes back with the next grant.
+/// Spent down while the allocator still answers, it stays ready: the
+/// replacement is on its way.
+#[tokio::test(start_paused = true)]
+async fn readiness_falls_when_the_lease_drains_while_the_allocator_is_away() {
+    let allocator = Scripted::new();
+    allocator.plan_acquires([
+        Reply::Grant(TARGET),
+        Reply::Refuse(storage_error()),
+        Reply::Refuse(storage_error()),
+        Reply::Grant(TARGET),
+    ]);
+    let h = Harness::started(allocator).await;
+    assert!(h.ready());
+    // Past low water: the ring asks for a replacement, which fails.
+    h.spend(TARGET - LOW_WATER + 1);
+    h.allocator.calls_reach(2).await;
+    settle().await;
+    assert!(h.ready(), "units left: the lease still serves");
+    // Drained: the next inspection finds nothing left and nobody to ask.
+    h.spend(LOW_WATER - 1);
+    sleep(POLL).await;
+    settle().await;
+    assert_eq!(
+        h.serving(),
+        Some((1, 0)),
+        "the drained lease is still in the slot"
+    );
+    assert!(
+        !h.ready(),
+        "I29: a drained lease with no allocator serves nobody"
+    );
+    // The allocator answers again: the next attempt's grant serves.
+    h.run_for(60).await;
+    assert_eq!(
+        h.serving().map(|(_, units)| units),
+        Some(TARGET),
+        "a new grant serves"
+    );
+    assert!(h.ready(), "ready again with the grant");
+}
+
 /// A lease's early wake-ups come once each: with a clock that reads behind
 /// tokio's time (here, one that stands still), a lease inside its last
 /// store call before the close whose replacement keeps failing is retried

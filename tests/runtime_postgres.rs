@@ -492,6 +492,20 @@ async fn a_server_outage_serves_from_held_leases_then_fails_closed_then_recovers
         tokio::time::sleep(ms(5)).await;
     }
     assert!(closed, "I5: the drained lease is reported unavailable");
+    // I29: and the instance says it serves nobody, at its manager's next
+    // inspection, not when the drained lease's window closes.
+    let mut unready = false;
+    for _ in 0..2_000 {
+        if !handle.readiness() {
+            unready = true;
+            break;
+        }
+        tokio::time::sleep(ms(5)).await;
+    }
+    assert!(
+        unready,
+        "I29: a drained lease with no allocator is not ready"
+    );
     denied.lock().unwrap().clear();
     let during = committed.load(Ordering::Relaxed);
     // Watched for half a second at least, and until the load has been
@@ -539,6 +553,7 @@ async fn a_server_outage_serves_from_held_leases_then_fails_closed_then_recovers
         }
     }
     assert!(recovered, "requests are admitted again after the restart");
+    assert!(handle.readiness(), "ready again with a grant");
     stop.store(true, Ordering::Relaxed);
     load.await.unwrap();
 

@@ -2499,10 +2499,22 @@ fn is_quiescent(lease: &Arc<LocalLease>) -> bool {
     lease.is_only_local_view()
 }
 
-/// Whether the slot holds a lease inside its usability window.
+/// Whether the slot holds a lease that serves: inside its usability
+/// window, and not drained while the allocator cannot be reached. A lease
+/// with nothing left while the allocator does not answer serves nobody:
+/// admission answers every quote above zero `LeaseUnavailable` (I5), and
+/// the instance is not ready until a grant comes (I29). In normal running a
+/// drained lease is refilled within a store call, so this does not flap. A
+/// lease with a few units left still serves the quotes they cover, so it
+/// counts as serving whatever larger quotes it refuses.
 fn serving(slot: &LeaseSlot, clock: &dyn Clock) -> bool {
     let now = clock.now();
-    slot.with_lease(|lease| lease.is_some_and(|lease| now < lease.usable_until()))
+    let unreachable = slot.allocator_unreachable();
+    slot.with_lease(|lease| {
+        lease.is_some_and(|lease| {
+            now < lease.usable_until() && !(unreachable && lease.remaining().is_zero())
+        })
+    })
 }
 
 /// Runs an allocator call until `give_up_at` (I22) and, when `stop` is
