@@ -247,8 +247,9 @@ impl Backend {
         match store.check_schema().await? {
             SchemaStatus::Current { .. } => Ok(Self::Postgres(Arc::new(store))),
             other => Err(format!(
-                "schema {} is not ready ({other:?}): run with --migrate, or `tollgate migrate`",
-                store.schema()
+                "schema {schema} is not ready ({other:?}): run with --migrate, or \
+                 `tollgate migrate --schema {schema}`",
+                schema = store.schema()
             )
             .into()),
         }
@@ -403,7 +404,18 @@ fn open_demo_accounts(
 }
 
 #[tokio::main]
-async fn main() -> Result<(), Box<dyn std::error::Error>> {
+async fn main() -> std::process::ExitCode {
+    // Errors are printed for a person to read, not in their debug form.
+    match run().await {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("gateway: {error}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
     args.check()?;
     // tollgate reports trouble it handles on its own (a store call timed

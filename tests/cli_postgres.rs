@@ -337,8 +337,14 @@ fn bad_input_is_named_before_connecting() {
     .fails(1, "must be before --until");
     nowhere(&["account", "create", "--balance", "10", "--mode", "elastic"])
         .fails(1, "--mode elastic needs --overage-cap");
-    // Good input gets as far as the connection, which fails.
-    nowhere(&["account", "list"]).fails(1, "cannot connect to postgres");
+    // Good input gets as far as the connection, which fails, and says why
+    // (the pool alone would say only that it timed out).
+    let refused = nowhere(&["account", "list"]).fails(1, "cannot connect to postgres");
+    assert!(
+        !refused.stderr.contains("pool timed out"),
+        "the cause is named: {}",
+        refused.stderr
+    );
 }
 
 /// A configuration file that does not parse is named with the place of the

@@ -67,8 +67,8 @@ use std::fmt;
 use std::time::Duration;
 
 use jiff::Timestamp;
-use sqlx::PgPool;
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::postgres::{PgConnectOptions, PgConnection, PgPoolOptions};
+use sqlx::{Connection as _, PgPool};
 
 use crate::model::{AccountId, CostUnits, LeaseId};
 use crate::store::{GrantPolicy, GrantPolicyError, StoreError};
@@ -351,12 +351,31 @@ impl PostgresStore {
             .parse::<PgConnectOptions>()
             .map_err(connect_error)?
             .options(SERVER_BOUNDS);
-        let pool = PgPoolOptions::new()
+        let pool = match PgPoolOptions::new()
             .max_connections(POOL_CONNECTIONS_MAX)
             .acquire_timeout(POOL_ACQUIRE_TIMEOUT)
-            .connect_with(options)
+            .connect_with(options.clone())
             .await
-            .map_err(connect_error)?;
+        {
+            Ok(pool) => pool,
+            // The pool retries a refused or failing connection until its
+            // acquire timeout and then says only that it timed out: one
+            // direct attempt names the cause (refused, unknown host, bad
+            // password) for whoever reads the error.
+            Err(sqlx::Error::PoolTimedOut) => {
+                let direct = tokio::time::timeout(
+                    POOL_ACQUIRE_TIMEOUT,
+                    PgConnection::connect_with(&options),
+                )
+                .await;
+                let cause = match direct {
+                    Ok(Err(error)) => error,
+                    _ => sqlx::Error::PoolTimedOut,
+                };
+                return Err(connect_error(cause));
+            }
+            Err(error) => return Err(connect_error(error)),
+        };
         Self::with_pool(pool, config)
     }
 
