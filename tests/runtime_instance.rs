@@ -1279,6 +1279,10 @@ async fn a_runtime_dropped_without_shutdown_keeps_its_counts_and_counts_its_loss
         (3, 0, 0),
         "{after:?}"
     );
+    assert_eq!(
+        after.usage_places_reserved, 0,
+        "the lost events hold their places; no request does"
+    );
     assert_eq!(after.unrecovered_grants, 1, "the serving lease");
 }
 

@@ -3551,8 +3551,8 @@ async fn readiness_falls_as_a_lease_closes_after_its_replacement_failed() {
 /// I5, I29: a lease drained while the allocator cannot be reached serves
 /// nobody (admission answers `LeaseUnavailable`), so readiness falls then,
 /// not only when its window closes, and comes back with the next grant.
-/// Spent down while the allocator still answers, it stays ready: the
-/// replacement is on its way.
+/// With units left it stays ready, though its replacement failed: it still
+/// serves what they cover.
 #[tokio::test(start_paused = true)]
 async fn readiness_falls_when_the_lease_drains_while_the_allocator_is_away() {
     let allocator = Scripted::new();

@@ -114,7 +114,7 @@ where
     /// a second time (it has only the inner service's error type, and the
     /// request took the error), so it asks the inner service again: tower's
     /// own services keep answering with an error once failed (a buffer
-    /// whose worker is gone, a load-shedder), and that error is returned.
+    /// whose worker is gone), and that error is returned.
     /// An inner service that could not be polled after failing would leave
     /// this pending.
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {

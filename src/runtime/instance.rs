@@ -470,7 +470,8 @@ pub struct RuntimeReport {
     /// queue with undelivered events, so a queue they fill denies every
     /// admission with `accounting_backpressure`; size the queue for them
     /// (see [`UsageWriterConfig::queue_capacity`](crate::runtime::UsageWriterConfig::queue_capacity)).
-    /// Read beside the writer's counts, so off by a batch while it moves one.
+    /// Read from the queue in two steps, so off by a batch while the writer
+    /// moves one.
     pub usage_places_reserved: u64,
 }
 
@@ -1047,7 +1048,7 @@ impl RuntimeHandle {
             manager_restarts: shared.restarts.load(Ordering::Relaxed),
             unrecovered_grants: shared.unrecovered.load(Ordering::Relaxed),
             hottest_accounts: hottest,
-            usage_places_reserved: places_reserved(shared.engine.recorder(), &writer),
+            usage_places_reserved: places_reserved(shared.engine.recorder()),
         }
     }
 }
@@ -1291,18 +1292,18 @@ impl Shared {
 /// How many accounts a report ranks by contention.
 const HOTTEST_REPORTED: usize = 5;
 
+/// The places permits hold (I20: free places, permits and undelivered
+/// events add up to the capacity), read from the queue itself: a writer
+/// that died no longer counts what it left undelivered as queued, though
+/// those events still hold their places.
+fn places_reserved(recorder: &UsageRecorder) -> u64 {
+    let queue = recorder.queue();
+    queue.in_use().saturating_sub(queue.undelivered()) as u64
+}
+
 /// The accounts whose debits lost the most races, hottest first, ties by
 /// account id; accounts with none are left out. Sharding those accounts'
 /// leases is what takes the heat off.
-/// The places permits hold (I20: free places, permits and undelivered
-/// events add up to the capacity), from readings taken one after another.
-fn places_reserved(recorder: &UsageRecorder, writer: &WriterStats) -> u64 {
-    let in_use = (recorder.capacity() - recorder.available()) as u64;
-    in_use
-        .saturating_sub(writer.queued)
-        .saturating_sub(writer.in_flight)
-}
-
 fn hottest_accounts(contention: impl Iterator<Item = (AccountId, u64)>) -> Vec<(AccountId, u64)> {
     let mut hottest: Vec<(AccountId, u64)> = contention.filter(|(_, lost)| *lost > 0).collect();
     hottest.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));

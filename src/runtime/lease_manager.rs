@@ -271,10 +271,12 @@ pub struct LeaseManager {
 /// Whether the account can be served from this instance.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LeaseHealth {
-    /// The slot holds a lease inside its usability window.
+    /// The slot holds a lease inside its usability window, with units left
+    /// or an allocator that answers.
     Serving,
-    /// The slot is empty or its lease has expired; requests are denied while
-    /// the task keeps trying to acquire.
+    /// The slot is empty, its lease has expired, or its lease is drained
+    /// while the allocator does not answer; requests are denied while the
+    /// task keeps trying to acquire.
     Unfunded,
     /// The store refused a claim as an accounting fault. The task no longer
     /// acquires and the slot stays empty; readiness is withdrawn for good.
@@ -1544,11 +1546,12 @@ impl Task {
         if serving(&self.slot, self.clock.as_ref()) {
             tracing::debug!(%reason, "lease manager: no replacement lease; still serving");
         } else {
-            // I5: the slot stays empty and requests are denied while the
-            // task retries (backing off while the store does not answer).
+            // I5: no lease that serves (the slot is empty, or its lease is
+            // closed or drained) and requests are denied while the task
+            // retries (backing off while the store does not answer).
             tracing::warn!(
                 %reason,
-                "lease manager: no lease; requests on this account are denied"
+                "lease manager: no lease that serves; requests on this account are denied"
             );
         }
     }

@@ -302,6 +302,10 @@ const POOL_CONNECTIONS_MAX: u32 = 10;
 /// The longest a call waits for a pooled connection before failing as a
 /// storage error.
 const POOL_ACQUIRE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How long [`PostgresStore::connect`] spends after the pool gave up, on one
+/// direct attempt that names why it could not connect.
+const CAUSE_TIMEOUT: Duration = Duration::from_secs(1);
 /// Server-side bounds on every connection [`PostgresStore::connect`] opens.
 ///
 /// A caller that gives up on a store call (the runtime's
@@ -328,8 +332,8 @@ const SCHEMA_NAME_LEN_MAX: usize = 63;
 
 impl PostgresStore {
     /// Connects a pool of at most ten connections to `url` (waiting at most
-    /// five seconds for a connection) and builds a store on it. Does not
-    /// migrate.
+    /// five seconds for a connection, and one more to name the cause when
+    /// none came) and builds a store on it. Does not migrate.
     ///
     /// Each connection has the server end a transaction left idle for ten
     /// seconds, so a call its caller gave up on cannot hold an account's
@@ -358,16 +362,14 @@ impl PostgresStore {
             .await
         {
             Ok(pool) => pool,
-            // The pool retries a refused or failing connection until its
-            // acquire timeout and then says only that it timed out: one
-            // direct attempt names the cause (refused, unknown host, bad
-            // password) for whoever reads the error.
+            // The pool retries a refused connection (or a server that is
+            // starting up or full) until its acquire timeout and then says
+            // only that it timed out: one short direct attempt names the
+            // cause for whoever reads the error. (An unknown host or a bad
+            // password comes back from the pool as it is.)
             Err(sqlx::Error::PoolTimedOut) => {
-                let direct = tokio::time::timeout(
-                    POOL_ACQUIRE_TIMEOUT,
-                    PgConnection::connect_with(&options),
-                )
-                .await;
+                let direct =
+                    tokio::time::timeout(CAUSE_TIMEOUT, PgConnection::connect_with(&options)).await;
                 let cause = match direct {
                     Ok(Err(error)) => error,
                     _ => sqlx::Error::PoolTimedOut,
