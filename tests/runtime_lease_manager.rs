@@ -530,34 +530,38 @@ async fn a_cold_start_acquires_at_once_without_waiting_for_a_poll() {
 }
 
 /// I7, I28: a grant at or below the low-water mark (the allocator shrank it
-/// near the end of a balance) gets a mark one unit below it: with the
-/// configured mark it would be due for replacement as soon as it was
-/// installed, and every poll would acquire again. It stays idle until a
-/// debit takes it to that lower mark, which rings at once.
+/// near the end of a balance) gets no mark: with the configured one it
+/// would be due for replacement as soon as it was installed, and with any
+/// mark inside it, a debit or two would order the next slice and park its
+/// remainder, stranded until it quiesced, while the account still has the
+/// units. It serves until drained, and the debit that drains it rings at
+/// once.
 #[tokio::test(start_paused = true)]
-async fn a_grant_at_or_below_the_low_water_mark_gets_a_mark_one_unit_below_it() {
+async fn a_grant_at_or_below_the_low_water_mark_serves_until_drained() {
     for granted in [LOW_WATER - 5, LOW_WATER] {
         let allocator = Scripted::new();
         allocator.plan_acquires([Reply::Grant(granted)]);
         let h = Harness::started(allocator).await;
         assert_eq!(h.serving(), Some((1, granted)), "{granted}");
         let lease = h.slot.load_observed().expect("installed");
-        assert_eq!(lease.low_water(), CostUnits(granted - 1), "{granted}");
+        assert_eq!(lease.low_water(), CostUnits::ZERO, "{granted}");
         drop(lease);
 
         sleep(POLL * 3).await;
+        h.spend(granted - 1);
+        sleep(POLL).await;
         assert_eq!(
             h.allocator.calls(),
             [acquire()],
-            "{granted}: above its mark, it is not due for replacement"
+            "{granted}: with a unit left it is not replaced, so nothing is parked"
         );
         h.spend(1);
         h.allocator.calls_reach(2).await;
         settle().await;
         assert_eq!(
             h.allocator.timed_calls(),
-            [(Duration::ZERO, acquire()), (POLL * 3, acquire())],
-            "{granted}: one unit down it reaches its mark and rings"
+            [(Duration::ZERO, acquire()), (POLL * 4, acquire())],
+            "{granted}: the debit that drains it rings"
         );
         assert_eq!(h.serving(), Some((2, TARGET)), "{granted}");
     }
@@ -2162,7 +2166,7 @@ async fn a_fold_waits_out_the_backoff_and_its_answer_puts_the_cadence_back() {
         Reply::Refuse(storage_error()),
         Reply::Refuse(storage_error()),
     ]);
-    // Small enough that its first debit rings for a successor.
+    // Small enough to have no mark: the debit that drains it rings.
     allocator.plan_consolidations([Reply::Grant(LOW_WATER)]);
     let h = Harness::started(allocator).await;
     h.spend(85);
@@ -2177,8 +2181,8 @@ async fn a_fold_waits_out_the_backoff_and_its_answer_puts_the_cadence_back() {
     h.allocator.calls_reach(5).await;
     settle().await;
     assert_eq!(h.serving(), Some((2, LOW_WATER)));
-    // Its first debit rings: an acquire, missed, is retried a poll later.
-    h.spend(1);
+    // Drained, it rings: an acquire, missed, is retried a poll later.
+    h.spend(LOW_WATER);
     h.allocator.calls_reach(7).await;
     settle().await;
     let calls = h.allocator.timed_calls();

@@ -166,9 +166,10 @@ pub struct LeaseManagerConfig {
     pub target_grant: CostUnits,
     /// The mark at or below which a lease asks to be replaced while it keeps
     /// serving. Size it to what the account spends during one refill (an
-    /// allocator round trip) at its peak rate. Must be below `target_grant`;
-    /// on a smaller grant it is lowered to one unit below the grant so a fresh
-    /// lease does not ask for replacement at once.
+    /// allocator round trip) at its peak rate. Must be below `target_grant`.
+    /// A grant no larger than it (the allocator's tail of a balance) gets
+    /// no mark: it serves until drained or until it refuses a quote, since
+    /// replacing it early would strand its units on a parked lease.
     pub low_water: CostUnits,
     /// The lifetime asked for each lease. The allocator may clamp it. Must be
     /// positive and longer than `expiry_safety_margin`.
@@ -1644,12 +1645,19 @@ impl Task {
     }
 
     fn local_lease(&self, grant: LeaseGrant) -> LocalLease {
-        // On a grant the allocator shrank, the mark sits below the grant so
-        // a fresh lease does not ask for its own replacement at once.
-        let low_water = self
-            .config
-            .low_water
-            .min(grant.units.saturating_sub(CostUnits(1)));
+        // A grant no larger than the mark is the balance's tail (the
+        // allocator shrank it). Replaced at a mark inside it, it would ask
+        // for the next slice after a debit or two, and every replacement
+        // would strand its remainder on a parked lease until that lease
+        // quiesced: the serving lease would run dry beside units the
+        // account still has, and an Elastic account would be billed
+        // overage for them. It serves until drained, or until it refuses a
+        // quote, which folds it (I27).
+        let low_water = if grant.units <= self.config.low_water {
+            CostUnits::ZERO
+        } else {
+            self.config.low_water
+        };
         let lease = LocalLease::with_sharding(
             grant,
             low_water,
