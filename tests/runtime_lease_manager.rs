@@ -3519,6 +3519,41 @@ async fn a_grant_too_short_to_outlast_the_replacement_lead_is_reported_once() {
     assert_eq!(report.abandoned, 0, "every lease went back: {report:?}");
 }
 
+/// An account out of funds is the customer's state, answered 402 and
+/// counted: its refused acquires, one a poll, log nothing at warning
+/// level. An allocator that does not answer is the operator's to see: that
+/// warns, naming the account.
+#[tokio::test(start_paused = true)]
+async fn an_account_out_of_funds_is_not_a_warning_and_an_outage_is() {
+    let (logs, _guard) = support::logs::Logs::capture();
+    let allocator = Scripted::new();
+    allocator.plan_acquires([
+        exhausted(None),
+        exhausted(None),
+        exhausted(None),
+        Reply::Refuse(storage_error()),
+    ]);
+    let h = Harness::started(allocator).await;
+    h.allocator.calls_reach(3).await;
+    settle().await;
+    assert_eq!(h.serving(), None);
+    assert!(
+        logs.lines_with("WARN").is_empty(),
+        "out of funds, polled three times: {}",
+        logs.text()
+    );
+    h.allocator.calls_reach(4).await;
+    settle().await;
+    let warnings = logs.lines_with("WARN");
+    assert_eq!(warnings.len(), 1, "{}", logs.text());
+    assert!(
+        warnings[0].contains("requests on this account are denied")
+            && warnings[0].contains(&format!("account={}", h.slot.account())),
+        "{}",
+        warnings[0]
+    );
+}
+
 /// I29: a lease whose replacement keeps failing is retired as its window
 /// closes, not at the next poll, so readiness stops saying it serves the
 /// moment it stops serving. Before, the last attempt one store call before

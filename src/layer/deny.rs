@@ -4,6 +4,7 @@ use std::fmt::Write as _;
 
 use http::header::{CACHE_CONTROL, CONTENT_TYPE, HeaderValue, RETRY_AFTER, WWW_AUTHENTICATE};
 use http::{Response, StatusCode};
+use jiff::Timestamp;
 use jiff::fmt::rfc2822::DateTimePrinter;
 
 use super::body::DenyBody;
@@ -116,6 +117,14 @@ fn retry_date(reason: DenyReason) -> Option<HeaderValue> {
     let Retry::At(at) = reason.retry() else {
         return None;
     };
+    // An HTTP-date has whole seconds: the refill's instant rounded down
+    // would name a second before it, and a client that obeys would come
+    // back too early and be refused again. Rounded up, it never is.
+    let at = if at.subsec_nanosecond() > 0 {
+        Timestamp::from_second(at.as_second().checked_add(1)?).ok()?
+    } else {
+        at
+    };
     let date = DateTimePrinter::new()
         .timestamp_to_rfc9110_string(&at)
         .ok()?;
@@ -163,7 +172,7 @@ fn push_json_string(json: &mut String, text: &str) {
 
 #[cfg(test)]
 mod tests {
-    use jiff::Timestamp;
+    use jiff::SignedDuration;
 
     use super::*;
 
@@ -189,6 +198,18 @@ mod tests {
             "Sun, 06 Nov 1994 08:49:37 GMT"
         );
         assert_eq!(response.headers()[CACHE_CONTROL], "no-store");
+        // A period end inside a second is named by the second after it,
+        // never by one before the refill.
+        let inside = ProblemJson.render(
+            DenyReason::BalanceExhausted {
+                period_end: Some(at + SignedDuration::from_millis(969)),
+            },
+            None,
+        );
+        assert_eq!(
+            inside.headers()[RETRY_AFTER],
+            "Sun, 06 Nov 1994 08:49:38 GMT"
+        );
     }
 
     /// I12: the codes, statuses and retry classes callers and dashboards

@@ -1485,18 +1485,21 @@ impl Task {
                 self.slot
                     .publish_allocator_reachable(!matches!(error, AllocateError::Storage(_)));
                 counters.grant_refused(&error);
+                // An account out of funds is the customer's state, answered
+                // 402 and counted; not something for an operator to act on.
+                let out_of_funds = error.evidence().is_some();
                 if let Some(evidence) = error.evidence() {
                     self.evidence = Some(evidence);
                     self.show_evidence();
                 }
-                self.log_unfunded(&error);
+                self.log_unfunded(&error, out_of_funds);
             }
             CallEnd::TimedOut => {
                 // I22: cut off, and treated as a storage error: a grant may
                 // exist that nobody holds; it comes back at TTL reclaim.
                 self.slot.publish_allocator_reachable(false);
                 counters.grant_timed_out();
-                self.log_unfunded(&"the allocator did not answer in time");
+                self.log_unfunded(&"the allocator did not answer in time", false);
             }
             CallEnd::Stopped(deadline) => {
                 bump(&counters.uncertain_acquires, 1);
@@ -1542,15 +1545,29 @@ impl Task {
     }
 
     /// Logs a failed acquire at the level of its consequence: routine while
-    /// a lease still serves, a warning when the account is denied meanwhile.
-    fn log_unfunded(&self, reason: &dyn fmt::Display) {
+    /// a lease still serves, or when the account is simply out of funds
+    /// (every poll would repeat it); a warning when the account is denied
+    /// for want of an answer or for a refusal an operator should see.
+    fn log_unfunded(&self, reason: &dyn fmt::Display, out_of_funds: bool) {
+        let account = self.config.account;
         if serving(&self.slot, self.clock.as_ref()) {
-            tracing::debug!(%reason, "lease manager: no replacement lease; still serving");
+            tracing::debug!(
+                %account,
+                %reason,
+                "lease manager: no replacement lease; still serving"
+            );
+        } else if out_of_funds {
+            tracing::debug!(
+                %account,
+                %reason,
+                "lease manager: the account is out of funds; its requests are denied"
+            );
         } else {
             // I5: no lease that serves (the slot is empty, or its lease is
             // closed or drained) and requests are denied while the task
             // retries (backing off while the store does not answer).
             tracing::warn!(
+                %account,
                 %reason,
                 "lease manager: no lease that serves; requests on this account are denied"
             );
