@@ -206,7 +206,9 @@ enum RefillCommand {
         /// The account.
         #[arg(value_parser = account_id)]
         account: AccountId,
-        /// The balance each period starts with.
+        /// The balance each period starts with. Units out on leases at the
+        /// reset come back on top of it as the leases settle, so a period
+        /// can fund up to this plus what was leased at its start.
         #[arg(long)]
         amount: u64,
         /// The period, e.g. `30d` or `1h`.
