@@ -618,7 +618,12 @@ impl LocalLease {
     #[allow(clippy::inline_always, reason = "part of the inlined debit fast path")]
     #[inline(always)]
     fn debited(&self, index: usize, left: u64, units: CostUnits) -> LeaseDebit {
-        self.ring_if_low(index, left);
+        // A debit of nothing moves nothing, so it cannot take a shard to
+        // its mark (I7); ringing for it would wake the refill task on every
+        // free request to a shard already at a mark of zero.
+        if !units.is_zero() {
+            self.ring_if_low(index, left);
+        }
         LeaseDebit {
             shard: Arc::clone(&self.shards[index]),
             units,
@@ -916,6 +921,40 @@ mod tests {
             CostUnits::ZERO,
             SignedDuration::from_secs(-1),
         );
+    }
+
+    /// I7: a debit of nothing moves nothing, so it does not ring, even on a
+    /// shard already at a mark of zero whose flag an inspection re-armed:
+    /// free requests on a drained shard of a tail lease (one with no mark)
+    /// would otherwise wake the refill task one by one.
+    #[test]
+    fn a_debit_of_nothing_never_rings() {
+        let (lease, bell) = lease_with_doorbell(LocalLease::with_sharding(
+            grant(4),
+            CostUnits::ZERO,
+            SignedDuration::ZERO,
+            LocalSharding::shards(2).unwrap(),
+        ));
+        // Home shard 0 holds 2: draining it rings; the lease still holds 2.
+        let _spent = lease
+            .try_reserve_at(CostUnits(2), at(0), Locality::new(0))
+            .unwrap();
+        assert_eq!(bell.rings(), 1, "the shard reaching its mark rang");
+        assert_eq!(lease.refill_due_or_rearm(), RefillVerdict::Idle);
+        for _ in 0..3 {
+            let _free = lease
+                .try_reserve_at(CostUnits::ZERO, at(0), Locality::new(0))
+                .unwrap();
+        }
+        assert_eq!(
+            bell.rings(),
+            1,
+            "free requests moved nothing and rang nothing"
+        );
+        let _last = lease
+            .try_reserve_at(CostUnits(2), at(0), Locality::new(1))
+            .unwrap();
+        assert_eq!(bell.rings(), 2, "I7: the debit that drains the lease rings");
     }
 
     #[test]

@@ -36,7 +36,9 @@
 //!    quiet.
 //! 3. The slot is examined. Empty: acquire a lease. Serving and above low
 //!    water: nothing. At or below low water: acquire a replacement while the
-//!    old lease keeps serving, install it, park the old one. The lease refused
+//!    old lease keeps serving, install it, park the old one. (A grant no
+//!    larger than low water, the tail of a balance, has a mark of zero: it
+//!    is replaced once drained, and requests meet the round trip.) The lease refused
 //!    a quote: *consolidate* it, or, if its window is about to close,
 //!    replace it with one large enough for the quote. A fold the store
 //!    would refuse (the quote needs units a parked lease still holds) waits
@@ -1487,7 +1489,8 @@ impl Task {
                 counters.grant_refused(&error);
                 // An account out of funds is the customer's state, answered
                 // 402 and counted; not something for an operator to act on.
-                let out_of_funds = error.evidence().is_some();
+                let out_of_funds = error.evidence().is_some()
+                    || matches!(error, AllocateError::InsufficientBalance);
                 if let Some(evidence) = error.evidence() {
                     self.evidence = Some(evidence);
                     self.show_evidence();
