@@ -249,6 +249,10 @@ struct World {
 }
 
 fn world(balance: u64) -> World {
+    world_in(balance, EnforcementMode::Strict)
+}
+
+fn world_in(balance: u64, mode: EnforcementMode) -> World {
     let start = Timestamp::from_second(1_700_000_000).unwrap();
     let clock = Arc::new(ManualClock::new(start));
     let store = Arc::new(
@@ -266,7 +270,7 @@ fn world(balance: u64) -> World {
         .create_account(
             AccountSpec {
                 balance: CostUnits(balance),
-                mode: EnforcementMode::Strict,
+                mode,
                 status: AccountStatus::Active,
                 refill: None,
             },
@@ -585,6 +589,119 @@ async fn an_exhausted_account_serves_again_within_a_poll_interval_of_a_top_up() 
     assert!(w.store.audit().unwrap().is_empty());
 }
 
+/// I28: a quote refused because the allocator's last word said the balance
+/// could not fund it is asked about again at the next poll, since that word
+/// may be out of date. Here the account's last lease holds 5 units, less
+/// than the quote, and nothing would otherwise ask the store again before
+/// its window nears its end, 55 s later: a top-up turns the Strict 402 into
+/// an admission within a poll interval, and an Elastic account stops
+/// running up overage beside a balance that can pay.
+#[tokio::test(start_paused = true)]
+async fn a_quote_refused_on_the_last_word_is_funded_within_a_poll_of_a_top_up() {
+    let elastic = EnforcementMode::Elastic {
+        overage_cap: CostUnits(1_000),
+    };
+    for mode in [EnforcementMode::Strict, elastic] {
+        let w = world_in(30, mode);
+        let (runtime, handle) = w.spawn();
+        tokio::time::sleep(ms(200)).await;
+        assert_eq!(w.begin(&handle, 25), Ok(CostUnits(25)), "{mode:?}");
+        tokio::time::sleep(ms(300)).await;
+        let refused = handle.begin(
+            w.principal,
+            PermissionBits::NONE,
+            CostUnits(10),
+            w.clock.now(),
+        );
+        match mode {
+            EnforcementMode::Strict => assert!(
+                matches!(
+                    refused,
+                    Err(DenyReason::BalanceInsufficient {
+                        remaining: CostUnits(5),
+                        period_end: None,
+                    })
+                ),
+                "{refused:?}"
+            ),
+            EnforcementMode::Elastic { .. } => {
+                let mut overage = refused.expect("overage funds it");
+                assert!(overage.admitted_as_overage());
+                assert_eq!(overage.commit(w.clock.now()), Ok(CostUnits(10)));
+            }
+        }
+        w.store
+            .top_up(w.account, CostUnits(100), w.clock.now())
+            .unwrap();
+        tokio::time::sleep(config().leases.poll_interval + ms(10)).await;
+        let mut funded = handle
+            .begin(
+                w.principal,
+                PermissionBits::NONE,
+                CostUnits(10),
+                w.clock.now(),
+            )
+            .unwrap_or_else(|denied| panic!("{mode:?}: {denied:?}"));
+        assert!(
+            !funded.admitted_as_overage(),
+            "{mode:?}: the lease funds it"
+        );
+        assert_eq!(funded.commit(w.clock.now()), Ok(CostUnits(10)));
+        runtime.shutdown().await;
+        let view = w.store.account(w.account, w.clock.now()).unwrap();
+        assert_eq!(view.balance, CostUnits(130 - 25 - 10), "{mode:?}");
+        let overage = if mode == elastic { vec![10] } else { vec![] };
+        let mut billed = vec![25];
+        billed.extend(overage);
+        billed.push(10);
+        assert_eq!(w.billed(), billed, "{mode:?}");
+        assert!(w.store.audit().unwrap().is_empty());
+    }
+}
+
+/// I28: the check of a quote ruled out costs one store call at the next
+/// poll for each spell of refusals, and none once they stop: an account out
+/// of funds whose clients gave up is not asked about at every poll. The
+/// refused check changes nothing else: the lease keeps serving what it
+/// holds.
+#[tokio::test(start_paused = true)]
+async fn a_quote_ruled_out_is_checked_once_per_poll_with_refusals_and_not_after() {
+    let w = world(30);
+    let allocator = Misbehaving::new(&w.store, u32::MAX, 0, Releases::Honest);
+    let (runtime, handle) = w.spawn_with(Arc::clone(&allocator) as _, config());
+    let poll = config().leases.poll_interval;
+    tokio::time::sleep(ms(200)).await;
+    assert_eq!(w.begin(&handle, 25), Ok(CostUnits(25)));
+    let folds = || allocator.folds.load(std::sync::atomic::Ordering::SeqCst);
+    tokio::time::sleep(poll * 3).await;
+    assert_eq!(folds(), 0, "nothing refused, nothing to check");
+    for round in 1..=2 {
+        for _ in 0..3 {
+            assert_eq!(
+                w.begin(&handle, 10),
+                Err(DenyReason::BalanceInsufficient {
+                    remaining: CostUnits(5),
+                    period_end: None,
+                })
+            );
+        }
+        tokio::time::sleep(poll + ms(10)).await;
+        assert_eq!(folds(), round, "one check for the spell");
+        tokio::time::sleep(poll * 5).await;
+        assert_eq!(folds(), round, "none once the refusals stop");
+    }
+    assert_eq!(
+        w.begin(&handle, 5),
+        Ok(CostUnits(5)),
+        "the lease kept its units"
+    );
+    runtime.shutdown().await;
+    assert_eq!(w.billed(), [25, 5]);
+    let view = w.store.account(w.account, w.clock.now()).unwrap();
+    assert_eq!(view.balance, CostUnits::ZERO);
+    assert!(w.store.audit().unwrap().is_empty());
+}
+
 /// An allocator that misbehaves on purpose around a real store.
 struct Misbehaving {
     store: Arc<MemoryStore>,
@@ -598,6 +715,8 @@ struct Misbehaving {
     released: std::sync::atomic::AtomicU32,
     /// Acquires asked for so far.
     acquires: std::sync::atomic::AtomicU32,
+    /// Consolidations asked for so far.
+    folds: std::sync::atomic::AtomicU32,
     /// From when (by the caller's clock) acquires never answer: a store
     /// that stopped answering.
     stalls_from: Option<Timestamp>,
@@ -641,6 +760,7 @@ impl Misbehaving {
             releases,
             released: std::sync::atomic::AtomicU32::new(0),
             acquires: std::sync::atomic::AtomicU32::new(0),
+            folds: std::sync::atomic::AtomicU32::new(0),
             stalls_from,
         }
     }
@@ -725,6 +845,7 @@ impl LeaseAllocator for Misbehaving {
         ttl: SignedDuration,
         now: Timestamp,
     ) -> Result<Allocation, AllocateError> {
+        self.folds.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         self.store
             .consolidate(
                 lease_id,

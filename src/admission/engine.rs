@@ -337,8 +337,10 @@ enum Evidence {
 /// out is recorded on the lease, so the refill task folds it into one that
 /// funds the quote (I7, I27). One the evidence rules out is not: chasing it
 /// would be refused, and its record would hide a smaller, fundable quote
-/// refused after it. The evidence read to decide is kept, so the answer
-/// agrees with the record.
+/// refused after it. It is noted apart instead, for the refill task to check
+/// with the store at its next poll, since the evidence may predate a top-up
+/// (I28). The evidence read to decide is kept, so the answer agrees with
+/// the record.
 #[cold]
 fn refused(
     slot: &LeaseSlot,
@@ -362,6 +364,10 @@ fn refused(
             let shown = slot.funding_beside(serving, now);
             if ruled_out(shown.map(|(estimate, _)| estimate), quote, reading).is_none() {
                 lease.note_refused(quote);
+            } else {
+                // Not chased, but the evidence may be out of date: the
+                // refill task checks it with the store at its next poll.
+                lease.note_ruled_out(quote);
             }
             // Answered as final only on settled evidence and a reading that
             // missed no units moving between the lease's shards.

@@ -79,6 +79,12 @@ pub struct LocalLease {
     low_water: CostUnits,
     shards: Box<[Arc<CachePadded<Shard>>]>,
     refused: CachePadded<AtomicU64>,
+    /// The largest quote refused for want of units that admission did not
+    /// record in `refused`, because the allocator's last word on the
+    /// account ruled it out (see [`note_ruled_out`](Self::note_ruled_out)).
+    /// Rings nothing: it asks the refill task to check that word again at
+    /// its next poll, not at once.
+    ruled_out: AtomicU64,
     /// Moves of units between shards (a spread, a gather): the moves
     /// started, in the high half, and those under way, in the low half. A
     /// reading of every shard that this word did not see change found no
@@ -227,6 +233,7 @@ impl LocalLease {
             low_water,
             shards,
             refused: CachePadded(AtomicU64::new(0)),
+            ruled_out: AtomicU64::new(0),
             transit: CachePadded(AtomicU64::new(0)),
             refill: None,
         }
@@ -381,6 +388,32 @@ impl LocalLease {
         if self.refused.fetch_max(units.get(), Ordering::AcqRel) == 0 {
             self.ring();
         }
+    }
+
+    /// Records a quote this lease refused for want of units that the
+    /// allocator's last word on the account rules out: admission answers it
+    /// as final (402), but that word may be out of date (a top-up, a refill
+    /// or another instance's release since), so the refill task asks the
+    /// store again at its next poll rather than trust it for the rest of
+    /// the lease's life (I28). Rings nothing: a quote nobody can fund would
+    /// otherwise cost a store call per request.
+    #[cold]
+    pub(crate) fn note_ruled_out(&self, units: CostUnits) {
+        self.ruled_out.fetch_max(units.get(), Ordering::AcqRel);
+    }
+
+    /// The largest quote recorded by [`note_ruled_out`](Self::note_ruled_out)
+    /// since the last [`take_ruled_out`](Self::take_ruled_out), or zero.
+    #[must_use]
+    pub fn largest_ruled_out_quote(&self) -> CostUnits {
+        CostUnits(self.ruled_out.load(Ordering::Acquire))
+    }
+
+    /// Takes the record of [`note_ruled_out`](Self::note_ruled_out), leaving
+    /// it empty: the refill task's check of the quote against the store
+    /// answers it, and only a quote refused after that asks again.
+    pub(crate) fn take_ruled_out(&self) -> CostUnits {
+        CostUnits(self.ruled_out.swap(0, Ordering::AcqRel))
     }
 
     /// Returns a debit's units to the shard they came from, consuming the
@@ -719,6 +752,7 @@ impl fmt::Debug for LocalLease {
             .field("shards", &self.shards.len())
             .field("remaining", &self.remaining())
             .field("largest_refused_quote", &self.largest_refused_quote())
+            .field("largest_ruled_out_quote", &self.largest_ruled_out_quote())
             .field("refill", &self.refill.is_some())
             .finish_non_exhaustive()
     }
@@ -1145,6 +1179,25 @@ mod tests {
         assert_eq!(bell.rings(), 1, "I7: one ring per lease for refusals");
         assert_eq!(lease.remaining(), CostUnits(10), "a refusal takes nothing");
         assert_eq!(lease.refill_due_or_rearm(), RefillVerdict::Refused);
+    }
+
+    /// I28: a quote ruled out is kept apart from the refusals the refill
+    /// task folds for: it rings nothing and leaves the verdict idle, keeps
+    /// the largest, and is answered once, by the take.
+    #[test]
+    fn a_quote_ruled_out_rings_nothing_and_is_taken_once() {
+        let (lease, bell) = lease_with_doorbell(LocalLease::new(grant(100), CostUnits::ZERO));
+        let _held = lease.try_debit(CostUnits(90), at(0)).unwrap();
+        lease.note_ruled_out(CostUnits(30));
+        lease.note_ruled_out(CostUnits(50));
+        lease.note_ruled_out(CostUnits(20));
+        assert_eq!(bell.rings(), 0);
+        assert_eq!(lease.largest_refused_quote(), CostUnits::ZERO);
+        assert_eq!(lease.largest_ruled_out_quote(), CostUnits(50));
+        assert_eq!(lease.refill_due_or_rearm(), RefillVerdict::Idle);
+        assert_eq!(lease.take_ruled_out(), CostUnits(50));
+        assert_eq!(lease.largest_ruled_out_quote(), CostUnits::ZERO);
+        assert_eq!(lease.take_ruled_out(), CostUnits::ZERO);
     }
 
     /// I7: a refusal the refill task does not act on (say, a quote the

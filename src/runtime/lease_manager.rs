@@ -42,7 +42,11 @@
 //!    a quote: *consolidate* it, or, if its window is about to close,
 //!    replace it with one large enough for the quote. A fold the store
 //!    would refuse (the quote needs units a parked lease still holds) waits
-//!    until they are back in the balance.
+//!    until they are back in the balance. The lease refused a quote only
+//!    because the allocator's last word ruled it out: that word may be out
+//!    of date, so once per spell of such refusals, with the lease quiet, it
+//!    is folded for the quote anyway, and the store either funds it now or
+//!    refuses, changing nothing but the evidence.
 //!
 //! # Parked leases and quiescence
 //!
@@ -1157,6 +1161,16 @@ enum EarlyWake {
 /// Shutdown was requested; the deadline it set.
 struct Stopped(Instant);
 
+/// Why the serving lease is folded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Fold {
+    /// It refused a quote the account might fund.
+    Refused,
+    /// It refused a quote the allocator's last word ruled out; the store is
+    /// asked again.
+    Recheck,
+}
+
 /// What one inspection of the slot calls for.
 enum Step {
     Idle,
@@ -1165,6 +1179,11 @@ enum Step {
     /// enough for the quote it refused.
     Chase(CostUnits),
     Consolidate,
+    /// Ask the store again about a quote the serving lease refused and the
+    /// allocator's last word ruled out: by folding the lease, which the
+    /// store refuses, changing nothing, unless the account can fund the
+    /// quote now.
+    Recheck,
 }
 
 /// How an allocator call ended.
@@ -1350,6 +1369,7 @@ impl Task {
             Step::Acquire => self.acquire().await,
             Step::Chase(needed) => self.chase(needed).await,
             Step::Consolidate => self.consolidate().await,
+            Step::Recheck => self.recheck().await,
         }
     }
 
@@ -1373,7 +1393,10 @@ impl Task {
                 }
                 Some(RefillVerdict::Draining)
             } else {
-                Some(lease.refill_due_or_rearm())
+                match lease.refill_due_or_rearm() {
+                    RefillVerdict::Idle if Self::recheck_due(&lease) => return Step::Recheck,
+                    verdict => Some(verdict),
+                }
             }
             // The observed `Arc` is dropped here: held any longer it would
             // make the lease look busy to the quiescence test.
@@ -1390,6 +1413,25 @@ impl Task {
             // size would refuse it again; fold it into a bigger one.
             Some(RefillVerdict::Refused) => Step::Consolidate,
         }
+    }
+
+    /// Whether `lease`, otherwise idle, refused a quote on the allocator's
+    /// last word that it still cannot fund: the word may predate a top-up,
+    /// a refill or another instance's release, and nothing else would ask
+    /// the store again before the lease runs dry or its window nears its
+    /// end, up to a lease's life later (I28). A record of a quote the lease
+    /// can fund now (units given back by requests released since) is
+    /// dropped: there is nothing to ask.
+    fn recheck_due(lease: &LocalLease) -> bool {
+        let quote = lease.largest_ruled_out_quote();
+        if quote.is_zero() {
+            return false;
+        }
+        if quote <= lease.remaining() {
+            lease.take_ruled_out();
+            return false;
+        }
+        true
     }
 
     /// Takes a lease whose usability window has closed out of the slot and
@@ -1847,6 +1889,37 @@ impl Task {
                 Ok(())
             };
         }
+        self.fold(Fold::Refused).await
+    }
+
+    /// Answers [`Step::Recheck`]: folds the serving lease into one that
+    /// funds the quotes it refused, ruled out included, so the store says
+    /// whether the account can fund them now. Skipped while grant calls
+    /// back off (I22), or while a request holds the lease (a fold needs it
+    /// quiescent): its record stays, and the next inspection asks again.
+    /// A refusal changes nothing but the evidence, which it brings up to
+    /// date; each record asks once, so an account out of funds costs a
+    /// store call per poll only while requests keep being refused.
+    async fn recheck(&mut self) -> Result<(), Stopped> {
+        if self
+            .acquire_after
+            .is_some_and(|after| Instant::now() < after)
+        {
+            return Ok(());
+        }
+        let quiet = self
+            .slot
+            .load_observed()
+            .is_some_and(|lease| lease.is_only_local_view());
+        if !quiet {
+            return Ok(());
+        }
+        self.fold(Fold::Recheck).await
+    }
+
+    /// Folds the serving lease (see [`consolidate`](Self::consolidate) and
+    /// [`recheck`](Self::recheck)).
+    async fn fold(&mut self, kind: Fold) -> Result<(), Stopped> {
         // The evidence is withdrawn before the lease leaves the slot, and
         // stays withdrawn while the lease is out: read with the slot empty,
         // it would leave out the lease's units and rule out a quote the
@@ -1863,13 +1936,24 @@ impl Task {
             let lease = Arc::clone(&live);
             self.reinstate(live, counted);
             self.show_evidence();
+            if kind == Fold::Recheck {
+                // Asked again at the next inspection.
+                return Ok(());
+            }
             let deferred = self.defer_fold(&lease);
             drop(lease);
             return self.rotate_for(deferred).await;
         }
         let grant = *live.grant();
-        // I6: quiescent, so both readings are final.
-        let (unspent, needed) = (live.remaining(), live.largest_refused_quote());
+        // I6: quiescent, so both readings are final. A recheck asks for the
+        // quote ruled out, and answers its record; a fold for a quote the
+        // account might fund leaves it alone, since asking for more than
+        // that quote could get the fold refused.
+        let unspent = live.remaining();
+        let needed = match kind {
+            Fold::Refused => live.largest_refused_quote(),
+            Fold::Recheck => live.largest_refused_quote().max(live.take_ruled_out()),
+        };
         let config = &self.config;
         let call = self.allocator.consolidate(
             grant.lease_id,
