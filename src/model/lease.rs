@@ -391,12 +391,13 @@ impl LocalLease {
     }
 
     /// Records a quote this lease refused for want of units that the
-    /// allocator's last word on the account rules out: admission answers it
-    /// as final (402), but that word may be out of date (a top-up, a refill
-    /// or another instance's release since), so the refill task asks the
-    /// store again at its next poll rather than trust it for the rest of
-    /// the lease's life (I28). Rings nothing: a quote nobody can fund would
-    /// otherwise cost a store call per request.
+    /// allocator's last word on the account rules out: admission does not
+    /// chase it (it may answer it as final, or fund it from overage), but
+    /// that word may be out of date (a top-up, a refill or another
+    /// instance's release since), so the refill task asks the store again
+    /// at its next poll rather than trust it for the rest of the lease's
+    /// life (I28). Rings nothing: a quote nobody can fund would otherwise
+    /// cost a store call per request.
     #[cold]
     pub(crate) fn note_ruled_out(&self, units: CostUnits) {
         self.ruled_out.fetch_max(units.get(), Ordering::AcqRel);
@@ -414,6 +415,14 @@ impl LocalLease {
     /// answers it, and only a quote refused after that asks again.
     pub(crate) fn take_ruled_out(&self) -> CostUnits {
         CostUnits(self.ruled_out.swap(0, Ordering::AcqRel))
+    }
+
+    /// Forgets the quote ruled out `seen`, if it is still the largest
+    /// recorded: one recorded since is judged on its own.
+    pub(crate) fn forget_ruled_out(&self, seen: CostUnits) {
+        let _ = self
+            .ruled_out
+            .compare_exchange(seen.get(), 0, Ordering::AcqRel, Ordering::Acquire);
     }
 
     /// Returns a debit's units to the shard they came from, consuming the
@@ -1183,7 +1192,8 @@ mod tests {
 
     /// I28: a quote ruled out is kept apart from the refusals the refill
     /// task folds for: it rings nothing and leaves the verdict idle, keeps
-    /// the largest, and is answered once, by the take.
+    /// the largest, and is answered once, by the take or by a forget of the
+    /// quote judged.
     #[test]
     fn a_quote_ruled_out_rings_nothing_and_is_taken_once() {
         let (lease, bell) = lease_with_doorbell(LocalLease::new(grant(100), CostUnits::ZERO));
@@ -1198,6 +1208,13 @@ mod tests {
         assert_eq!(lease.take_ruled_out(), CostUnits(50));
         assert_eq!(lease.largest_ruled_out_quote(), CostUnits::ZERO);
         assert_eq!(lease.take_ruled_out(), CostUnits::ZERO);
+        // Forgetting a quote judged keeps a larger one recorded since.
+        lease.note_ruled_out(CostUnits(30));
+        lease.note_ruled_out(CostUnits(40));
+        lease.forget_ruled_out(CostUnits(30));
+        assert_eq!(lease.largest_ruled_out_quote(), CostUnits(40));
+        lease.forget_ruled_out(CostUnits(40));
+        assert_eq!(lease.largest_ruled_out_quote(), CostUnits::ZERO);
     }
 
     /// I7: a refusal the refill task does not act on (say, a quote the

@@ -44,9 +44,10 @@
 //!    would refuse (the quote needs units a parked lease still holds) waits
 //!    until they are back in the balance. The lease refused a quote only
 //!    because the allocator's last word ruled it out: that word may be out
-//!    of date, so once per spell of such refusals, with the lease quiet, it
-//!    is folded for the quote anyway, and the store either funds it now or
-//!    refuses, changing nothing but the evidence.
+//!    of date, so once per spell of such refusals, with the lease quiet and
+//!    the store answering, it is folded for the quote anyway; the store
+//!    either funds it now or refuses, and the lease goes back to serving
+//!    with the evidence brought up to date.
 //!
 //! # Parked leases and quiescence
 //!
@@ -1355,7 +1356,7 @@ impl Task {
     async fn inspect(&mut self) -> Result<(), Stopped> {
         self.retire_expired();
         let budget_end = after(Instant::now(), self.config.store_call_timeout);
-        self.release_pass(budget_end, true).await?;
+        let pass = self.release_pass(budget_end, true).await?;
         // Invariant 3: after an integrity fault nothing is installed again.
         if self.shared.is_faulted() {
             return Ok(());
@@ -1369,7 +1370,7 @@ impl Task {
             Step::Acquire => self.acquire().await,
             Step::Chase(needed) => self.chase(needed).await,
             Step::Consolidate => self.consolidate().await,
-            Step::Recheck => self.recheck().await,
+            Step::Recheck => self.recheck(pass.store_failed).await,
         }
     }
 
@@ -1428,7 +1429,8 @@ impl Task {
             return false;
         }
         if quote <= lease.remaining() {
-            lease.take_ruled_out();
+            // Only the record judged: a larger quote ruled out since stays.
+            lease.forget_ruled_out(quote);
             return false;
         }
         true
@@ -1894,16 +1896,22 @@ impl Task {
 
     /// Answers [`Step::Recheck`]: folds the serving lease into one that
     /// funds the quotes it refused, ruled out included, so the store says
-    /// whether the account can fund them now. Skipped while grant calls
-    /// back off (I22), or while a request holds the lease (a fold needs it
-    /// quiescent): its record stays, and the next inspection asks again.
-    /// A refusal changes nothing but the evidence, which it brings up to
-    /// date; each record asks once, so an account out of funds costs a
-    /// store call per poll only while requests keep being refused.
-    async fn recheck(&mut self) -> Result<(), Stopped> {
-        if self
-            .acquire_after
-            .is_some_and(|after| Instant::now() < after)
+    /// whether the account can fund them now. A refusal puts the lease back
+    /// and brings the evidence up to date; each record asks once, so an
+    /// account out of funds costs a store call per poll only while requests
+    /// keep being refused. The lease is out of the slot for the call, as
+    /// for any fold, and a fold cut off is parked until a release says
+    /// whether it committed: a lease that serves is not staked on that
+    /// while the store is known not to answer (its last call failed, or
+    /// this inspection's release pass did) or grant calls back off (I22).
+    /// Nor while a request holds the lease (a fold needs it quiescent).
+    /// Skipped, the record stays, and the next inspection asks again.
+    async fn recheck(&mut self, store_failed: bool) -> Result<(), Stopped> {
+        if store_failed
+            || self.slot.allocator_unreachable()
+            || self
+                .acquire_after
+                .is_some_and(|after| Instant::now() < after)
         {
             return Ok(());
         }
@@ -1919,7 +1927,7 @@ impl Task {
 
     /// Folds the serving lease (see [`consolidate`](Self::consolidate) and
     /// [`recheck`](Self::recheck)).
-    async fn fold(&mut self, kind: Fold) -> Result<(), Stopped> {
+    async fn fold(&mut self, mut kind: Fold) -> Result<(), Stopped> {
         // The evidence is withdrawn before the lease leaves the slot, and
         // stays withdrawn while the lease is out: read with the slot empty,
         // it would leave out the lease's units and rule out a quote the
@@ -1945,15 +1953,27 @@ impl Task {
             return self.rotate_for(deferred).await;
         }
         let grant = *live.grant();
-        // I6: quiescent, so both readings are final. A recheck asks for the
+        // I6: quiescent, so every reading is final. A recheck asks for the
         // quote ruled out, and answers its record; a fold for a quote the
-        // account might fund leaves it alone, since asking for more than
-        // that quote could get the fold refused.
+        // account might fund leaves that record alone, since asking for
+        // more than that quote could get the fold refused. A quote recorded
+        // as refused since the recheck was decided is folded for in its
+        // stead, the record ruled out kept for a later poll.
         let unspent = live.remaining();
+        if kind == Fold::Recheck && !live.largest_refused_quote().is_zero() {
+            kind = Fold::Refused;
+        }
         let needed = match kind {
             Fold::Refused => live.largest_refused_quote(),
-            Fold::Recheck => live.largest_refused_quote().max(live.take_ruled_out()),
+            Fold::Recheck => live.take_ruled_out(),
         };
+        if kind == Fold::Recheck && needed <= unspent {
+            // Requests released since gave the lease units enough: there is
+            // nothing to ask the store.
+            self.reinstate(live, counted);
+            self.show_evidence();
+            return Ok(());
+        }
         let config = &self.config;
         let call = self.allocator.consolidate(
             grant.lease_id,
@@ -2078,6 +2098,15 @@ impl Task {
                 // until the lease runs dry.
                 if rules_out_beside(self.evidence_in_force(), needed, lease.remaining()) {
                     lease.forget_refusal(needed);
+                }
+                // A quote ruled out by older evidence that the store's answer
+                // just now rules out as well has been answered: checked
+                // again at the next poll, it would be refused again.
+                let ruled_out = lease.largest_ruled_out_quote();
+                if evidence.is_some()
+                    && rules_out_beside(self.evidence_in_force(), ruled_out, lease.remaining())
+                {
+                    lease.forget_ruled_out(ruled_out);
                 }
                 drop(lease);
                 if draining {
