@@ -29,6 +29,10 @@ use axum::extract::State;
 use axum::http::{Method, request::Parts};
 use axum::routing::{get, post};
 use clap::Parser;
+use hyper::server::conn::http1;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::server::graceful::GracefulShutdown;
+use hyper_util::service::TowerToHyperService;
 use jiff::SignedDuration;
 use metrics_exporter_prometheus::PrometheusBuilder;
 use tokio_util::sync::CancellationToken;
@@ -52,6 +56,10 @@ const WRITE: PermissionBits = PermissionBits::bit(1);
 /// How long open connections get to finish once a stop is asked for,
 /// before the runtime shuts down without them.
 const HTTP_DRAIN: Duration = Duration::from_secs(5);
+
+/// How long a client gets to send a request's headers, on a new connection
+/// or between two requests on one that is kept alive.
+const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
 
 #[derive(Debug, Parser)]
 #[command(about = "A metered API on tollgate's embedded store, or on a shared PostgreSQL store")]
@@ -534,12 +542,8 @@ async fn serve_until_stopped(
 ) -> std::io::Result<()> {
     let stop_api = CancellationToken::new();
     let stop_ops = CancellationToken::new();
-    let api = axum::serve(listener, metered)
-        .with_graceful_shutdown(stop_api.clone().cancelled_owned())
-        .into_future();
-    let ops = axum::serve(ops_listener, ops)
-        .with_graceful_shutdown(stop_ops.clone().cancelled_owned())
-        .into_future();
+    let api = serve(listener, metered, stop_api.clone());
+    let ops = serve(ops_listener, ops, stop_ops.clone());
     tokio::pin!(api, ops);
     let (mut api_done, mut ops_done) = (None, None);
     tokio::select! {
@@ -576,6 +580,53 @@ async fn serve_until_stopped(
         eprintln!("connections still open after {HTTP_DRAIN:?}; shutting down without them");
     }
     api_done.unwrap_or(Ok(())).and(ops_done.unwrap_or(Ok(())))
+}
+
+/// Serves `app` on `listener` until `stop`, then waits for the open
+/// connections to finish their requests in flight; a connection idle
+/// between requests is closed at once. What `axum::serve` with a graceful
+/// shutdown does, plus a limit on how long a client may take to send a
+/// request's headers: hyper enforces one only when it is given a timer, and
+/// `axum::serve` gives it none, so connections that never finish a request
+/// would otherwise be kept until file descriptors ran out.
+async fn serve(
+    listener: tokio::net::TcpListener,
+    app: Router,
+    stop: CancellationToken,
+) -> std::io::Result<()> {
+    let connections = GracefulShutdown::new();
+    let mut http = http1::Builder::new();
+    http.timer(TokioTimer::new())
+        .header_read_timeout(HEADER_READ_TIMEOUT);
+    loop {
+        let stream = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => stream,
+                // Out of file descriptors, say: retrying at once would spin.
+                Err(error) => {
+                    eprintln!("accept failed: {error}; retrying in a second");
+                    tokio::select! {
+                        () = tokio::time::sleep(Duration::from_secs(1)) => continue,
+                        () = stop.cancelled() => break,
+                    }
+                }
+            },
+            () = stop.cancelled() => break,
+        };
+        let connection = connections.watch(
+            http.serve_connection(TokioIo::new(stream), TowerToHyperService::new(app.clone())),
+        );
+        tokio::spawn(async move {
+            // A client that resets or times out ends its own connection;
+            // there is no one to tell.
+            let _ = connection.await;
+        });
+    }
+    // The port closes now: a client connecting during the drain is refused
+    // rather than left waiting.
+    drop(listener);
+    connections.shutdown().await;
+    Ok(())
 }
 
 /// Binds the listener of `flag`, naming it in the error.
