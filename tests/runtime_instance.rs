@@ -702,6 +702,155 @@ async fn a_quote_ruled_out_is_checked_once_per_poll_with_refusals_and_not_after(
     assert!(w.store.audit().unwrap().is_empty());
 }
 
+/// Moves the manual clock and tokio's time forward together, 100 ms at a
+/// time, for `steps` steps.
+async fn run_for(clock: &ManualClock, steps: u32) {
+    for _ in 0..steps {
+        clock.advance(SignedDuration::from_millis(100));
+        tokio::time::sleep(ms(100)).await;
+    }
+}
+
+/// I27, I28: a short balance split between two instances, one of which
+/// has no use for its part. The other refuses a quote the two parts fund
+/// together (a fold takes only what the balance holds); once the idle
+/// instance's lease lapses unused at its window's end, it is released and
+/// not replaced, and the refusing instance's next check folds the units
+/// into one lease that funds the quote. The idle instance stays ready,
+/// asks the store for nothing meanwhile, and acquires again for the first
+/// request that asks, which is answered transiently rather than refused.
+#[tokio::test(start_paused = true)]
+async fn an_unused_share_of_a_short_balance_lapses_and_funds_the_instance_that_needs_it() {
+    let w = world(5);
+    let idle_store = Misbehaving::new(&w.store, u32::MAX, 0, Releases::Honest);
+    let (idle, idle_handle) = w.spawn_with(Arc::clone(&idle_store) as _, config());
+    tokio::time::sleep(ms(200)).await;
+    let (busy, busy_handle) = w.spawn();
+    // The top-up comes 20 s later, so the two shares' windows close apart.
+    run_for(&w.clock, 200).await;
+    w.store
+        .top_up(w.account, CostUnits(5), w.clock.now())
+        .unwrap();
+    tokio::time::sleep(config().leases.poll_interval + ms(10)).await;
+    let view = w.store.account(w.account, w.clock.now()).unwrap();
+    assert_eq!(
+        (view.balance, view.leased),
+        (CostUnits::ZERO, CostUnits(10)),
+        "each instance holds half"
+    );
+    let short = Err(DenyReason::BalanceInsufficient {
+        remaining: CostUnits(5),
+        period_end: None,
+    });
+    assert_eq!(w.begin(&busy_handle, 10), short);
+    let idle_acquires = || {
+        idle_store
+            .acquires
+            .load(std::sync::atomic::Ordering::SeqCst)
+    };
+    let acquired_before = idle_acquires();
+    // The idle instance's lease closes 55 s after its grant, 35 s from
+    // now (the safety margin is 5 s); the refusals go on meanwhile, a
+    // second apart.
+    let mut admitted_after = None;
+    for second in 1..=50 {
+        run_for(&w.clock, 10).await;
+        assert!(
+            idle_handle.readiness(),
+            "{second} s: the idle instance is ready"
+        );
+        match w.begin(&busy_handle, 10) {
+            Ok(units) => {
+                assert_eq!(units, CostUnits(10));
+                admitted_after = Some(second);
+                break;
+            }
+            Err(denied) => assert_eq!(Err(denied), short, "{second} s"),
+        }
+    }
+    let admitted_after = admitted_after.expect("the quote is funded once the idle share lapses");
+    assert!(
+        (34..=37).contains(&admitted_after),
+        "funded {admitted_after} s on, as the idle lease closed"
+    );
+    assert_eq!(
+        idle_acquires(),
+        acquired_before,
+        "the lapsed share is not replaced without a request"
+    );
+    // A request at the idle instance asks for a lease: answered
+    // transiently, then refused on the store's answer, a balance spent.
+    assert_eq!(w.begin(&idle_handle, 1), Err(DenyReason::LeaseUnavailable));
+    tokio::time::sleep(ms(10)).await;
+    assert_eq!(idle_acquires(), acquired_before + 1, "asked at once");
+    assert_eq!(
+        w.begin(&idle_handle, 1),
+        Err(DenyReason::BalanceExhausted { period_end: None })
+    );
+    busy.shutdown().await;
+    idle.shutdown().await;
+    assert_eq!(w.billed(), [10]);
+    let view = w.store.account(w.account, w.clock.now()).unwrap();
+    assert_eq!(
+        (view.balance, view.leased),
+        (CostUnits::ZERO, CostUnits::ZERO)
+    );
+    assert!(w.store.audit().unwrap().is_empty());
+}
+
+/// I28: a lapsed share is fetched for the first request that asks, and
+/// that request is not funded from an Elastic account's overage while its
+/// units sit in the balance. A share that served a request is replaced as
+/// its window closes, as any lease is.
+#[tokio::test(start_paused = true)]
+async fn a_lapsed_share_is_fetched_on_demand_and_never_funded_from_overage_meanwhile() {
+    let w = world_in(
+        5,
+        EnforcementMode::Elastic {
+            overage_cap: CostUnits(100),
+        },
+    );
+    let (runtime, handle) = w.spawn();
+    tokio::time::sleep(ms(200)).await;
+    assert_eq!(w.begin(&handle, 1), Ok(CostUnits(1)));
+    // Used in its first window: replaced as it closes, with the 4 left.
+    run_for(&w.clock, 600).await;
+    let view = w.store.account(w.account, w.clock.now()).unwrap();
+    assert_eq!((view.balance, view.leased), (CostUnits::ZERO, CostUnits(4)));
+    // Unused through its window: released, and nothing replaces it.
+    run_for(&w.clock, 600).await;
+    let view = w.store.account(w.account, w.clock.now()).unwrap();
+    assert_eq!((view.balance, view.leased), (CostUnits(4), CostUnits::ZERO));
+    assert!(handle.readiness());
+    let denied = handle.begin(
+        w.principal,
+        PermissionBits::NONE,
+        CostUnits(2),
+        w.clock.now(),
+    );
+    assert!(
+        matches!(denied, Err(DenyReason::LeaseUnavailable)),
+        "{denied:?}"
+    );
+    tokio::time::sleep(ms(10)).await;
+    let mut funded = handle
+        .begin(
+            w.principal,
+            PermissionBits::NONE,
+            CostUnits(2),
+            w.clock.now(),
+        )
+        .expect("the share is back");
+    assert!(!funded.admitted_as_overage());
+    assert_eq!(funded.commit(w.clock.now()), Ok(CostUnits(2)));
+    runtime.shutdown().await;
+    assert_eq!(w.billed(), [1, 2]);
+    let view = w.store.account(w.account, w.clock.now()).unwrap();
+    assert_eq!(view.balance, CostUnits(2));
+    assert_eq!(view.overage_debt, CostUnits::ZERO);
+    assert!(w.store.audit().unwrap().is_empty());
+}
+
 /// An allocator that misbehaves on purpose around a real store.
 struct Misbehaving {
     store: Arc<MemoryStore>,

@@ -288,6 +288,13 @@ fn fund(
     if quote.is_zero() {
         return Reservation::reserve_overage(slot.overage(), quote, CostUnits::MAX);
     }
+    // A slot left empty because its last lease lapsed unused (I28) has its
+    // account's units back in the balance: its manager acquires now, and
+    // the request is answered transiently meanwhile, neither funded from
+    // overage nor refused on what this instance last knew of the balance.
+    if refusal.serving.is_none() && slot.ask_for_lease() {
+        return Err(DenyReason::LeaseUnavailable);
+    }
     // The allocator's evidence, read once: where the refusal's record was
     // decided on it, that reading; otherwise read now, and only when the
     // answer depends on it.

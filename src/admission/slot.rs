@@ -11,7 +11,7 @@ use rustc_hash::FxBuildHasher;
 use tokio::sync::watch;
 
 use crate::model::{
-    AccountId, AccountOverage, BalanceShortfall, LeaseId, LocalLease, LocalSharding,
+    AccountId, AccountOverage, BalanceShortfall, LeaseId, LocalLease, LocalSharding, RefillSignal,
 };
 
 /// The one place per account that holds the lease currently serving
@@ -30,6 +30,16 @@ pub struct LeaseSlot {
     sharding: LocalSharding,
     /// Lost debit races of leases no longer in the slot.
     retired_contention: AtomicU64,
+    /// Set while the slot is empty because its last lease lapsed unused:
+    /// the lease manager acquires again only once a request asks (I28).
+    idle: ArcSwapOption<Idle>,
+}
+
+/// How a request wakes the lease manager of a slot left empty for want of
+/// use.
+struct Idle {
+    bell: Arc<dyn RefillSignal>,
+    asked: AtomicBool,
 }
 
 /// Funding evidence as published, and whether admission may answer on it.
@@ -55,7 +65,57 @@ impl LeaseSlot {
             allocator_unreachable: AtomicBool::new(false),
             sharding,
             retired_contention: AtomicU64::new(0),
+            idle: ArcSwapOption::empty(),
         }
+    }
+
+    /// Marks the slot as left empty for want of use, by the lease manager
+    /// that lets its last lease lapse: a request that finds it empty rings
+    /// `bell` ([`ask_for_lease`](Self::ask_for_lease)) rather than wait
+    /// for a poll, since none will acquire (I28).
+    pub(crate) fn idle_until_asked(&self, bell: Arc<dyn RefillSignal>) {
+        self.idle.store(Some(Arc::new(Idle {
+            bell,
+            asked: AtomicBool::new(false),
+        })));
+    }
+
+    /// Ends [`idle_until_asked`](Self::idle_until_asked): the lease manager
+    /// acquires as usual again.
+    pub(crate) fn end_idle(&self) {
+        self.idle.store(None);
+    }
+
+    /// Whether the slot was left empty for want of use and waits for a
+    /// request to ask for a lease (I28). Readiness counts such an account
+    /// as served: its units are in the balance, fetched at the first
+    /// request (I29).
+    #[must_use]
+    pub fn is_idle(&self) -> bool {
+        self.idle.load().is_some()
+    }
+
+    /// Whether a request asked for a lease since the slot was left idle.
+    pub(crate) fn lease_asked_for(&self) -> bool {
+        self.idle
+            .load()
+            .as_ref()
+            .is_some_and(|idle| idle.asked.load(Ordering::Acquire))
+    }
+
+    /// A request found the slot without a lease: if the slot is idle, asks
+    /// its lease manager for one and returns true. Off the fast path (the
+    /// request is denied either way), and lock-free (I5).
+    #[cold]
+    pub(crate) fn ask_for_lease(&self) -> bool {
+        let idle = self.idle.load();
+        let Some(idle) = idle.as_ref() else {
+            return false;
+        };
+        // Set before the ring, so the woken manager finds it.
+        idle.asked.store(true, Ordering::Release);
+        idle.bell.request_refill();
+        true
     }
 
     /// The account this slot serves.
@@ -283,6 +343,7 @@ impl fmt::Debug for LeaseSlot {
             )
             .field("overage_spent", &self.overage.spent())
             .field("sharding", &self.sharding)
+            .field("idle", &self.is_idle())
             .finish_non_exhaustive()
     }
 }

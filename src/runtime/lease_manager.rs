@@ -47,7 +47,10 @@
 //!    of date, so once per spell of such refusals, with the lease quiet and
 //!    the store answering, it is folded for the quote anyway; the store
 //!    either funds it now or refuses, and the lease goes back to serving
-//!    with the evidence brought up to date.
+//!    with the evidence brought up to date. A lease from a short balance
+//!    that served and refused nothing through its window is let lapse, not
+//!    replaced, so another instance can fold its units; the slot then
+//!    stays *idle*, acquiring only when a request asks.
 //!
 //! # Parked leases and quiescence
 //!
@@ -599,7 +602,10 @@ impl LeaseManager {
             early_wakes: EarlyWakes::default(),
             refill_woken: None,
             evidence: None,
+            lapsing: None,
         };
+        // A manager starts by acquiring, whatever the one before it left.
+        slot.end_idle();
         let span = tracing::info_span!("lease_manager", account = %config.account);
         Ok(Self {
             account: config.account,
@@ -1123,6 +1129,9 @@ struct Task {
     /// releases returned since (the slot shows it with the parked leases'
     /// units added: see [`Task::evidence_with_parked`]).
     evidence: Option<BalanceShortfall>,
+    /// The serving lease, unused, that is let lapse rather than replaced
+    /// (see [`Task::lets_lapse`]).
+    lapsing: Option<LeaseId>,
 }
 
 /// Which of its early wake-ups a lease has had: each at most once, so a
@@ -1337,7 +1346,7 @@ impl Task {
     /// staleness bound past it, as a lease's close is, and once per period
     /// end.
     fn refill_wake(&self) -> Option<(Instant, Timestamp)> {
-        if self.slot.with_lease(|lease| lease.is_some()) {
+        if self.slot.with_lease(|lease| lease.is_some()) || self.slot.is_idle() {
             return None;
         }
         let now = self.clock.now();
@@ -1377,6 +1386,14 @@ impl Task {
     fn next_step(&mut self) -> Step {
         let verdict = {
             let Some(lease) = self.slot.load_observed() else {
+                // Left empty for want of use: acquired for the request that
+                // asks, not at every poll (I28).
+                if self.slot.is_idle() {
+                    if !self.slot.lease_asked_for() {
+                        return Step::Idle;
+                    }
+                    self.slot.end_idle();
+                }
                 return Step::Acquire;
             };
             let now = self.clock.now();
@@ -1391,6 +1408,10 @@ impl Task {
                 let needed = lease.largest_refused_quote();
                 if !needed.is_zero() {
                     return Step::Chase(needed);
+                }
+                if self.lets_lapse(&lease) {
+                    self.lapsing = Some(lease.grant().lease_id);
+                    return Step::Idle;
                 }
                 Some(RefillVerdict::Draining)
             } else {
@@ -1436,6 +1457,21 @@ impl Task {
         true
     }
 
+    /// Whether the serving lease, near the end of its window, is let lapse
+    /// rather than replaced: it served nothing and refused nothing, and the
+    /// allocator said the balance could not fund another such grant. The
+    /// account's last units would otherwise stay with an instance that has
+    /// no use for them, at every window, while another instance refuses
+    /// quotes they would fund together with its own lease (tail sharing
+    /// splits a short balance between instances, and a fold takes only what
+    /// the balance holds). Once it lapses and is released, the slot stays
+    /// empty until a request asks for a lease (I28).
+    fn lets_lapse(&self, lease: &LocalLease) -> bool {
+        self.balance_in_force().is_some()
+            && lease.remaining() == lease.grant().units
+            && lease.largest_ruled_out_quote().is_zero()
+    }
+
     /// Takes a lease whose usability window has closed out of the slot and
     /// parks it: no request can debit it any more (I2), but the allocator
     /// may still take its remainder back.
@@ -1457,8 +1493,17 @@ impl Task {
                 usable_until = %lease.usable_until(),
                 "lease manager: the serving lease expired; parking it"
             );
+            // Still unused as its window closed: no replacement until a
+            // request asks for one.
+            if self.lapsing == Some(lease.grant().lease_id)
+                && lease.remaining() == lease.grant().units
+            {
+                self.slot
+                    .idle_until_asked(Arc::clone(&self.doorbell) as Arc<dyn RefillSignal>);
+            }
             self.park(lease);
         }
+        self.lapsing = None;
         self.show_evidence();
     }
 
@@ -1693,6 +1738,7 @@ impl Task {
             // hold it, and is released once they let go (I26).
             self.park(previous);
         }
+        self.slot.end_idle();
         self.evidence = allocation.funding;
         self.show_evidence();
         tracing::debug!(
@@ -2518,7 +2564,10 @@ impl Task {
     }
 
     fn publish_readiness(&self) {
-        let ready = !self.shared.is_faulted() && serving(&self.slot, self.clock.as_ref());
+        // I29: an idle slot's account is served: its units are in the
+        // balance, and the first request fetches them.
+        let ready = !self.shared.is_faulted()
+            && (serving(&self.slot, self.clock.as_ref()) || self.slot.is_idle());
         self.shared.readiness.send_if_modified(|current| {
             let changed = *current != ready;
             *current = ready;
