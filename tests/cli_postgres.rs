@@ -134,6 +134,20 @@ fn migrate_applies_once_and_check_schema_says_where_the_schema_stands() {
     };
     cli.run(&["check-schema"])
         .fails(3, "run `tollgate migrate`");
+    // Nothing else runs on a schema this build does not know.
+    cli.run(&["account", "list"])
+        .fails(1, "has no tollgate tables: run `tollgate migrate`");
+    cli.run(&[
+        "balance",
+        "top-up",
+        "acct_1",
+        "5",
+        "--idempotency-key",
+        "k",
+        "--reason",
+        "r",
+    ])
+    .fails(1, "has no tollgate tables: run `tollgate migrate`");
     assert!(cli.run(&["migrate"]).ok().contains("applied migration 1"));
     assert!(cli.run(&["migrate"]).ok().contains("is current"));
     assert!(cli.run(&["check-schema"]).ok().contains("is current"));
@@ -325,6 +339,14 @@ fn bad_input_is_named_before_connecting() {
     let movement = ["--idempotency-key", "k1", "--reason", "test"];
     let top_up_nothing = [&["balance", "top-up", "acct_1", "0"][..], &movement].concat();
     nowhere(&top_up_nothing).fails(2, "0 is not in 1..");
+    let top_up_too_much = [
+        &["balance", "top-up", "acct_1", "9223372036854775808"][..],
+        &movement,
+    ]
+    .concat();
+    nowhere(&top_up_too_much).fails(2, "is not in 1..=9223372036854775807");
+    let adjust_nothing = [&["balance", "adjust", "acct_1", "0"][..], &movement].concat();
+    nowhere(&adjust_nothing).fails(1, "an adjustment of 0 changes nothing");
     nowhere(&["reclaim", "--reclaim-grace", "10s", "--batch", "0"]).fails(2, "at least 1");
     nowhere(&[
         "usage",

@@ -161,8 +161,9 @@ enum BalanceCommand {
         /// The account.
         #[arg(value_parser = account_id)]
         account: AccountId,
-        /// The units to add: at least one.
-        #[arg(value_parser = clap::value_parser!(u64).range(1..))]
+        /// The units to add: at least one, and no more than the ledger's
+        /// largest balance (2^63 - 1).
+        #[arg(value_parser = clap::value_parser!(u64).range(1..=i64::MAX.unsigned_abs()))]
         units: u64,
         #[command(flatten)]
         movement: MovementArgs,
@@ -336,6 +337,19 @@ async fn run(cli: Cli) -> Result<(), Failure> {
         settings.store_config(reclaim_grace)?,
     )
     .await?;
+    // Every other command reads or moves money in tables of the schema's
+    // shape this build knows: one it does not is named, with what to do,
+    // rather than met as a failing query (or a query that succeeds on
+    // tables of another shape).
+    if !matches!(cli.command, Command::Migrate | Command::CheckSchema) {
+        let status = store.check_schema().await?;
+        if !matches!(status, SchemaStatus::Current { .. }) {
+            return Err(Failure::Error(render::schema_status(
+                store.schema(),
+                &status,
+            )));
+        }
+    }
     let now = Timestamp::now();
     match cli.command {
         Command::Migrate => {
@@ -484,7 +498,8 @@ async fn key(store: &PostgresStore, command: KeyCommand, now: Timestamp) -> Resu
             // pipe, a full disk), the operator still knows which key to
             // revoke, and the failure is an error, not a panic.
             complain(format_args!(
-                "{} for {account}, permissions {permissions}: shown once, store it now",
+                "{} for {account}, permissions {permissions}: shown once, store it now \
+                 (gateways accept it from their next policy refresh)",
                 issued.key_id
             ));
             let mut out = std::io::stdout().lock();
@@ -616,6 +631,11 @@ fn check_input(command: &Command) -> Result<(), Failure> {
         Command::Account(
             AccountCommand::Create { mode, .. } | AccountCommand::SetMode { mode, .. },
         ) => enforcement(mode).map(drop),
+        // A top-up refuses nothing to add; so does an adjustment, rather
+        // than journal a change of nothing.
+        Command::Balance(BalanceCommand::Adjust { delta: 0, .. }) => Err(Failure::Error(
+            "an adjustment of 0 changes nothing: give a non-zero change".to_owned(),
+        )),
         _ => Ok(()),
     }
 }
