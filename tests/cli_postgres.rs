@@ -240,11 +240,60 @@ fn accounts_are_created_shown_listed_suspended_resumed_and_remoded() {
     );
 
     cli.run(&["account", "show", "acct_999"])
-        .fails(1, "unknown account");
+        .fails(1, "unknown account acct_999");
     cli.run(&["account", "show", "acct_x"])
         .fails(2, "expected acct_N");
     cli.run(&["account", "show", "0"])
         .fails(2, "positive integer");
+}
+
+/// A movement the store could not answer may or may not have applied: the
+/// command says so, and how to make sure it applies once. Here the
+/// account's row is held by another session past the lock timeout, and
+/// the same command run again once it is free applies the top-up once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_movement_cut_off_by_a_lock_says_how_to_apply_it_once() {
+    let Some(cli) = Cli::new("cli_locked") else {
+        return;
+    };
+    cli.run(&["migrate"]).ok();
+    let account = account_of(
+        &cli.run(&["account", "create", "--balance", "100", "--mode", "strict"])
+            .ok(),
+    );
+    let id = account.to_string();
+    let store = cli.store().await;
+    let mut holder = store.pool().begin().await.unwrap();
+    sqlx::query(&format!(
+        "SELECT 1 FROM {}.accounts WHERE id = $1 FOR UPDATE",
+        cli.schema
+    ))
+    .bind(i64::try_from(account.get()).unwrap())
+    .execute(&mut *holder)
+    .await
+    .unwrap();
+    let top_up = [
+        "balance",
+        "top-up",
+        &id,
+        "5",
+        "--idempotency-key",
+        "k1",
+        "--reason",
+        "r",
+    ];
+    cli.run(&top_up).fails(
+        1,
+        "run the same command again, with the same --idempotency-key",
+    );
+    holder.rollback().await.unwrap();
+    cli.run(&top_up).ok();
+    cli.run(&top_up).ok();
+    assert!(
+        cli.run(&["account", "show", &id])
+            .ok()
+            .contains("balance=105 ")
+    );
 }
 
 #[test]
@@ -467,9 +516,9 @@ fn keys_are_issued_once_listed_by_prefix_and_revoked() {
     cli.run(&["key", "issue", &id, "--permissions", "read"])
         .fails(2, "bit indices");
     cli.run(&["key", "issue", "acct_999", "--permissions", "all"])
-        .fails(1, "unknown account");
+        .fails(1, "unknown account acct_999");
     cli.run(&["key", "revoke", "key_999"])
-        .fails(1, "unknown key");
+        .fails(1, "unknown key key_999");
     // A key that cannot be written out (stdout on a full disk) is an
     // error naming the key to revoke, not a panic.
     let mut command = Cli::bare();

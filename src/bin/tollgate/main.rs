@@ -27,7 +27,8 @@ use std::process::ExitCode;
 use clap::{Args, Parser, Subcommand};
 use jiff::Timestamp;
 use tollgate::store::{
-    AccountSpec, LeaseAllocator as _, Movement, PostgresStore, RefillSchedule, SchemaStatus,
+    AccountSpec, AdminError, LeaseAllocator as _, Movement, PostgresStore, RefillSchedule,
+    SchemaStatus,
 };
 use tollgate::{AccountId, AccountStatus, CostUnits, EnforcementMode, KeyId, PermissionBits};
 
@@ -296,6 +297,26 @@ impl<E: std::fmt::Display> From<E> for Failure {
     }
 }
 
+/// A store's answer about `account`, naming it when it does not exist.
+fn about(account: AccountId) -> impl Fn(AdminError) -> Failure {
+    move |error| match error {
+        AdminError::UnknownAccount => Failure::Error(format!("unknown account {account}")),
+        other => other.into(),
+    }
+}
+
+/// [`about`], for a balance movement: a storage error may have applied it,
+/// and running it again with its idempotency key applies it once.
+fn moving(account: AccountId) -> impl Fn(AdminError) -> Failure {
+    move |error| match error {
+        AdminError::Storage(error) => Failure::Error(format!(
+            "{error}; the movement may or may not have applied: run the same command \
+             again, with the same --idempotency-key, and it applies once"
+        )),
+        other => about(account)(other),
+    }
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let runtime = match tokio::runtime::Builder::new_current_thread()
@@ -383,7 +404,11 @@ async fn run(cli: Cli) -> Result<(), Failure> {
             since,
             until,
         } => {
-            for event in store.usage(account, since, until).await? {
+            for event in store
+                .usage(account, since, until)
+                .await
+                .map_err(about(account))?
+            {
                 say!("{}", render::usage_event(&event));
             }
         }
@@ -428,7 +453,10 @@ async fn account(
             say!("{id}");
         }
         AccountCommand::Show { account } => {
-            say!("{}", render::account(&store.account(account, now).await?));
+            say!(
+                "{}",
+                render::account(&store.account(account, now).await.map_err(about(account))?)
+            );
         }
         AccountCommand::List => {
             for view in store.accounts(now).await? {
@@ -436,16 +464,25 @@ async fn account(
             }
         }
         AccountCommand::Suspend { account } => {
-            store.set_status(account, AccountStatus::Suspended).await?;
+            store
+                .set_status(account, AccountStatus::Suspended)
+                .await
+                .map_err(about(account))?;
             say!("{account}: suspended");
         }
         AccountCommand::Resume { account } => {
-            store.set_status(account, AccountStatus::Active).await?;
+            store
+                .set_status(account, AccountStatus::Active)
+                .await
+                .map_err(about(account))?;
             say!("{account}: active");
         }
         AccountCommand::SetMode { account, mode } => {
             let mode = enforcement(&mode)?;
-            store.set_mode(account, mode).await?;
+            store
+                .set_mode(account, mode)
+                .await
+                .map_err(about(account))?;
             say!("{account}: {}", render::mode(mode));
         }
     }
@@ -465,7 +502,8 @@ async fn balance(
         } => {
             let change = store
                 .top_up(account, CostUnits(units), &movement.borrow(), now)
-                .await?;
+                .await
+                .map_err(moving(account))?;
             say!("{}", render::balance_change(account, &change));
         }
         BalanceCommand::Adjust {
@@ -475,11 +513,12 @@ async fn balance(
         } => {
             let change = store
                 .adjust(account, delta, &movement.borrow(), now)
-                .await?;
+                .await
+                .map_err(moving(account))?;
             say!("{}", render::balance_change(account, &change));
         }
         BalanceCommand::History { account } => {
-            for entry in store.history(account).await? {
+            for entry in store.history(account).await.map_err(about(account))? {
                 say!("{}", render::journal_entry(&entry));
             }
         }
@@ -493,7 +532,10 @@ async fn key(store: &PostgresStore, command: KeyCommand, now: Timestamp) -> Resu
             account,
             permissions,
         } => {
-            let issued = store.issue_key(account, permissions, now).await?;
+            let issued = store
+                .issue_key(account, permissions, now)
+                .await
+                .map_err(about(account))?;
             // The id first: should the key fail to reach stdout (a closed
             // pipe, a full disk), the operator still knows which key to
             // revoke, and the failure is an error, not a panic.
@@ -513,11 +555,17 @@ async fn key(store: &PostgresStore, command: KeyCommand, now: Timestamp) -> Resu
                 })?;
         }
         KeyCommand::Revoke { key } => {
-            store.revoke_key(key, now).await?;
+            store
+                .revoke_key(key, now)
+                .await
+                .map_err(|error| match error {
+                    AdminError::UnknownKey => Failure::Error(format!("unknown key {key}")),
+                    other => other.into(),
+                })?;
             say!("{key}: revoked");
         }
         KeyCommand::List { account } => {
-            for info in store.list_keys(account).await? {
+            for info in store.list_keys(account).await.map_err(about(account))? {
                 say!("{}", render::key(&info));
             }
         }
@@ -540,14 +588,20 @@ async fn refill(
                 amount: CostUnits(amount),
                 interval: every,
             };
-            store.configure_refill(account, Some(schedule), now).await?;
+            store
+                .configure_refill(account, Some(schedule), now)
+                .await
+                .map_err(about(account))?;
             let view = store.account(account, now).await.map_err(|error| {
                 format!("{account}: the refill is set, but reading it back failed: {error}")
             })?;
             say!("{}", render::account(&view));
         }
         RefillCommand::Clear { account } => {
-            store.configure_refill(account, None, now).await?;
+            store
+                .configure_refill(account, None, now)
+                .await
+                .map_err(about(account))?;
             say!("{account}: no refill");
         }
     }
