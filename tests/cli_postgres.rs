@@ -408,6 +408,16 @@ fn bad_input_is_named_before_connecting() {
     .fails(1, "must be before --until");
     nowhere(&["account", "create", "--balance", "10", "--mode", "elastic"])
         .fails(1, "--mode elastic needs --overage-cap");
+    let other_database = Cli::bare()
+        .args([
+            "--database-url",
+            "mysql://tollgate@127.0.0.1:9/app",
+            "account",
+            "list",
+        ])
+        .output()
+        .expect("the tollgate binary runs");
+    finish(&other_database).fails(1, "must start with postgres:// or postgresql://");
     // Good input gets as far as the connection, which fails, and says why
     // (the pool alone would say only that it timed out).
     let refused = nowhere(&["account", "list"]).fails(1, "cannot connect to postgres");

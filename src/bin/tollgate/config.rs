@@ -92,6 +92,12 @@ impl Settings {
                 "no database: pass --database-url, or set DATABASE_URL or database_url in the configuration"
                     .to_owned()
             })?;
+        // Named before connecting: another scheme (or none) would be tried
+        // as PostgreSQL and fail as an unreachable server, or as a parse
+        // error that does not say what was expected.
+        if !(database_url.starts_with("postgres://") || database_url.starts_with("postgresql://")) {
+            return Err("the database URL must start with postgres:// or postgresql://".to_owned());
+        }
         let schema = schema
             .map(str::to_owned)
             .or(layered.schema)

@@ -82,8 +82,8 @@ pub(crate) fn positive_count(text: &str) -> Result<usize, String> {
 
 /// An RFC 3339 instant, e.g. `2026-11-30T00:00:00Z`.
 pub(crate) fn timestamp(text: &str) -> Result<Timestamp, String> {
-    text.parse().map_err(|_| {
-        format!("expected an RFC 3339 instant like 2026-11-30T00:00:00Z, got {text:?}")
+    text.parse().map_err(|error| {
+        format!("expected an RFC 3339 instant like 2026-11-30T00:00:00Z, got {text:?} ({error})")
     })
 }
 
