@@ -114,14 +114,15 @@ fn ms(n: u64) -> Duration {
     Duration::from_millis(n)
 }
 
-/// How grants are sized and how long they live. On a shared store every
-/// gateway and the operator command's `reclaim` must agree on it.
-fn grant_policy() -> GrantPolicy {
+/// How grants are sized and how long they live, for `instances` gateways
+/// sharing an account's tail. On a shared store every gateway and the
+/// operator command's `reclaim` must agree on it.
+fn grant_policy(instances: u64) -> GrantPolicy {
     GrantPolicy {
         max_ttl: SignedDuration::from_secs(60),
         reclaim_grace: SignedDuration::from_secs(10),
         tail: TailSharing {
-            instances: 3,
+            instances,
             min_grant: CostUnits(10),
         },
     }
@@ -222,7 +223,7 @@ enum Backend {
 impl Backend {
     async fn open(args: &Args) -> Result<Self, Box<dyn std::error::Error>> {
         if args.store == "memory" {
-            return Ok(Self::Memory(Arc::new(MemoryStore::new(grant_policy())?)));
+            return Ok(Self::Memory(Arc::new(MemoryStore::new(grant_policy(1))?)));
         }
         if !args.store.starts_with("postgres://") && !args.store.starts_with("postgresql://") {
             // A URL is named by its scheme only: a mistyped one may carry a
@@ -243,7 +244,9 @@ impl Backend {
             &args.store,
             PostgresConfig {
                 schema: args.schema.clone().unwrap_or_else(|| "tollgate".to_owned()),
-                policy: grant_policy(),
+                // Up to three gateways share a database in the README's
+                // walk-through.
+                policy: grant_policy(3),
                 // No longer than the runtime's store calls wait (below).
                 lock_timeout: ms(1_000),
             },

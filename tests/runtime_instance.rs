@@ -253,16 +253,37 @@ fn world(balance: u64) -> World {
 }
 
 fn world_in(balance: u64, mode: EnforcementMode) -> World {
+    world_with(
+        balance,
+        mode,
+        TailSharing {
+            instances: 1,
+            min_grant: CostUnits(1),
+        },
+    )
+}
+
+/// A store whose grants share an account's tail between two instances, a
+/// share being at least 5 units.
+fn shared_tails(balance: u64, mode: EnforcementMode) -> World {
+    world_with(
+        balance,
+        mode,
+        TailSharing {
+            instances: 2,
+            min_grant: CostUnits(5),
+        },
+    )
+}
+
+fn world_with(balance: u64, mode: EnforcementMode, tail: TailSharing) -> World {
     let start = Timestamp::from_second(1_700_000_000).unwrap();
     let clock = Arc::new(ManualClock::new(start));
     let store = Arc::new(
         MemoryStore::new(GrantPolicy {
             max_ttl: LEASE_TTL,
             reclaim_grace: GRACE,
-            tail: TailSharing {
-                instances: 1,
-                min_grant: CostUnits(1),
-            },
+            tail,
         })
         .unwrap(),
     );
@@ -721,7 +742,7 @@ async fn run_for(clock: &ManualClock, steps: u32) {
 /// request that asks, which is answered transiently rather than refused.
 #[tokio::test(start_paused = true)]
 async fn an_unused_share_of_a_short_balance_lapses_and_funds_the_instance_that_needs_it() {
-    let w = world(5);
+    let w = shared_tails(5, EnforcementMode::Strict);
     let idle_store = Misbehaving::new(&w.store, u32::MAX, 0, Releases::Honest);
     let (idle, idle_handle) = w.spawn_with(Arc::clone(&idle_store) as _, config());
     tokio::time::sleep(ms(200)).await;
@@ -804,7 +825,7 @@ async fn an_unused_share_of_a_short_balance_lapses_and_funds_the_instance_that_n
 /// its window closes, as any lease is.
 #[tokio::test(start_paused = true)]
 async fn a_lapsed_share_is_fetched_on_demand_and_never_funded_from_overage_meanwhile() {
-    let w = world_in(
+    let w = shared_tails(
         5,
         EnforcementMode::Elastic {
             overage_cap: CostUnits(100),
@@ -849,6 +870,46 @@ async fn a_lapsed_share_is_fetched_on_demand_and_never_funded_from_overage_meanw
     assert_eq!(view.balance, CostUnits(2));
     assert_eq!(view.overage_debt, CostUnits::ZERO);
     assert!(w.store.audit().unwrap().is_empty());
+}
+
+/// I28: only a share is let lapse. Without tail sharing no other instance
+/// could use the units, and a lease that refused quotes had a use for them
+/// even once a recheck answered its refusals: neither lapses, so the
+/// account's next request meets a lease, not a fetch.
+#[tokio::test(start_paused = true)]
+async fn a_lease_lapses_only_as_an_unused_share_of_a_shared_tail() {
+    for sharing in [false, true] {
+        let w = if sharing {
+            shared_tails(5, EnforcementMode::Strict)
+        } else {
+            world(5)
+        };
+        let (runtime, handle) = w.spawn();
+        tokio::time::sleep(ms(200)).await;
+        if sharing {
+            // Refused, then checked with the store at the next poll.
+            assert_eq!(
+                w.begin(&handle, 10),
+                Err(DenyReason::BalanceInsufficient {
+                    remaining: CostUnits(5),
+                    period_end: None,
+                })
+            );
+        }
+        // The lease that refused is renewed; without sharing, every lease.
+        let windows = if sharing { 1 } else { 3 };
+        for window in 1..=windows {
+            run_for(&w.clock, 600).await;
+            let view = w.store.account(w.account, w.clock.now()).unwrap();
+            assert_eq!(
+                (view.balance, view.leased),
+                (CostUnits::ZERO, CostUnits(5)),
+                "sharing {sharing}, window {window}: renewed, not lapsed"
+            );
+        }
+        assert_eq!(w.begin(&handle, 5), Ok(CostUnits(5)), "sharing {sharing}");
+        runtime.shutdown().await;
+    }
 }
 
 /// An allocator that misbehaves on purpose around a real store.
@@ -1014,6 +1075,10 @@ impl LeaseAllocator for Misbehaving {
         limit: usize,
     ) -> Result<ReclaimBatch, StoreError> {
         self.store.reclaim_expired_batch(now, limit).await
+    }
+
+    fn shares_tails(&self) -> bool {
+        self.store.shares_tails()
     }
 }
 

@@ -85,6 +85,9 @@ pub struct LocalLease {
     /// Rings nothing: it asks the refill task to check that word again at
     /// its next poll, not at once.
     ruled_out: AtomicU64,
+    /// Whether the lease ever refused a quote for want of units, recorded
+    /// or not; never cleared (see [`has_refused`](Self::has_refused)).
+    refused_any: AtomicBool,
     /// Moves of units between shards (a spread, a gather): the moves
     /// started, in the high half, and those under way, in the low half. A
     /// reading of every shard that this word did not see change found no
@@ -234,6 +237,7 @@ impl LocalLease {
             shards,
             refused: CachePadded(AtomicU64::new(0)),
             ruled_out: AtomicU64::new(0),
+            refused_any: AtomicBool::new(false),
             transit: CachePadded(AtomicU64::new(0)),
             refill: None,
         }
@@ -385,6 +389,7 @@ impl LocalLease {
     /// first one (I7).
     #[cold]
     pub(crate) fn note_refused(&self, units: CostUnits) {
+        self.refused_any.store(true, Ordering::Release);
         if self.refused.fetch_max(units.get(), Ordering::AcqRel) == 0 {
             self.ring();
         }
@@ -400,7 +405,17 @@ impl LocalLease {
     /// cost a store call per request.
     #[cold]
     pub(crate) fn note_ruled_out(&self, units: CostUnits) {
+        self.refused_any.store(true, Ordering::Release);
         self.ruled_out.fetch_max(units.get(), Ordering::AcqRel);
+    }
+
+    /// Whether the lease ever refused a quote for want of units, whatever
+    /// became of the record since (a fold, a recheck or a forget answers
+    /// the record, not the demand it showed): the lease manager does not
+    /// let such a lease lapse as unused (I28).
+    #[must_use]
+    pub fn has_refused(&self) -> bool {
+        self.refused_any.load(Ordering::Acquire)
     }
 
     /// The largest quote recorded by [`note_ruled_out`](Self::note_ruled_out)
@@ -1171,6 +1186,7 @@ mod tests {
             DenyReason::LeaseExhausted
         );
         assert_eq!(lease.largest_refused_quote(), CostUnits(30));
+        assert!(lease.has_refused());
         assert_eq!(bell.rings(), 1);
         assert_eq!(
             lease.try_debit(CostUnits(50), at(0)).unwrap_err(),
@@ -1198,7 +1214,9 @@ mod tests {
     fn a_quote_ruled_out_rings_nothing_and_is_taken_once() {
         let (lease, bell) = lease_with_doorbell(LocalLease::new(grant(100), CostUnits::ZERO));
         let _held = lease.try_debit(CostUnits(90), at(0)).unwrap();
+        assert!(!lease.has_refused());
         lease.note_ruled_out(CostUnits(30));
+        assert!(lease.has_refused());
         lease.note_ruled_out(CostUnits(50));
         lease.note_ruled_out(CostUnits(20));
         assert_eq!(bell.rings(), 0);
@@ -1215,6 +1233,10 @@ mod tests {
         assert_eq!(lease.largest_ruled_out_quote(), CostUnits(40));
         lease.forget_ruled_out(CostUnits(40));
         assert_eq!(lease.largest_ruled_out_quote(), CostUnits::ZERO);
+        assert!(
+            lease.has_refused(),
+            "answered records leave the demand they showed"
+        );
     }
 
     /// I7: a refusal the refill task does not act on (say, a quote the

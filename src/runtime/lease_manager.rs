@@ -289,6 +289,11 @@ pub enum LeaseHealth {
     /// while the allocator does not answer; requests are denied while the
     /// task keeps trying to acquire.
     Unfunded,
+    /// The slot is empty because its last lease lapsed unused (I28): the
+    /// task acquires when a request asks, answering that request
+    /// transiently. Readiness counts the account as served once the lapsed
+    /// lease is released.
+    Idle,
     /// The store refused a claim as an accounting fault. The task no longer
     /// acquires and the slot stays empty; readiness is withdrawn for good.
     Faulted,
@@ -645,12 +650,15 @@ impl LeaseManager {
         }
         if serving(&self.slot, self.clock.as_ref()) {
             LeaseHealth::Serving
+        } else if self.slot.is_idle() {
+            LeaseHealth::Idle
         } else {
             LeaseHealth::Unfunded
         }
     }
 
-    /// `true` while the slot holds a usable lease and no integrity fault has
+    /// `true` while the slot holds a usable lease, or is idle with its last
+    /// lease released (see [`LeaseHealth::Idle`]), and no integrity fault has
     /// been seen; updated by the task after every inspection, one of which
     /// comes as the lease's window closes, so a lease that expires shows here
     /// then (or, with a clock that reads behind, by its staleness bound; for
@@ -1388,11 +1396,11 @@ impl Task {
             let Some(lease) = self.slot.load_observed() else {
                 // Left empty for want of use: acquired for the request that
                 // asks, not at every poll (I28).
-                if self.slot.is_idle() {
-                    if !self.slot.lease_asked_for() {
-                        return Step::Idle;
-                    }
-                    self.slot.end_idle();
+                // The slot stays idle until the acquire is answered (see
+                // `acquire_sized`), so requests meanwhile are not funded
+                // from overage either.
+                if self.slot.is_idle() && !self.slot.lease_asked_for() {
+                    return Step::Idle;
                 }
                 return Step::Acquire;
             };
@@ -1427,7 +1435,11 @@ impl Task {
             // It expired during the release pass.
             None => {
                 self.retire_expired();
-                Step::Acquire
+                if self.slot.is_idle() {
+                    Step::Idle
+                } else {
+                    Step::Acquire
+                }
             }
             Some(RefillVerdict::Idle) => Step::Idle,
             Some(RefillVerdict::Draining) => Step::Acquire,
@@ -1458,18 +1470,24 @@ impl Task {
     }
 
     /// Whether the serving lease, near the end of its window, is let lapse
-    /// rather than replaced: it served nothing and refused nothing, and the
-    /// allocator said the balance could not fund another such grant. The
-    /// account's last units would otherwise stay with an instance that has
-    /// no use for them, at every window, while another instance refuses
-    /// quotes they would fund together with its own lease (tail sharing
-    /// splits a short balance between instances, and a fold takes only what
-    /// the balance holds). Once it lapses and is released, the slot stays
-    /// empty until a request asks for a lease (I28).
+    /// rather than replaced: the store shares tails between instances, the
+    /// allocator said the balance could not fund another such grant, and
+    /// the lease served nothing and refused nothing. The account's last
+    /// units would otherwise stay with an instance that has no use for
+    /// them, at every window, while another instance refuses quotes they
+    /// would fund together with its own lease (tail sharing splits a short
+    /// balance between instances, and a fold takes only what the balance
+    /// holds). Once it lapses and is released, the slot stays empty until a
+    /// request asks for a lease (I28).
+    ///
+    /// Decided one store call and a poll before the window closes: a lease
+    /// first used after that is replaced only as it closes, so requests
+    /// meet the round trip then.
     fn lets_lapse(&self, lease: &LocalLease) -> bool {
-        self.balance_in_force().is_some()
+        self.allocator.shares_tails()
+            && self.balance_in_force().is_some()
             && lease.remaining() == lease.grant().units
-            && lease.largest_ruled_out_quote().is_zero()
+            && !lease.has_refused()
     }
 
     /// Takes a lease whose usability window has closed out of the slot and
@@ -1566,6 +1584,11 @@ impl Task {
             CallEnd::TimedOut | CallEnd::Stopped(_) => false,
         };
         self.note_acquire_answered(answered);
+        // An idle slot's acquire has its answer: the slot is served as any
+        // other from now on (a grant installed ends idleness too).
+        if !matches!(end, CallEnd::Stopped(_)) {
+            self.slot.end_idle();
+        }
         match end {
             CallEnd::Answered(Ok(allocation)) => {
                 let granted = allocation.grant.units;
@@ -2564,10 +2587,11 @@ impl Task {
     }
 
     fn publish_readiness(&self) {
-        // I29: an idle slot's account is served: its units are in the
-        // balance, and the first request fetches them.
+        // I29: an idle slot's account is served once the lapsed lease's
+        // units are back in the balance: the first request fetches them.
         let ready = !self.shared.is_faulted()
-            && (serving(&self.slot, self.clock.as_ref()) || self.slot.is_idle());
+            && (serving(&self.slot, self.clock.as_ref())
+                || (self.slot.is_idle() && self.parked.is_empty()));
         self.shared.readiness.send_if_modified(|current| {
             let changed = *current != ready;
             *current = ready;

@@ -1214,6 +1214,10 @@ fn principal_of(key_id: KeyId) -> Principal {
 
 #[async_trait]
 impl LeaseAllocator for MemoryStore {
+    fn shares_tails(&self) -> bool {
+        self.policy.tail.instances > 1
+    }
+
     async fn acquire(
         &self,
         account: AccountId,

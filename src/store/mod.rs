@@ -153,6 +153,16 @@ pub trait LeaseAllocator: Send + Sync {
         now: Timestamp,
         limit: usize,
     ) -> Result<ReclaimBatch, StoreError>;
+
+    /// Whether grants shrink near the end of a balance so that several
+    /// instances share its tail ([`TailSharing::instances`] above one). The
+    /// lease manager then lets a share it has no use for lapse rather than
+    /// renew it, so another instance can fold its units (I28). `false`
+    /// unless the store says otherwise: an allocator that wraps a store
+    /// passes the store's answer on.
+    fn shares_tails(&self) -> bool {
+        false
+    }
 }
 
 /// Records committed charges.

@@ -466,6 +466,10 @@ const ROOM_FOR_REMAINDER: &str = "(granted - used <= $3 - \
 
 #[async_trait]
 impl LeaseAllocator for PostgresStore {
+    fn shares_tails(&self) -> bool {
+        self.policy.tail.instances > 1
+    }
+
     async fn acquire(
         &self,
         account: AccountId,
