@@ -425,6 +425,10 @@ impl LeaseAllocator for Faulty {
         let call = self.store.reclaim_expired_batch(now, limit);
         self.under(Call::Reclaim, what, call).await
     }
+
+    fn shares_tails(&self) -> bool {
+        self.store.shares_tails()
+    }
 }
 
 #[async_trait]

@@ -872,6 +872,49 @@ async fn a_lapsed_share_is_fetched_on_demand_and_never_funded_from_overage_meanw
     assert!(w.store.audit().unwrap().is_empty());
 }
 
+/// I28: while the acquire an idle slot's request asked for is under way, the
+/// slot stays idle: an Elastic request meanwhile is answered transiently,
+/// not funded from overage while the account's units are in the balance.
+/// An acquire cut off by its timeout ends the idleness, and the account is
+/// served as any other whose store fails: from overage.
+#[tokio::test(start_paused = true)]
+async fn an_idle_slot_funds_no_overage_while_its_acquire_is_under_way() {
+    let w = shared_tails(
+        5,
+        EnforcementMode::Elastic {
+            overage_cap: CostUnits(100),
+        },
+    );
+    let stalls_from = w.clock.now() + SignedDuration::from_secs(58);
+    let allocator = Misbehaving::stalling_from(&w.store, stalls_from);
+    let (runtime, handle) = w.spawn_with(allocator as _, config());
+    tokio::time::sleep(ms(200)).await;
+    run_for(&w.clock, 600).await;
+    let view = w.store.account(w.account, w.clock.now()).unwrap();
+    assert_eq!((view.balance, view.leased), (CostUnits(5), CostUnits::ZERO));
+    let begin = || {
+        handle
+            .begin(
+                w.principal,
+                PermissionBits::NONE,
+                CostUnits(2),
+                w.clock.now(),
+            )
+            .map(|context| context.admitted_as_overage())
+    };
+    assert_eq!(begin(), Err(DenyReason::LeaseUnavailable), "asks");
+    tokio::time::sleep(ms(100)).await;
+    assert_eq!(
+        begin(),
+        Err(DenyReason::LeaseUnavailable),
+        "the acquire is under way"
+    );
+    // The store call's timeout is 200 ms.
+    tokio::time::sleep(ms(150)).await;
+    assert_eq!(begin(), Ok(true), "cut off: funded from overage");
+    runtime.shutdown().await;
+}
+
 /// I28: only a share is let lapse. Without tail sharing no other instance
 /// could use the units, and a lease that refused quotes had a use for them
 /// even once a recheck answered its refusals: neither lapses, so the

@@ -88,8 +88,8 @@ impl LeaseSlot {
 
     /// Whether the slot was left empty for want of use and waits for a
     /// request to ask for a lease (I28). Readiness counts such an account
-    /// as served: its units are in the balance, fetched at the first
-    /// request (I29).
+    /// as served once the lapsed lease is released: its units are then in
+    /// the balance, fetched at the first request (I29).
     #[must_use]
     pub fn is_idle(&self) -> bool {
         self.idle.load().is_some()

@@ -47,10 +47,11 @@
 //!    of date, so once per spell of such refusals, with the lease quiet and
 //!    the store answering, it is folded for the quote anyway; the store
 //!    either funds it now or refuses, and the lease goes back to serving
-//!    with the evidence brought up to date. A lease from a short balance
-//!    that served and refused nothing through its window is let lapse, not
-//!    replaced, so another instance can fold its units; the slot then
-//!    stays *idle*, acquiring only when a request asks.
+//!    with the evidence brought up to date. Where the store shares tails
+//!    between instances, a lease from a short balance that served and
+//!    refused nothing through its window is let lapse, not replaced, so
+//!    another instance can fold its units; the slot then stays *idle*,
+//!    acquiring only when a request asks.
 //!
 //! # Parked leases and quiescence
 //!
@@ -608,6 +609,7 @@ impl LeaseManager {
             refill_woken: None,
             evidence: None,
             lapsing: None,
+            lapsed: None,
         };
         // A manager starts by acquiring, whatever the one before it left.
         slot.end_idle();
@@ -1140,6 +1142,9 @@ struct Task {
     /// The serving lease, unused, that is let lapse rather than replaced
     /// (see [`Task::lets_lapse`]).
     lapsing: Option<LeaseId>,
+    /// The last lease that lapsed, leaving the slot idle: readiness waits
+    /// for its release.
+    lapsed: Option<LeaseId>,
 }
 
 /// Which of its early wake-ups a lease has had: each at most once, so a
@@ -1421,6 +1426,9 @@ impl Task {
                     self.lapsing = Some(lease.grant().lease_id);
                     return Step::Idle;
                 }
+                // Used or refused since an earlier inspection decided to
+                // let it lapse: replaced after all.
+                self.lapsing = None;
                 Some(RefillVerdict::Draining)
             } else {
                 match lease.refill_due_or_rearm() {
@@ -1515,9 +1523,11 @@ impl Task {
             // request asks for one.
             if self.lapsing == Some(lease.grant().lease_id)
                 && lease.remaining() == lease.grant().units
+                && !lease.has_refused()
             {
                 self.slot
                     .idle_until_asked(Arc::clone(&self.doorbell) as Arc<dyn RefillSignal>);
+                self.lapsed = Some(lease.grant().lease_id);
             }
             self.park(lease);
         }
@@ -1584,9 +1594,10 @@ impl Task {
             CallEnd::TimedOut | CallEnd::Stopped(_) => false,
         };
         self.note_acquire_answered(answered);
-        // An idle slot's acquire has its answer: the slot is served as any
-        // other from now on (a grant installed ends idleness too).
-        if !matches!(end, CallEnd::Stopped(_)) {
+        // An idle slot's acquire has ended: the slot is served as any other
+        // from now on. A grant ends idleness once it is installed (or found
+        // unusable), so no request between the two is funded from overage.
+        if !matches!(end, CallEnd::Stopped(_) | CallEnd::Answered(Ok(_))) {
             self.slot.end_idle();
         }
         match end {
@@ -1705,6 +1716,7 @@ impl Task {
             );
             self.park(lease);
             self.fault();
+            self.slot.end_idle();
             return;
         }
         let now = self.clock.now();
@@ -1725,6 +1737,7 @@ impl Task {
             self.park(lease);
             self.show_evidence();
             self.note_unusable_grant();
+            self.slot.end_idle();
             return;
         }
         // The store answered with a grant that serves: no wait is left.
@@ -2589,9 +2602,13 @@ impl Task {
     fn publish_readiness(&self) {
         // I29: an idle slot's account is served once the lapsed lease's
         // units are back in the balance: the first request fetches them.
+        let lapsed_released = !self
+            .parked
+            .iter()
+            .any(|lease| Some(lease.grant().lease_id) == self.lapsed);
         let ready = !self.shared.is_faulted()
             && (serving(&self.slot, self.clock.as_ref())
-                || (self.slot.is_idle() && self.parked.is_empty()));
+                || (self.slot.is_idle() && lapsed_released));
         self.shared.readiness.send_if_modified(|current| {
             let changed = *current != ready;
             *current = ready;
