@@ -915,44 +915,101 @@ async fn an_idle_slot_funds_no_overage_while_its_acquire_is_under_way() {
     runtime.shutdown().await;
 }
 
-/// I28: only a share is let lapse. Without tail sharing no other instance
-/// could use the units, and a lease that refused quotes had a use for them
-/// even once a recheck answered its refusals: neither lapses, so the
-/// account's next request meets a lease, not a fetch.
+/// I28: without tail sharing no other instance could use the units, so a
+/// lease is never let lapse, however unused: the account's next request
+/// meets a lease, not a fetch.
 #[tokio::test(start_paused = true)]
-async fn a_lease_lapses_only_as_an_unused_share_of_a_shared_tail() {
-    for sharing in [false, true] {
-        let w = if sharing {
-            shared_tails(5, EnforcementMode::Strict)
-        } else {
-            world(5)
-        };
-        let (runtime, handle) = w.spawn();
-        tokio::time::sleep(ms(200)).await;
-        if sharing {
-            // Refused, then checked with the store at the next poll.
-            assert_eq!(
-                w.begin(&handle, 10),
-                Err(DenyReason::BalanceInsufficient {
-                    remaining: CostUnits(5),
-                    period_end: None,
-                })
-            );
-        }
-        // The lease that refused is renewed; without sharing, every lease.
-        let windows = if sharing { 1 } else { 3 };
-        for window in 1..=windows {
-            run_for(&w.clock, 600).await;
-            let view = w.store.account(w.account, w.clock.now()).unwrap();
-            assert_eq!(
-                (view.balance, view.leased),
-                (CostUnits::ZERO, CostUnits(5)),
-                "sharing {sharing}, window {window}: renewed, not lapsed"
-            );
-        }
-        assert_eq!(w.begin(&handle, 5), Ok(CostUnits(5)), "sharing {sharing}");
-        runtime.shutdown().await;
+async fn without_tail_sharing_an_unused_lease_is_renewed() {
+    let w = world(5);
+    let (runtime, handle) = w.spawn();
+    tokio::time::sleep(ms(200)).await;
+    for window in 1..=3 {
+        run_for(&w.clock, 600).await;
+        let view = w.store.account(w.account, w.clock.now()).unwrap();
+        assert_eq!(
+            (view.balance, view.leased),
+            (CostUnits::ZERO, CostUnits(5)),
+            "window {window}: renewed, not lapsed"
+        );
     }
+    assert_eq!(w.begin(&handle, 5), Ok(CostUnits(5)));
+    runtime.shutdown().await;
+}
+
+/// I27, I28: a short balance split between two instances that both meet a
+/// quote larger than their shares. Both refuse it, and neither share
+/// serves anything; the first to reach its window's end lets its share
+/// lapse and waits two polls before acquiring again, even for the requests
+/// that keep asking (answered transiently), so the other instance's check
+/// of the quote folds the released units with its own and funds it. Both
+/// renewing their shares at once, the quote would never be funded.
+#[tokio::test(start_paused = true)]
+async fn when_both_shares_refuse_a_quote_the_first_to_lapse_yields_to_the_other() {
+    let w = shared_tails(5, EnforcementMode::Strict);
+    let (first, first_handle) = w.spawn();
+    tokio::time::sleep(ms(200)).await;
+    let (second, second_handle) = w.spawn();
+    // The second share comes 20 s later, so the windows close apart.
+    run_for(&w.clock, 200).await;
+    w.store
+        .top_up(w.account, CostUnits(5), w.clock.now())
+        .unwrap();
+    tokio::time::sleep(config().leases.poll_interval + ms(10)).await;
+    let view = w.store.account(w.account, w.clock.now()).unwrap();
+    assert_eq!(
+        (view.balance, view.leased),
+        (CostUnits::ZERO, CostUnits(10))
+    );
+    let short = Err(DenyReason::BalanceInsufficient {
+        remaining: CostUnits(5),
+        period_end: None,
+    });
+    // Requests a second apart, then, around the first share's close, a
+    // millisecond apart: the first instance is asked again at once after
+    // its share lapses, well before the second's next poll.
+    let mut funded = None;
+    let mut yielded = 0;
+    let mut elapsed_ms = 0_u64;
+    while elapsed_ms < 40_000 {
+        let step = if (34_000..37_000).contains(&elapsed_ms) {
+            1
+        } else {
+            100
+        };
+        w.clock
+            .advance(SignedDuration::from_millis(i64::try_from(step).unwrap()));
+        tokio::time::sleep(ms(step)).await;
+        elapsed_ms += step;
+        match w.begin(&first_handle, 10) {
+            Err(DenyReason::LeaseUnavailable) => yielded += 1,
+            other => assert_eq!(other, short, "{elapsed_ms} ms: the first instance refuses"),
+        }
+        let at_second = w.begin(&second_handle, 10);
+        if at_second == Ok(CostUnits(10)) {
+            funded = Some(elapsed_ms);
+            break;
+        }
+        assert_eq!(
+            at_second, short,
+            "{elapsed_ms} ms: the second instance refuses"
+        );
+    }
+    let funded = funded.expect("the second instance funds the quote");
+    assert!(
+        (34_000..=36_000).contains(&funded),
+        "funded {funded} ms in, as the first share lapsed"
+    );
+    assert!(yielded > 0, "the first instance yielded");
+    // The yield over, the first instance finds the balance spent.
+    tokio::time::sleep(config().leases.poll_interval * 3).await;
+    assert_eq!(
+        w.begin(&first_handle, 10),
+        Err(DenyReason::BalanceExhausted { period_end: None })
+    );
+    first.shutdown().await;
+    second.shutdown().await;
+    assert_eq!(w.billed(), [10]);
+    assert!(w.store.audit().unwrap().is_empty());
 }
 
 /// An allocator that misbehaves on purpose around a real store.

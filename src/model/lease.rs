@@ -411,8 +411,9 @@ impl LocalLease {
 
     /// Whether the lease ever refused a quote for want of units, whatever
     /// became of the record since (a fold, a recheck or a forget answers
-    /// the record, not the demand it showed): the lease manager does not
-    /// let such a lease lapse as unused (I28).
+    /// the record, not the demand it showed): when such a lease lapses
+    /// unused, the lease manager waits before fetching another, so another
+    /// instance refusing the same quote can fold its units first (I28).
     #[must_use]
     pub fn has_refused(&self) -> bool {
         self.refused_any.load(Ordering::Acquire)

@@ -48,10 +48,10 @@
 //!    the store answering, it is folded for the quote anyway; the store
 //!    either funds it now or refuses, and the lease goes back to serving
 //!    with the evidence brought up to date. Where the store shares tails
-//!    between instances, a lease from a short balance that served and
-//!    refused nothing through its window is let lapse, not replaced, so
-//!    another instance can fold its units; the slot then stays *idle*,
-//!    acquiring only when a request asks.
+//!    between instances, a lease from a short balance that served nothing
+//!    through its window is let lapse, not replaced, so another instance
+//!    can fold its units; the slot then stays *idle*, acquiring only when
+//!    a request asks (two polls later if the lease refused quotes).
 //!
 //! # Parked leases and quiescence
 //!
@@ -610,6 +610,7 @@ impl LeaseManager {
             evidence: None,
             lapsing: None,
             lapsed: None,
+            idle_yield_until: None,
         };
         // A manager starts by acquiring, whatever the one before it left.
         slot.end_idle();
@@ -1145,6 +1146,11 @@ struct Task {
     /// The last lease that lapsed, leaving the slot idle: readiness waits
     /// for its release.
     lapsed: Option<LeaseId>,
+    /// Until when an idle slot whose lapsed lease had refused quotes waits
+    /// before it acquires, even for a request that asks: the time another
+    /// instance refusing the same quote needs to fold the units back (see
+    /// [`Task::lets_lapse`]).
+    idle_yield_until: Option<Instant>,
 }
 
 /// Which of its early wake-ups a lease has had: each at most once, so a
@@ -1404,7 +1410,12 @@ impl Task {
                 // The slot stays idle until the acquire is answered (see
                 // `acquire_sized`), so requests meanwhile are not funded
                 // from overage either.
-                if self.slot.is_idle() && !self.slot.lease_asked_for() {
+                if self.slot.is_idle()
+                    && (!self.slot.lease_asked_for()
+                        || self
+                            .idle_yield_until
+                            .is_some_and(|until| Instant::now() < until))
+                {
                     return Step::Idle;
                 }
                 return Step::Acquire;
@@ -1426,8 +1437,8 @@ impl Task {
                     self.lapsing = Some(lease.grant().lease_id);
                     return Step::Idle;
                 }
-                // Used or refused since an earlier inspection decided to
-                // let it lapse: replaced after all.
+                // Used since an earlier inspection decided to let it lapse:
+                // replaced after all.
                 self.lapsing = None;
                 Some(RefillVerdict::Draining)
             } else {
@@ -1480,13 +1491,17 @@ impl Task {
     /// Whether the serving lease, near the end of its window, is let lapse
     /// rather than replaced: the store shares tails between instances, the
     /// allocator said the balance could not fund another such grant, and
-    /// the lease served nothing and refused nothing. The account's last
-    /// units would otherwise stay with an instance that has no use for
-    /// them, at every window, while another instance refuses quotes they
-    /// would fund together with its own lease (tail sharing splits a short
-    /// balance between instances, and a fold takes only what the balance
-    /// holds). Once it lapses and is released, the slot stays empty until a
-    /// request asks for a lease (I28).
+    /// the lease served nothing. The account's last units would otherwise
+    /// stay with an instance that cannot use them, at every window, while
+    /// another instance refuses quotes they would fund together with its
+    /// own lease (tail sharing splits a short balance between instances,
+    /// and a fold takes only what the balance holds). Once it lapses and is
+    /// released, the slot stays empty until a request asks for a lease
+    /// (I28). A lease that refused quotes it could not fund lapses too, and
+    /// its slot then waits two polls before acquiring even for a request:
+    /// another instance refusing the same quote checks it with the store
+    /// within a poll, and folds the released units with its own; both
+    /// renewing their shares at once, neither would ever fund it.
     ///
     /// Decided one store call and a poll before the window closes: a lease
     /// first used after that is replaced only as it closes, so requests
@@ -1495,7 +1510,6 @@ impl Task {
         self.allocator.shares_tails()
             && self.balance_in_force().is_some()
             && lease.remaining() == lease.grant().units
-            && !lease.has_refused()
     }
 
     /// Takes a lease whose usability window has closed out of the slot and
@@ -1523,11 +1537,13 @@ impl Task {
             // request asks for one.
             if self.lapsing == Some(lease.grant().lease_id)
                 && lease.remaining() == lease.grant().units
-                && !lease.has_refused()
             {
                 self.slot
                     .idle_until_asked(Arc::clone(&self.doorbell) as Arc<dyn RefillSignal>);
                 self.lapsed = Some(lease.grant().lease_id);
+                self.idle_yield_until = lease
+                    .has_refused()
+                    .then(|| after(Instant::now(), self.config.poll_interval.saturating_mul(2)));
             }
             self.park(lease);
         }
