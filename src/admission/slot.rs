@@ -30,9 +30,14 @@ pub struct LeaseSlot {
     sharding: LocalSharding,
     /// Lost debit races of leases no longer in the slot.
     retired_contention: AtomicU64,
-    /// Set while the slot is empty because its last lease lapsed unused:
-    /// the lease manager acquires again only once a request asks (I28).
+    /// Set while the slot is empty because its last lease lapsed unused,
+    /// or its account is spent and nobody asks: the lease manager acquires
+    /// again only once a request asks (I28).
     idle: ArcSwapOption<Idle>,
+    /// Set by a request that found the slot without a lease; taken by the
+    /// lease manager, which keeps asking the store about a spent account
+    /// only while requests want it.
+    wanted: AtomicBool,
 }
 
 /// How a request wakes the lease manager of a slot left empty for want of
@@ -66,6 +71,7 @@ impl LeaseSlot {
             sharding,
             retired_contention: AtomicU64::new(0),
             idle: ArcSwapOption::empty(),
+            wanted: AtomicBool::new(false),
         }
     }
 
@@ -95,6 +101,12 @@ impl LeaseSlot {
         self.idle.load().is_some()
     }
 
+    /// Whether a request found the slot without a lease since the last
+    /// call, clearing the mark.
+    pub(crate) fn take_wanted(&self) -> bool {
+        self.wanted.swap(false, Ordering::Relaxed)
+    }
+
     /// Whether a request asked for a lease since the slot was left idle.
     pub(crate) fn lease_asked_for(&self) -> bool {
         self.idle
@@ -108,6 +120,7 @@ impl LeaseSlot {
     /// request is denied either way), and lock-free (I5).
     #[cold]
     pub(crate) fn ask_for_lease(&self) -> bool {
+        self.wanted.store(true, Ordering::Relaxed);
         let idle = self.idle.load();
         let Some(idle) = idle.as_ref() else {
             return false;

@@ -51,7 +51,9 @@
 //!    between instances, a lease from a short balance that served nothing
 //!    through its window is let lapse, not replaced, so another instance
 //!    can fold its units; the slot then stays *idle*, acquiring only when
-//!    a request asks (two polls later if the lease refused quotes).
+//!    a request asks (two polls later if the lease refused quotes). An
+//!    empty slot of a spent account that no request wanted for a lease's
+//!    life is left idle too, until a request asks or a refill is due.
 //!
 //! # Parked leases and quiescence
 //!
@@ -290,10 +292,11 @@ pub enum LeaseHealth {
     /// while the allocator does not answer; requests are denied while the
     /// task keeps trying to acquire.
     Unfunded,
-    /// The slot is empty because its last lease lapsed unused (I28): the
-    /// task acquires when a request asks, answering that request
-    /// transiently. Readiness counts the account as served once the lapsed
-    /// lease is released.
+    /// The slot is empty because its last lease lapsed unused, or its
+    /// account is spent and no request wanted it for a lease's life (I28):
+    /// the task acquires when a request asks (answering that request
+    /// transiently) or a refill is due. Readiness counts the account as
+    /// served once a lapsed lease is released.
     Idle,
     /// The store refused a claim as an accounting fault. The task no longer
     /// acquires and the slot stays empty; readiness is withdrawn for good.
@@ -611,6 +614,7 @@ impl LeaseManager {
             lapsing: None,
             lapsed: None,
             idle_yield_until: None,
+            last_wanted: Instant::now(),
         };
         // A manager starts by acquiring, whatever the one before it left.
         slot.end_idle();
@@ -1151,6 +1155,10 @@ struct Task {
     /// instance refusing the same quote needs to fold the units back (see
     /// [`Task::lets_lapse`]).
     idle_yield_until: Option<Instant>,
+    /// When a request last found the slot without a lease (or the task
+    /// started): a spent account nobody has asked about for a lease's life
+    /// is left idle rather than asked about at every poll.
+    last_wanted: Instant,
 }
 
 /// Which of its early wake-ups a lease has had: each at most once, so a
@@ -1307,6 +1315,11 @@ impl Task {
                         && at <= wake
                     {
                         self.refill_woken = Some(period_end);
+                        // The refill is due: an idle slot acquires now, as
+                        // any empty one does, and is asked about at each
+                        // poll again until nobody wants it.
+                        self.slot.end_idle();
+                        self.last_wanted = Instant::now();
                     }
                 }
             }
@@ -1365,7 +1378,7 @@ impl Task {
     /// staleness bound past it, as a lease's close is, and once per period
     /// end.
     fn refill_wake(&self) -> Option<(Instant, Timestamp)> {
-        if self.slot.with_lease(|lease| lease.is_some()) || self.slot.is_idle() {
+        if self.slot.with_lease(|lease| lease.is_some()) {
             return None;
         }
         let now = self.clock.now();
@@ -1404,12 +1417,20 @@ impl Task {
 
     fn next_step(&mut self) -> Step {
         let verdict = {
+            if self.slot.take_wanted() {
+                self.last_wanted = Instant::now();
+            }
             let Some(lease) = self.slot.load_observed() else {
+                if self.spent_and_unwanted() {
+                    self.slot
+                        .idle_until_asked(Arc::clone(&self.doorbell) as Arc<dyn RefillSignal>);
+                    self.lapsed = None;
+                    self.idle_yield_until = None;
+                }
                 // Left empty for want of use: acquired for the request that
-                // asks, not at every poll (I28).
-                // The slot stays idle until the acquire is answered (see
-                // `acquire_sized`), so requests meanwhile are not funded
-                // from overage either.
+                // asks, not at every poll (I28). The slot stays idle until
+                // the acquire is answered (see `acquire_sized`), so requests
+                // meanwhile are not funded from overage either.
                 if self.slot.is_idle()
                     && (!self.slot.lease_asked_for()
                         || self
@@ -1510,6 +1531,25 @@ impl Task {
         self.allocator.shares_tails()
             && self.balance_in_force().is_some()
             && lease.remaining() == lease.grant().units
+    }
+
+    /// Whether the slot, empty and not idle, serves a spent account nobody
+    /// has asked about for a lease's life: the allocator last said nothing
+    /// is left (and no release has returned units since), and no request
+    /// has found the slot empty since. Asked about at every poll, each such account
+    /// would cost a store call per poll per instance for as long as it
+    /// stays spent; left idle, the next request asks (answered transiently
+    /// while the store is asked), and a refill due wakes the task at its
+    /// period end as before (I28).
+    fn spent_and_unwanted(&self) -> bool {
+        let quiet_for = Duration::try_from(self.config.lease_ttl).unwrap_or(Duration::MAX);
+        !self.slot.is_idle()
+            && self
+                .balance_in_force()
+                .is_some_and(|balance| balance.remaining.is_zero())
+            && !self.slot.allocator_unreachable()
+            && self.parked.is_empty()
+            && Instant::now().saturating_duration_since(self.last_wanted) >= quiet_for
     }
 
     /// Takes a lease whose usability window has closed out of the slot and
