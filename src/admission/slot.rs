@@ -30,13 +30,12 @@ pub struct LeaseSlot {
     sharding: LocalSharding,
     /// Lost debit races of leases no longer in the slot.
     retired_contention: AtomicU64,
-    /// Set while the slot is empty because its last lease lapsed unused,
-    /// or its account is spent and nobody asks: the lease manager acquires
-    /// again only once a request asks (I28).
+    /// Set while the slot is empty because its last lease lapsed unused:
+    /// the lease manager acquires again only once a request asks (I28).
     idle: ArcSwapOption<Idle>,
     /// Set by a request that found the slot without a lease; taken by the
-    /// lease manager, which keeps asking the store about a spent account
-    /// only while requests want it.
+    /// lease manager, which asks the store about a spent account at every
+    /// poll only while requests want it.
     wanted: AtomicBool,
 }
 

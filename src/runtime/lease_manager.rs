@@ -53,7 +53,7 @@
 //!    can fold its units; the slot then stays *idle*, acquiring only when
 //!    a request asks (two polls later if the lease refused quotes). An
 //!    empty slot of a spent account that no request wanted for a lease's
-//!    life is left idle too, until a request asks or a refill is due.
+//!    life is asked about once a lease's life instead of at every poll.
 //!
 //! # Parked leases and quiescence
 //!
@@ -292,11 +292,10 @@ pub enum LeaseHealth {
     /// while the allocator does not answer; requests are denied while the
     /// task keeps trying to acquire.
     Unfunded,
-    /// The slot is empty because its last lease lapsed unused, or its
-    /// account is spent and no request wanted it for a lease's life (I28):
-    /// the task acquires when a request asks (answering that request
+    /// The slot is empty because its last lease lapsed unused (I28): the
+    /// task acquires when a request asks (answering that request
     /// transiently) or a refill is due. Readiness counts the account as
-    /// served once a lapsed lease is released.
+    /// served once the lapsed lease is released.
     Idle,
     /// The store refused a claim as an accounting fault. The task no longer
     /// acquires and the slot stays empty; readiness is withdrawn for good.
@@ -615,6 +614,7 @@ impl LeaseManager {
             lapsed: None,
             idle_yield_until: None,
             last_wanted: Instant::now(),
+            last_acquire: None,
         };
         // A manager starts by acquiring, whatever the one before it left.
         slot.end_idle();
@@ -1156,9 +1156,11 @@ struct Task {
     /// [`Task::lets_lapse`]).
     idle_yield_until: Option<Instant>,
     /// When a request last found the slot without a lease (or the task
-    /// started): a spent account nobody has asked about for a lease's life
-    /// is left idle rather than asked about at every poll.
+    /// started): a spent account nobody has wanted for a lease's life is
+    /// asked about once a lease's life rather than at every poll.
     last_wanted: Instant,
+    /// When the last acquire call was made.
+    last_acquire: Option<Instant>,
 }
 
 /// Which of its early wake-ups a lease has had: each at most once, so a
@@ -1421,12 +1423,6 @@ impl Task {
                 self.last_wanted = Instant::now();
             }
             let Some(lease) = self.slot.load_observed() else {
-                if self.spent_and_unwanted() {
-                    self.slot
-                        .idle_until_asked(Arc::clone(&self.doorbell) as Arc<dyn RefillSignal>);
-                    self.lapsed = None;
-                    self.idle_yield_until = None;
-                }
                 // Left empty for want of use: acquired for the request that
                 // asks, not at every poll (I28). The slot stays idle until
                 // the acquire is answered (see `acquire_sized`), so requests
@@ -1437,6 +1433,9 @@ impl Task {
                             .idle_yield_until
                             .is_some_and(|until| Instant::now() < until))
                 {
+                    return Step::Idle;
+                }
+                if self.spent_and_unwanted() {
                     return Step::Idle;
                 }
                 return Step::Acquire;
@@ -1533,23 +1532,25 @@ impl Task {
             && lease.remaining() == lease.grant().units
     }
 
-    /// Whether the slot, empty and not idle, serves a spent account nobody
-    /// has asked about for a lease's life: the allocator last said nothing
-    /// is left (and no release has returned units since), and no request
-    /// has found the slot empty since. Asked about at every poll, each such account
-    /// would cost a store call per poll per instance for as long as it
-    /// stays spent; left idle, the next request asks (answered transiently
-    /// while the store is asked), and a refill due wakes the task at its
-    /// period end as before (I28).
+    /// Whether the empty slot of a spent account skips this poll's acquire:
+    /// the allocator last said nothing is left (and no release has returned
+    /// units since), no request has found the slot empty for a lease's
+    /// life, and the store was asked less than a lease's life ago. Asked
+    /// about at every poll, each such account would cost a store call per
+    /// poll per instance for as long as it stays spent; asked once a
+    /// lease's life, a 402 is answered on evidence no older than that, the
+    /// bound a top-up already has (I28). A request that finds the slot
+    /// empty puts the poll back at the next inspection, and a refill due
+    /// still wakes the task at its period end.
     fn spent_and_unwanted(&self) -> bool {
         let quiet_for = Duration::try_from(self.config.lease_ttl).unwrap_or(Duration::MAX);
-        !self.slot.is_idle()
+        let now = Instant::now();
+        self.balance_in_force()
+            .is_some_and(|balance| balance.remaining.is_zero())
+            && now.saturating_duration_since(self.last_wanted) >= quiet_for
             && self
-                .balance_in_force()
-                .is_some_and(|balance| balance.remaining.is_zero())
-            && !self.slot.allocator_unreachable()
-            && self.parked.is_empty()
-            && Instant::now().saturating_duration_since(self.last_wanted) >= quiet_for
+                .last_acquire
+                .is_some_and(|at| now.saturating_duration_since(at) < quiet_for)
     }
 
     /// Takes a lease whose usability window has closed out of the slot and
@@ -1630,6 +1631,7 @@ impl Task {
         // counted before the call the task may end in.
         self.note_holdings();
         let config = &self.config;
+        self.last_acquire = Some(Instant::now());
         let call = self.allocator.acquire(
             config.account,
             requested,
