@@ -969,6 +969,25 @@ async fn a_spent_account_nobody_asks_about_is_asked_about_once_a_lease_life() {
     runtime.shutdown().await;
 }
 
+/// I28: an account whose drained lease served it until its window closed
+/// was wanted until then: the empty slot it leaves is asked about at every
+/// poll for a lease's life, so a top-up right after shows within a poll.
+#[tokio::test(start_paused = true)]
+async fn a_spent_account_is_polled_for_a_lease_life_after_its_last_lease_leaves() {
+    let w = world(5);
+    let (runtime, handle) = w.spawn();
+    tokio::time::sleep(ms(200)).await;
+    assert_eq!(w.begin(&handle, 5), Ok(CostUnits(5)));
+    // The drained lease's window closes 55 s in; the slot is empty after.
+    run_for(&w.clock, 700).await;
+    w.store
+        .top_up(w.account, CostUnits(10), w.clock.now())
+        .unwrap();
+    run_for(&w.clock, 2).await;
+    assert_eq!(w.begin(&handle, 1), Ok(CostUnits(1)));
+    runtime.shutdown().await;
+}
+
 /// I28: without tail sharing no other instance could use the units, so a
 /// lease is never let lapse, however unused: the account's next request
 /// meets a lease, not a fetch.

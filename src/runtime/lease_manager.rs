@@ -290,7 +290,8 @@ pub enum LeaseHealth {
     Serving,
     /// The slot is empty, its lease has expired, or its lease is drained
     /// while the allocator does not answer; requests are denied while the
-    /// task keeps trying to acquire.
+    /// task keeps trying to acquire (a spent account nobody wants, once a
+    /// lease's life: see I28).
     Unfunded,
     /// The slot is empty because its last lease lapsed unused (I28): the
     /// task acquires when a request asks (answering that request
@@ -1419,7 +1420,9 @@ impl Task {
 
     fn next_step(&mut self) -> Step {
         let verdict = {
-            if self.slot.take_wanted() {
+            // A lease in the slot serves the account's requests, refused
+            // ones included: the account is wanted until it leaves.
+            if self.slot.take_wanted() || self.slot.with_lease(|lease| lease.is_some()) {
                 self.last_wanted = Instant::now();
             }
             let Some(lease) = self.slot.load_observed() else {
@@ -1534,8 +1537,9 @@ impl Task {
 
     /// Whether the empty slot of a spent account skips this poll's acquire:
     /// the allocator last said nothing is left (and no release has returned
-    /// units since), no request has found the slot empty for a lease's
-    /// life, and the store was asked less than a lease's life ago. Asked
+    /// units since), no request has found the slot empty, nor a lease
+    /// served it, for a lease's life, and the store answered an acquire
+    /// less than a lease's life ago. Asked
     /// about at every poll, each such account would cost a store call per
     /// poll per instance for as long as it stays spent; asked once a
     /// lease's life, a 402 is answered on evidence no older than that, the
@@ -1631,7 +1635,7 @@ impl Task {
         // counted before the call the task may end in.
         self.note_holdings();
         let config = &self.config;
-        self.last_acquire = Some(Instant::now());
+        let asked_at = Instant::now();
         let call = self.allocator.acquire(
             config.account,
             requested,
@@ -1652,6 +1656,10 @@ impl Task {
             CallEnd::TimedOut | CallEnd::Stopped(_) => false,
         };
         self.note_acquire_answered(answered);
+        // Only an answer brings the evidence up to date.
+        if answered {
+            self.last_acquire = Some(asked_at);
+        }
         // An idle slot's acquire has ended: the slot is served as any other
         // from now on. A grant ends idleness once it is installed (or found
         // unusable), so no request between the two is funded from overage.
