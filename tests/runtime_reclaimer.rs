@@ -575,13 +575,13 @@ async fn storage_errors_and_hangs_are_counted_and_never_fatal() {
     );
 }
 
-/// I15: after an outage the usage writers deliver what queued up, naming
-/// leases that may have come due meanwhile. The reclaimer settles nothing
-/// after a failed call until the store has answered for `outage_hold`, so
-/// that usage is accepted rather than refused as settled, its units going
-/// back unbilled. Meanwhile it asks as of the epoch, which settles nothing
-/// and writes nothing but finds out whether the store answers. A failure
-/// during the hold starts it again.
+/// I19, for I15: after an outage the usage writers deliver what queued
+/// up, naming leases that may have come due meanwhile. The reclaimer
+/// settles nothing after a failed call until the store has answered for
+/// `outage_hold`, so that usage is accepted rather than refused as settled,
+/// its units going back unbilled. Meanwhile it asks as of the epoch, which
+/// settles nothing and writes nothing but finds out whether the store
+/// answers. A failure during the hold starts it again.
 #[tokio::test(start_paused = true)]
 async fn after_an_outage_nothing_due_since_is_reclaimed_until_the_store_has_answered_a_while() {
     let allocator = ScriptedAllocator::new([
