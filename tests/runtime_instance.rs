@@ -506,16 +506,18 @@ async fn a_quote_a_busy_lease_refused_is_funded_by_a_rotation() {
     assert!(leases.consolidations_deferred >= 1);
     assert_eq!(
         leases.acquired_units,
-        500 + 600,
-        "the first lease and one for the quote"
+        500 + 1_200,
+        "the first lease and one sized for the quote: marked at 600, with \
+         one more above the mark (I27)"
     );
-    // The quote's lease is spent, so it is rotated in turn: a third lease
-    // serves, and both busy leases wait parked for their events (I26).
+    // The quote's lease is at its mark, so it is rotated in turn: a third
+    // lease, sized alike, serves, and both busy leases wait parked for
+    // their events (I26).
     tokio::time::sleep(ms(300)).await;
     let parked = handle.report().leases.unwrap();
     assert_eq!(
         (parked.acquired_units, parked.released),
-        (500 + 600 + 500, 0),
+        (500 + 1_200 + 1_200, 0),
         "I26: a lease whose event waits is not released"
     );
 
@@ -530,13 +532,13 @@ async fn a_quote_a_busy_lease_refused_is_funded_by_a_rotation() {
     let released = serving.leases.unwrap();
     assert_eq!(
         (released.released, released.released_units),
-        (2, 500 - 5),
+        (2, 500 - 5 + 1_200 - 600),
         "both parked leases released with their exact remainders"
     );
     let view = w.store.account(w.account, w.clock.now()).unwrap();
     assert_eq!(
         view.leased,
-        CostUnits(500),
+        CostUnits(1_200),
         "only the serving lease is held"
     );
     let report = runtime.shutdown().await;
@@ -729,6 +731,47 @@ async fn run_for(clock: &ManualClock, steps: u32) {
     for _ in 0..steps {
         clock.advance(SignedDuration::from_millis(100));
         tokio::time::sleep(ms(100)).await;
+    }
+}
+
+/// I27: an account whose requests cost more than the configured low-water
+/// mark (100 units here), or more than a whole target grant (800), is
+/// refused once, when a lease first meets such a quote; the fold that
+/// funds it sizes the account's leases for it from then on, marked at the
+/// quote so they are replaced while they still fund one. Before, each lease
+/// was sized and marked by the configuration alone: at 300 a lease of 800
+/// funded two requests and refused the third (its 200 left were above the
+/// mark), and at 1,000 every other request was refused.
+#[tokio::test(start_paused = true)]
+async fn requests_dearer_than_the_configured_grant_are_refused_once_not_every_other_time() {
+    let mut config = config();
+    config.leases.target_grant = CostUnits(800);
+    for (price, refused_first) in [(300, 2), (1_000, 0)] {
+        let w = world(100_000);
+        let (logs, _capture) = Logs::capture();
+        let (runtime, handle) = w.spawn_with(Arc::clone(&w.store) as _, config.clone());
+        run_for(&w.clock, 2).await;
+        let mut refused = Vec::new();
+        for request in 0..40 {
+            if let Err(reason) = w.begin(&handle, price) {
+                refused.push((request, reason));
+            }
+            run_for(&w.clock, 1).await;
+        }
+        assert_eq!(
+            refused,
+            [(refused_first, DenyReason::LeaseExhausted)],
+            "{price}"
+        );
+        let warned = logs.lines_with("sized for it from now on");
+        assert_eq!(warned.len(), 1, "{price}: said once: {warned:?}");
+        runtime.shutdown().await;
+        let billed = w.billed();
+        assert_eq!(billed.len(), 39, "{price}");
+        assert!(billed.iter().all(|&units| units == price), "{price}");
+        let view = w.store.account(w.account, w.clock.now()).unwrap();
+        assert_eq!(view.balance, CostUnits(100_000 - 39 * price), "{price}");
+        assert!(w.store.audit().unwrap().is_empty(), "{price}");
     }
 }
 

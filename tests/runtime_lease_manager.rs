@@ -798,7 +798,14 @@ async fn a_refused_quote_folds_the_unspent_units_into_one_grant_large_enough_for
     assert_eq!(stats.consolidated, 1);
     assert_eq!((stats.acquired, stats.acquired_units), (2, 250));
     assert_eq!((stats.released, stats.released_units), (1, 30));
-    h.spend(120);
+    let lease = h.slot.load_observed().expect("installed");
+    assert_eq!(
+        lease.low_water(),
+        CostUnits(50),
+        "marked for the quote it was folded for"
+    );
+    drop(lease);
+    h.spend(90);
 
     sleep(POLL * 3).await;
     assert_eq!(
@@ -857,21 +864,24 @@ async fn a_waiting_consolidation_still_replaces_a_draining_lease() {
 /// lease, with its exact remainder, once its last request lets go.
 #[tokio::test(start_paused = true)]
 async fn a_consolidation_deferred_by_a_reservation_in_flight_rotates_instead() {
-    let h = Harness::started(Scripted::new()).await;
+    let allocator = Scripted::new();
+    allocator.plan_acquires([Reply::Grant(TARGET), Reply::Grant(300)]);
+    let h = Harness::started(allocator).await;
     let held = h.reserve(10);
     h.refused(95);
     settle().await;
 
     assert_eq!(
         h.allocator.calls(),
-        [acquire(), acquire()],
-        "no fold on an inexact count: a replacement instead"
+        [acquire(), Call::Acquire { requested: 190 }],
+        "no fold on an inexact count: a replacement instead, sized for the \
+         quote (a mark of 95 and one such request above it)"
     );
     assert_eq!(h.stats().consolidations_deferred, 1);
     assert_eq!(h.stats().consolidated, 0);
     assert_eq!(
         h.serving(),
-        Some((2, TARGET)),
+        Some((2, 300)),
         "the replacement serves, and funds the quote"
     );
     drop(h.reserve(95));
@@ -888,7 +898,8 @@ async fn a_consolidation_deferred_by_a_reservation_in_flight_rotates_instead() {
 }
 
 /// I27, I28: a refused quote larger than the target grant is chased with a
-/// replacement of the quote's size, not the target's.
+/// replacement sized for the quote, not the target: marked at the quote,
+/// with one such request above the mark.
 #[tokio::test(start_paused = true)]
 async fn a_rotation_for_a_refused_quote_asks_for_the_quote() {
     let allocator = Scripted::new();
@@ -899,7 +910,7 @@ async fn a_rotation_for_a_refused_quote_asks_for_the_quote() {
     settle().await;
     assert_eq!(
         h.allocator.calls(),
-        [acquire(), Call::Acquire { requested: 150 }]
+        [acquire(), Call::Acquire { requested: 300 }]
     );
     assert_eq!(h.serving(), Some((2, 150)));
     drop(h.reserve(150));
@@ -921,7 +932,7 @@ async fn a_rotation_that_falls_short_of_the_quote_is_not_repeated() {
     settle().await;
     assert_eq!(
         h.allocator.calls(),
-        [acquire(), Call::Acquire { requested: 150 }]
+        [acquire(), Call::Acquire { requested: 300 }]
     );
     assert_eq!(h.serving(), Some((2, 60)), "the short grant serves");
 
@@ -939,7 +950,7 @@ async fn a_rotation_that_falls_short_of_the_quote_is_not_repeated() {
         Call::Consolidate {
             lease: 2,
             unspent: 60,
-            requested: TARGET,
+            requested: 300,
             needed: 150,
         }
     );
@@ -982,7 +993,7 @@ async fn a_quote_the_lease_and_the_balance_fund_together_waits_for_a_fold() {
         Call::Consolidate {
             lease: 1,
             unspent: 60,
-            requested: TARGET,
+            requested: 140,
             needed: 70,
         }
     );
@@ -1009,8 +1020,10 @@ async fn a_grant_that_shows_funds_again_lets_a_short_rotation_be_retried() {
     settle().await;
     assert_eq!(h.serving(), Some((2, 60)), "the short grant serves");
 
-    // The account is topped up; a plain replacement shows it.
-    h.spend(45);
+    // The account is topped up; a plain replacement shows it. (The short
+    // grant is no larger than the mark learnt for the quote, so it serves
+    // until drained.)
+    h.spend(60);
     settle().await;
     assert_eq!(h.serving(), Some((3, TARGET)));
     assert_eq!(h.slot.funding_evidence(h.now()), None);
@@ -1018,13 +1031,19 @@ async fn a_grant_that_shows_funds_again_lets_a_short_rotation_be_retried() {
     let busy_again = h.reserve(10);
     h.refused(150);
     settle().await;
-    let chases = h
-        .allocator
-        .calls()
-        .into_iter()
-        .filter(|call| *call == Call::Acquire { requested: 150 })
-        .count();
-    assert_eq!(chases, 2, "chased again: {:?}", h.allocator.calls());
+    // Lease 3 is no larger than the mark, so only a chase replaces it.
+    let sized = Call::Acquire { requested: 300 };
+    assert_eq!(
+        h.allocator.calls(),
+        [
+            acquire(),
+            sized.clone(),
+            sized.clone(),
+            release(2, 0),
+            sized,
+        ],
+        "chased, replaced once drained, then chased again"
+    );
     drop((busy, busy_again));
 }
 
@@ -2336,7 +2355,7 @@ async fn a_quote_refused_as_the_window_closes_is_chased_by_the_replacement() {
     settle().await;
     assert_eq!(
         h.allocator.calls(),
-        [acquire(), acquire(), Call::Acquire { requested: 150 },]
+        [acquire(), acquire(), Call::Acquire { requested: 300 },]
     );
     assert_eq!(h.serving(), Some((2, 150)), "the retry is funded");
 }
@@ -4184,8 +4203,8 @@ async fn a_busy_lease_that_refused_a_quote_never_leaves_the_slot() {
     assert_eq!(manager.stats().consolidations_deferred, 2, "put off");
     assert_eq!(
         allocator.calls()[1],
-        Call::Acquire { requested: 120 },
-        "a replacement is chased"
+        Call::Acquire { requested: 240 },
+        "a replacement is chased, sized for the quote"
     );
     assert_eq!(
         slot.load_observed().map(|lease| lease.grant().units),

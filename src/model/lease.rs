@@ -419,8 +419,9 @@ impl LocalLease {
         self.refused_any.load(Ordering::Acquire)
     }
 
-    /// The largest quote recorded by [`note_ruled_out`](Self::note_ruled_out)
-    /// since the last [`take_ruled_out`](Self::take_ruled_out), or zero.
+    /// The largest quote refused since the refill task last took the
+    /// record, whose refusal the allocator's evidence ruled out (so it was
+    /// not recorded for a fold), or zero.
     #[must_use]
     pub fn largest_ruled_out_quote(&self) -> CostUnits {
         CostUnits(self.ruled_out.load(Ordering::Acquire))

@@ -68,7 +68,9 @@
 //! # Consolidation
 //!
 //! A lease that refused a quote the account might fund is folded, in one
-//! allocator call, into a new grant of at least that quote (I18, I27). Folding
+//! allocator call, into a new grant of at least that quote (I18, I27); from
+//! then on the account's grants are sized and marked for the largest such
+//! quote, so leases stop refusing it (see [`Task::sizing`]). Folding
 //! needs an exact unspent count, so the lease is taken out of the slot and
 //! tested for quiescence. If a reservation is still in flight, or a committed
 //! charge's event is still on its way (under steady traffic one always is),
@@ -172,8 +174,9 @@ use crate::store::{AllocateError, Allocation, Clock, LeaseAllocator, Released};
 pub struct LeaseManagerConfig {
     /// The account whose slot is stocked and whose balance pays.
     pub account: AccountId,
-    /// Units asked for in each acquire. The allocator may grant less near
-    /// the end of the balance. Larger grants mean fewer store calls but more
+    /// Units asked for in each acquire (more once the account's quotes
+    /// outgrow `low_water`, below). The allocator may grant less near the
+    /// end of the balance. Larger grants mean fewer store calls but more
     /// balance held by one instance (and left to TTL reclaim if it crashes).
     /// Must be positive.
     pub target_grant: CostUnits,
@@ -183,6 +186,12 @@ pub struct LeaseManagerConfig {
     /// A grant no larger than it (the allocator's tail of a balance) gets
     /// no mark: it serves until drained or until it refuses a quote, since
     /// replacing it early would strand its units on a parked lease.
+    ///
+    /// Keep it at least the largest price: a lease left with less refuses
+    /// the request. The first quote above it that a lease refuses and a
+    /// fold or replacement funds raises the account's mark to the quote,
+    /// and its grants to at least the mark plus one such quote, for the
+    /// rest of the manager's life (I27); a warning names the quote.
     pub low_water: CostUnits,
     /// The lifetime asked for each lease. The allocator may clamp it. Must be
     /// positive and longer than `expiry_safety_margin`.
@@ -406,8 +415,10 @@ pub struct LeaseStats {
     pub release_refused: [u64; AllocateError::COUNT],
     /// Leases given up at shutdown; they settle at TTL reclaim.
     pub abandoned: u64,
-    /// Refused leases folded into a new grant. A rising count says
-    /// `target_grant` is small against the largest quotes.
+    /// Refused leases folded into a new grant: about one for each larger
+    /// quote above the mark (grants are then sized for it, see
+    /// [`LeaseManagerConfig::low_water`]), and more near the end of a
+    /// balance, where grants come short.
     pub consolidated: u64,
     /// Attempts to fold a refused lease that were put off because a
     /// reservation or an undelivered event still held it. A refusal stays
@@ -603,6 +614,7 @@ impl LeaseManager {
             parked: VecDeque::new(),
             withheld: Vec::new(),
             rotation_fell_short: false,
+            largest_quote: CostUnits::ZERO,
             warned_short_window: false,
             unanswered_acquires: 0,
             acquire_after: None,
@@ -1114,6 +1126,11 @@ struct Task {
     /// no longer chases the quote, so one quote cannot split the account's
     /// funds into ever smaller leases.
     rotation_fell_short: bool,
+    /// The largest quote a lease of this account refused that the account
+    /// might fund (a fold funded it, or a replacement was acquired for
+    /// it): the account's requests come that large, so every later grant
+    /// is sized and marked for it (see [`Task::sizing`]).
+    largest_quote: CostUnits,
     /// Whether a grant too short-lived to outlast the replacement lead has
     /// been reported; once per task, as every later grant is the same.
     warned_short_window: bool,
@@ -1597,7 +1614,54 @@ impl Task {
     }
 
     async fn acquire(&mut self) -> Result<(), Stopped> {
-        self.acquire_sized(self.config.target_grant).await.map(drop)
+        self.acquire_sized(self.sizing(CostUnits::ZERO).request)
+            .await
+            .map(drop)
+    }
+
+    /// How much to ask for, and where to mark the lease, for an account
+    /// whose requests come as large as `quote` (or as the largest quote
+    /// learnt so far, if larger). The mark is at least that quote, so a
+    /// lease is replaced while it still funds one such request, beside
+    /// requests, rather than refuse it and be folded; and the grant asked
+    /// for covers the mark and one such request, so a lease serves at
+    /// least one before it reaches its mark. For quotes no larger than
+    /// `low_water` these are the configured `target_grant` and `low_water`
+    /// (I27).
+    fn sizing(&self, quote: CostUnits) -> Sizing {
+        let quote = quote.max(self.largest_quote);
+        let mark = self.config.low_water.max(quote);
+        Sizing {
+            request: self
+                .config
+                .target_grant
+                .max(mark.checked_add(quote).unwrap_or(CostUnits::MAX)),
+            mark,
+        }
+    }
+
+    /// Sizes later grants for `quote`, which a lease refused and the
+    /// account might fund (see [`sizing`](Self::sizing)). Said once per
+    /// larger quote above `low_water`: the configuration is the cheaper
+    /// place for it, sparing each instance the first refusal.
+    fn learn_quote(&mut self, quote: CostUnits) {
+        if quote <= self.largest_quote {
+            return;
+        }
+        self.largest_quote = quote;
+        if quote > self.config.low_water {
+            let sizing = self.sizing(quote);
+            tracing::warn!(
+                quote = quote.get(),
+                low_water = self.config.low_water.get(),
+                target_grant = self.config.target_grant.get(),
+                requested = sizing.request.get(),
+                mark = sizing.mark.get(),
+                "lease manager: a lease refused a quote above low_water; the account's \
+                 leases are sized for it from now on (configure low_water at least the \
+                 largest price and target_grant well above it)"
+            );
+        }
     }
 
     /// Acquires a lease of `requested` units and installs it, parking what
@@ -1865,10 +1929,11 @@ impl Task {
         // account still has, and an Elastic account would be billed
         // overage for them. It serves until drained, or until it refuses a
         // quote, which folds it (I27).
-        let low_water = if grant.units <= self.config.low_water {
+        let mark = self.sizing(CostUnits::ZERO).mark;
+        let low_water = if grant.units <= mark {
             CostUnits::ZERO
         } else {
-            self.config.low_water
+            mark
         };
         let lease = LocalLease::with_sharding(
             grant,
@@ -2002,9 +2067,10 @@ impl Task {
             draining,
         } = deferred;
         if chase {
-            let granted = self
-                .acquire_sized(self.config.target_grant.max(needed))
-                .await?;
+            // Sized for the quote from this grant on: chased, it is one the
+            // account might fund.
+            self.learn_quote(needed);
+            let granted = self.acquire_sized(self.sizing(needed).request).await?;
             self.rotation_fell_short = granted.is_some_and(|units| units < needed);
             return Ok(());
         }
@@ -2122,12 +2188,13 @@ impl Task {
             self.show_evidence();
             return Ok(());
         }
+        let requested = self.sizing(needed).request;
         let config = &self.config;
         let call = self.allocator.consolidate(
             grant.lease_id,
             grant.fencing_token,
             unspent,
-            config.target_grant,
+            requested,
             needed,
             config.lease_ttl,
             self.clock.now(),
@@ -2165,6 +2232,9 @@ impl Task {
                     needed = needed.get(),
                     "lease manager: consolidated a lease that refused a quote"
                 );
+                // The account funded the quote: the new lease, and every
+                // later one, is marked for it.
+                self.learn_quote(needed);
                 self.install(allocation);
                 return Ok(());
             }
@@ -2707,6 +2777,15 @@ impl Task {
         self.shared.held_leases.store(leases, Ordering::Relaxed);
         self.shared.held_units.store(units, Ordering::Relaxed);
     }
+}
+
+/// A grant's size and mark, from [`Task::sizing`].
+#[derive(Debug, Clone, Copy)]
+struct Sizing {
+    /// The units asked for.
+    request: CostUnits,
+    /// The low-water mark of a grant larger than it.
+    mark: CostUnits,
 }
 
 /// What [`Task::defer_fold`] decided for a lease that refused a quote
