@@ -1752,6 +1752,62 @@ async fn an_axum_handler_reads_its_admission_and_a_route_outside_the_layer_is_a_
     assert!(String::from_utf8_lossy(&body).contains("not behind a TollgateLayer"));
 }
 
+/// I3: tower-http's `Timeout` composed outside the layer the plain
+/// `ServiceBuilder` way. It answers a request that ran too long with a
+/// response of its own, built on a default body of the service's type, so
+/// the layer's body provides one. A handler that started pays in full
+/// even though the timeout answers for it; a fast request on the same
+/// stack is served as usual.
+#[tokio::test(start_paused = true)]
+async fn a_timeout_composed_outside_the_layer_answers_and_the_started_handler_pays() {
+    use axum::body::Body;
+    use axum::routing::get;
+    use tower_http::timeout::TimeoutLayer;
+
+    let mut w = world(INITIAL).await;
+    let started = Arc::new(AtomicUsize::new(0));
+    let counted = Arc::clone(&started);
+    let router = axum::Router::new().route(
+        "/read",
+        get(move |request: Request<Body>| async move {
+            counted.fetch_add(1, Ordering::SeqCst);
+            if request.uri().query() == Some("slow") {
+                tokio::time::sleep(Duration::from_secs(10)).await;
+            }
+            "done"
+        }),
+    );
+    let service = tower::ServiceBuilder::new()
+        .layer(TimeoutLayer::with_status_code(
+            StatusCode::REQUEST_TIMEOUT,
+            ms(100),
+        ))
+        .layer(w.layer())
+        .service(router);
+    let call = |path: &str| {
+        let (parts, _) = w.bearer(path).into_parts();
+        service
+            .clone()
+            .oneshot(Request::from_parts(parts, Body::empty()))
+    };
+
+    let slow = call("/read?slow").await.unwrap();
+    assert_eq!(slow.status(), StatusCode::REQUEST_TIMEOUT);
+    let fast = call("/read").await.unwrap();
+    assert_eq!(fast.status(), StatusCode::OK);
+    assert!(fast.headers().contains_key(REQUEST_ID_HEADER));
+    let body = fast.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(&body[..], b"done");
+
+    assert_eq!(started.load(Ordering::SeqCst), 2);
+    assert_eq!(
+        w.shutdown_and_usage().await,
+        vec![PRICE, PRICE],
+        "both handlers started, so both pay"
+    );
+    assert!(w.store.audit().unwrap().is_empty());
+}
+
 /// I9: a route priced at nothing serves a key whose account has no funds and
 /// no lease, and bills it as zero units of overage (I8: its one event); the
 /// same key on a priced route is told the truth, 402, and bills nothing.

@@ -94,6 +94,15 @@ impl<B> TollgateBody<B> {
     }
 }
 
+/// An empty inner body: what a layer outside builds its own responses with
+/// (tower-http's `Timeout` answers a request that ran too long with an
+/// empty body of the service's type).
+impl<B: Default> Default for TollgateBody<B> {
+    fn default() -> Self {
+        Self::inner(B::default())
+    }
+}
+
 impl<B> Body for TollgateBody<B>
 where
     B: Body,
