@@ -506,18 +506,18 @@ async fn a_quote_a_busy_lease_refused_is_funded_by_a_rotation() {
     assert!(leases.consolidations_deferred >= 1);
     assert_eq!(
         leases.acquired_units,
-        500 + 1_200,
-        "the first lease and one sized for the quote: marked at 600, with \
-         one more above the mark (I27)"
+        500 + 1_000,
+        "the first lease and one sized for the quote: the quote and the \
+         configured 400 between rotations (I27)"
     );
-    // The quote's lease is at its mark, so it is rotated in turn: a third
-    // lease, sized alike, serves, and both busy leases wait parked for
-    // their events (I26).
+    // The quote's lease is below its mark (the quote, now that a grant
+    // covered it), so it is rotated in turn: a third lease, sized alike,
+    // serves, and both busy leases wait parked for their events (I26).
     tokio::time::sleep(ms(300)).await;
     let parked = handle.report().leases.unwrap();
     assert_eq!(
         (parked.acquired_units, parked.released),
-        (500 + 1_200 + 1_200, 0),
+        (500 + 1_000 + 1_000, 0),
         "I26: a lease whose event waits is not released"
     );
 
@@ -532,13 +532,13 @@ async fn a_quote_a_busy_lease_refused_is_funded_by_a_rotation() {
     let released = serving.leases.unwrap();
     assert_eq!(
         (released.released, released.released_units),
-        (2, 500 - 5 + 1_200 - 600),
+        (2, 500 - 5 + 1_000 - 600),
         "both parked leases released with their exact remainders"
     );
     let view = w.store.account(w.account, w.clock.now()).unwrap();
     assert_eq!(
         view.leased,
-        CostUnits(1_200),
+        CostUnits(1_000),
         "only the serving lease is held"
     );
     let report = runtime.shutdown().await;
@@ -735,44 +735,102 @@ async fn run_for(clock: &ManualClock, steps: u32) {
 }
 
 /// I27: an account whose requests cost more than the configured low-water
-/// mark (100 units here), or more than a whole target grant (800), is
-/// refused once, when a lease first meets such a quote; the fold that
-/// funds it sizes the account's leases for it from then on, marked at the
-/// quote so they are replaced while they still fund one. Before, each lease
-/// was sized and marked by the configuration alone: at 300 a lease of 800
-/// funded two requests and refused the third (its 200 left were above the
-/// mark), and at 1,000 every other request was refused.
+/// mark (100 units here) is refused once, when a lease first meets such a
+/// quote; the fold that funds it marks the account's leases at the quote
+/// from then on, so they are replaced while they still fund one. Before,
+/// every lease was marked at the configured 100: a lease of 800 funded two
+/// requests of 300 and refused the third (its 200 left were above the
+/// mark), and so on for as long as the account was served. A warning
+/// names the quote once.
 #[tokio::test(start_paused = true)]
-async fn requests_dearer_than_the_configured_grant_are_refused_once_not_every_other_time() {
+async fn a_price_above_low_water_is_refused_once_not_at_every_lease() {
     let mut config = config();
     config.leases.target_grant = CostUnits(800);
-    for (price, refused_first) in [(300, 2), (1_000, 0)] {
-        let w = world(100_000);
-        let (logs, _capture) = Logs::capture();
-        let (runtime, handle) = w.spawn_with(Arc::clone(&w.store) as _, config.clone());
-        run_for(&w.clock, 2).await;
-        let mut refused = Vec::new();
-        for request in 0..40 {
-            if let Err(reason) = w.begin(&handle, price) {
-                refused.push((request, reason));
-            }
-            run_for(&w.clock, 1).await;
+    let w = world(100_000);
+    let (logs, _capture) = Logs::capture();
+    let (runtime, handle) = w.spawn_with(Arc::clone(&w.store) as _, config);
+    run_for(&w.clock, 2).await;
+    let mut refused = Vec::new();
+    for request in 0..40 {
+        if let Err(reason) = w.begin(&handle, 300) {
+            refused.push((request, reason));
         }
-        assert_eq!(
-            refused,
-            [(refused_first, DenyReason::LeaseExhausted)],
-            "{price}"
-        );
-        let warned = logs.lines_with("sized for it from now on");
-        assert_eq!(warned.len(), 1, "{price}: said once: {warned:?}");
-        runtime.shutdown().await;
-        let billed = w.billed();
-        assert_eq!(billed.len(), 39, "{price}");
-        assert!(billed.iter().all(|&units| units == price), "{price}");
-        let view = w.store.account(w.account, w.clock.now()).unwrap();
-        assert_eq!(view.balance, CostUnits(100_000 - 39 * price), "{price}");
-        assert!(w.store.audit().unwrap().is_empty(), "{price}");
+        run_for(&w.clock, 1).await;
     }
+    assert_eq!(refused, [(2, DenyReason::LeaseExhausted)]);
+    let warned = logs.lines_with("sized for it from now on");
+    assert_eq!(warned.len(), 1, "said once: {warned:?}");
+    assert!(warned[0].contains("quote=300"), "{warned:?}");
+    runtime.shutdown().await;
+    assert_eq!(w.billed(), vec![300; 39]);
+    let view = w.store.account(w.account, w.clock.now()).unwrap();
+    assert_eq!(view.balance, CostUnits(100_000 - 39 * 300));
+    assert!(w.store.audit().unwrap().is_empty());
+}
+
+/// I27: a price above the whole target grant (500 units here) is refused
+/// by every lease of that size. Once a fold funds it, each grant asked for
+/// holds the price and the configured span between rotations (400): the
+/// price is refused once, not every other request, and an instance holds
+/// no more than one request and a target grant.
+#[tokio::test(start_paused = true)]
+async fn a_price_above_the_target_grant_is_refused_once() {
+    let w = world(100_000);
+    let (logs, _capture) = Logs::capture();
+    let (runtime, handle) = w.spawn();
+    run_for(&w.clock, 2).await;
+    let price = config().leases.target_grant.get() + 100;
+    let mut refused = Vec::new();
+    for request in 0..20 {
+        if let Err(reason) = w.begin(&handle, price) {
+            refused.push((request, reason));
+        }
+        run_for(&w.clock, 1).await;
+    }
+    assert_eq!(refused, [(0, DenyReason::LeaseExhausted)]);
+    let warned = logs.lines_with("sized for it from now on");
+    assert_eq!(warned.len(), 1, "said once: {warned:?}");
+    let leases = handle.report().leases.unwrap();
+    assert_eq!(
+        leases.acquired_units,
+        500 + 20 * (price + 400),
+        "the first lease, then the quote and the configured 400 between \
+         rotations, from the fold on, replaced at each request"
+    );
+    runtime.shutdown().await;
+    assert_eq!(w.billed(), vec![price; 19]);
+    assert!(w.store.audit().unwrap().is_empty());
+}
+
+/// I27: cheaper requests between the dear ones do not bring the refusals
+/// back: a lease sized for a price above the target grant is marked at the
+/// price, so one that a cheap request left short of it rings for its
+/// replacement rather than wait to refuse the next dear one.
+#[tokio::test(start_paused = true)]
+async fn a_learnt_price_is_not_refused_again_between_cheaper_requests() {
+    // A lease sized for the dear price (600: 1,000 units, the price and
+    // the configured 400 between rotations) has 650 left after a cheap
+    // request, still above its mark; one marked lower than the dear price
+    // (at the target grant, 500, in 900 units) would keep 550 without
+    // ringing, and refuse the next dear request.
+    const CHEAP: u64 = 350;
+    let w = world(100_000);
+    let (runtime, handle) = w.spawn();
+    run_for(&w.clock, 2).await;
+    let dear = config().leases.target_grant.get() + 100;
+    let mut refused = Vec::new();
+    for request in 0..40 {
+        let price = if request % 2 == 0 { CHEAP } else { dear };
+        if let Err(reason) = w.begin(&handle, price) {
+            refused.push((request, reason));
+        }
+        run_for(&w.clock, 1).await;
+    }
+    assert_eq!(refused, [(1, DenyReason::LeaseExhausted)]);
+    runtime.shutdown().await;
+    let billed: u64 = w.billed().iter().sum();
+    assert_eq!(billed, 20 * CHEAP + 19 * dear);
+    assert!(w.store.audit().unwrap().is_empty());
 }
 
 /// I27, I28: a short balance split between two instances, one of which

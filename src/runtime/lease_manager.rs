@@ -37,7 +37,7 @@
 //! 3. The slot is examined. Empty: acquire a lease. Serving and above low
 //!    water: nothing. At or below low water: acquire a replacement while the
 //!    old lease keeps serving, install it, park the old one. (A grant no
-//!    larger than low water, the tail of a balance, has a mark of zero: it
+//!    larger than its mark, the tail of a balance, has a mark of zero: it
 //!    is replaced once drained, and requests meet the round trip.) The lease refused
 //!    a quote: *consolidate* it, or, if its window is about to close,
 //!    replace it with one large enough for the quote. A fold the store
@@ -69,10 +69,10 @@
 //!
 //! A lease that refused a quote the account might fund is folded, in one
 //! allocator call, into a new grant of at least that quote (I18, I27); from
-//! then on the account's grants are sized and marked for the largest such
-//! quote, so leases stop refusing it (see [`Task::sizing`]). Folding
-//! needs an exact unspent count, so the lease is taken out of the slot and
-//! tested for quiescence. If a reservation is still in flight, or a committed
+//! then on the account's leases are sized and marked for the largest such
+//! quote, so they stop refusing it (see [`Task::sizing`]).
+//! Folding needs an exact unspent count, so the lease is taken out of the
+//! slot and tested for quiescence. If a reservation is still in flight, or a committed
 //! charge's event is still on its way (under steady traffic one always is),
 //! it goes straight back and a replacement large enough for the quote is
 //! acquired beside it instead, unless the allocator's last word rules the
@@ -174,24 +174,26 @@ use crate::store::{AllocateError, Allocation, Clock, LeaseAllocator, Released};
 pub struct LeaseManagerConfig {
     /// The account whose slot is stocked and whose balance pays.
     pub account: AccountId,
-    /// Units asked for in each acquire (more once the account's quotes
-    /// outgrow `low_water`, below). The allocator may grant less near the
-    /// end of the balance. Larger grants mean fewer store calls but more
+    /// Units asked for in each acquire: `low_water` and the span between
+    /// rotations above it, raised with the mark once the account's quotes
+    /// outgrow `low_water` (see there). The allocator may grant less near
+    /// the end of the balance. Larger grants mean fewer store calls but more
     /// balance held by one instance (and left to TTL reclaim if it crashes).
     /// Must be positive.
     pub target_grant: CostUnits,
     /// The mark at or below which a lease asks to be replaced while it keeps
     /// serving. Size it to what the account spends during one refill (an
     /// allocator round trip) at its peak rate. Must be below `target_grant`.
-    /// A grant no larger than it (the allocator's tail of a balance) gets
-    /// no mark: it serves until drained or until it refuses a quote, since
+    /// A grant no larger than its mark (the allocator's tail of a balance)
+    /// gets none: it serves until drained or until it refuses a quote, since
     /// replacing it early would strand its units on a parked lease.
     ///
     /// Keep it at least the largest price: a lease left with less refuses
-    /// the request. The first quote above it that a lease refuses and a
-    /// fold or replacement funds raises the account's mark to the quote,
-    /// and its grants to at least the mark plus one such quote, for the
-    /// rest of the manager's life (I27); a warning names the quote.
+    /// the request. A quote above it that a lease refuses and a fold or
+    /// replacement then funds becomes the account's mark for the rest of
+    /// the manager's life, and grants ask for that mark and the same span
+    /// above it, `target_grant - low_water` (I27). A warning names the
+    /// quote.
     pub low_water: CostUnits,
     /// The lifetime asked for each lease. The allocator may clamp it. Must be
     /// positive and longer than `expiry_safety_margin`.
@@ -416,7 +418,7 @@ pub struct LeaseStats {
     /// Leases given up at shutdown; they settle at TTL reclaim.
     pub abandoned: u64,
     /// Refused leases folded into a new grant: about one for each larger
-    /// quote above the mark (grants are then sized for it, see
+    /// quote above the mark (leases are then sized for it, see
     /// [`LeaseManagerConfig::low_water`]), and more near the end of a
     /// balance, where grants come short.
     pub consolidated: u64,
@@ -615,6 +617,7 @@ impl LeaseManager {
             withheld: Vec::new(),
             rotation_fell_short: false,
             largest_quote: CostUnits::ZERO,
+            chasing: CostUnits::ZERO,
             warned_short_window: false,
             unanswered_acquires: 0,
             acquire_after: None,
@@ -1126,11 +1129,14 @@ struct Task {
     /// no longer chases the quote, so one quote cannot split the account's
     /// funds into ever smaller leases.
     rotation_fell_short: bool,
-    /// The largest quote a lease of this account refused that the account
-    /// might fund (a fold funded it, or a replacement was acquired for
-    /// it): the account's requests come that large, so every later grant
-    /// is sized and marked for it (see [`Task::sizing`]).
+    /// The largest quote a lease of this account refused that a fold or a
+    /// replacement then funded: the account's requests come that large, so
+    /// every later grant is sized and marked for it (see
+    /// [`Task::sizing`]).
     largest_quote: CostUnits,
+    /// The quote the acquire under way chases, zero otherwise: the grant
+    /// is marked for it, and it is learnt if the grant covers it.
+    chasing: CostUnits,
     /// Whether a grant too short-lived to outlast the replacement lead has
     /// been reported; once per task, as every later grant is the same.
     warned_short_window: bool,
@@ -1621,47 +1627,49 @@ impl Task {
 
     /// How much to ask for, and where to mark the lease, for an account
     /// whose requests come as large as `quote` (or as the largest quote
-    /// learnt so far, if larger). The mark is at least that quote, so a
-    /// lease is replaced while it still funds one such request, beside
-    /// requests, rather than refuse it and be folded; and the grant asked
-    /// for covers the mark and one such request, so a lease serves at
-    /// least one before it reaches its mark. For quotes no larger than
-    /// `low_water` these are the configured `target_grant` and `low_water`
-    /// (I27).
+    /// learnt so far, if larger). The mark is at least the quote, so a
+    /// lease rings for its replacement once it may no longer fund one, and
+    /// the grant asked for is the mark plus the configured span between
+    /// rotations (`target_grant - low_water`), so what a lease serves
+    /// between rotations, and what the store is asked per unit spent, stay
+    /// as configured. A grant no larger than its mark is then one the
+    /// allocator shrank (I28). For quotes no larger than `low_water` these
+    /// are the configured `target_grant` and `low_water` (I27).
     fn sizing(&self, quote: CostUnits) -> Sizing {
-        let quote = quote.max(self.largest_quote);
-        let mark = self.config.low_water.max(quote);
+        let mark = self.config.low_water.max(quote).max(self.largest_quote);
+        // `validate` keeps `low_water` below `target_grant`.
+        let span = self
+            .config
+            .target_grant
+            .saturating_sub(self.config.low_water);
         Sizing {
-            request: self
-                .config
-                .target_grant
-                .max(mark.checked_add(quote).unwrap_or(CostUnits::MAX)),
+            request: mark.checked_add(span).unwrap_or(CostUnits::MAX),
             mark,
         }
     }
 
-    /// Sizes later grants for `quote`, which a lease refused and the
-    /// account might fund (see [`sizing`](Self::sizing)). Said once per
-    /// larger quote above `low_water`: the configuration is the cheaper
-    /// place for it, sparing each instance the first refusal.
+    /// Sizes later grants for `quote`, which a lease refused and a fold or
+    /// a replacement then funded (see [`sizing`](Self::sizing)), for the
+    /// rest of the task's life. Said once per larger quote above
+    /// `low_water`: the configuration is the cheaper place for it, sparing
+    /// each instance the first refusal (and, for a quote larger than
+    /// the span between rotations, a store call per such request).
     fn learn_quote(&mut self, quote: CostUnits) {
-        if quote <= self.largest_quote {
+        if quote <= self.largest_quote || quote <= self.config.low_water {
             return;
         }
         self.largest_quote = quote;
-        if quote > self.config.low_water {
-            let sizing = self.sizing(quote);
-            tracing::warn!(
-                quote = quote.get(),
-                low_water = self.config.low_water.get(),
-                target_grant = self.config.target_grant.get(),
-                requested = sizing.request.get(),
-                mark = sizing.mark.get(),
-                "lease manager: a lease refused a quote above low_water; the account's \
-                 leases are sized for it from now on (configure low_water at least the \
-                 largest price and target_grant well above it)"
-            );
-        }
+        let sizing = self.sizing(quote);
+        tracing::warn!(
+            quote = quote.get(),
+            low_water = self.config.low_water.get(),
+            target_grant = self.config.target_grant.get(),
+            requested = sizing.request.get(),
+            mark = sizing.mark.get(),
+            "lease manager: a lease refused a quote above low_water; the account's \
+             leases are sized for it from now on (configure low_water at least the \
+             largest price and target_grant several times it)"
+        );
     }
 
     /// Acquires a lease of `requested` units and installs it, parking what
@@ -1929,7 +1937,14 @@ impl Task {
         // account still has, and an Elastic account would be billed
         // overage for them. It serves until drained, or until it refuses a
         // quote, which folds it (I27).
-        let mark = self.sizing(CostUnits::ZERO).mark;
+        // A grant that covers the quote chased is marked for it, as it is
+        // learnt; one that falls short, as before.
+        let chased = if grant.units >= self.chasing {
+            self.chasing
+        } else {
+            CostUnits::ZERO
+        };
+        let mark = self.sizing(chased).mark;
         let low_water = if grant.units <= mark {
             CostUnits::ZERO
         } else {
@@ -2067,11 +2082,15 @@ impl Task {
             draining,
         } = deferred;
         if chase {
-            // Sized for the quote from this grant on: chased, it is one the
-            // account might fund.
-            self.learn_quote(needed);
-            let granted = self.acquire_sized(self.sizing(needed).request).await?;
+            self.chasing = needed;
+            // Sized for the quote, which is learnt once a grant covers it.
+            let granted = self.acquire_sized(self.sizing(needed).request).await;
+            self.chasing = CostUnits::ZERO;
+            let granted = granted?;
             self.rotation_fell_short = granted.is_some_and(|units| units < needed);
+            if granted.is_some_and(|units| units >= needed) {
+                self.learn_quote(needed);
+            }
             return Ok(());
         }
         if draining {
@@ -2188,6 +2207,8 @@ impl Task {
             self.show_evidence();
             return Ok(());
         }
+        // Sized for the quote, which is learnt once the store grants it, so
+        // the new lease is marked for it too.
         let requested = self.sizing(needed).request;
         let config = &self.config;
         let call = self.allocator.consolidate(
@@ -2782,7 +2803,7 @@ impl Task {
 /// A grant's size and mark, from [`Task::sizing`].
 #[derive(Debug, Clone, Copy)]
 struct Sizing {
-    /// The units asked for.
+    /// The units asked for: at least `target_grant`.
     request: CostUnits,
     /// The low-water mark of a grant larger than it.
     mark: CostUnits,
