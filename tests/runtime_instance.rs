@@ -737,7 +737,8 @@ async fn run_for(clock: &ManualClock, steps: u32) {
 /// I27: an account whose requests cost more than the configured low-water
 /// mark (100 units here) is refused once, when a lease first meets such a
 /// quote; the fold that funds it marks the account's leases at the quote
-/// from then on, so they are replaced while they still fund one. Before,
+/// from then on, so each rings for its replacement once it may no longer
+/// fund one, and requests made one after another are all funded. Before,
 /// every lease was marked at the configured 100: a lease of 800 funded two
 /// requests of 300 and refused the third (its 200 left were above the
 /// mark), and so on for as long as the account was served. A warning
@@ -771,8 +772,7 @@ async fn a_price_above_low_water_is_refused_once_not_at_every_lease() {
 /// I27: a price above the whole target grant (500 units here) is refused
 /// by every lease of that size. Once a fold funds it, each grant asked for
 /// holds the price and the configured span between rotations (400): the
-/// price is refused once, not every other request, and an instance holds
-/// no more than one request and a target grant.
+/// price is refused once, not every other request.
 #[tokio::test(start_paused = true)]
 async fn a_price_above_the_target_grant_is_refused_once() {
     let w = world(100_000);
@@ -804,8 +804,8 @@ async fn a_price_above_the_target_grant_is_refused_once() {
 
 /// I27: cheaper requests between the dear ones do not bring the refusals
 /// back: a lease sized for a price above the target grant is marked at the
-/// price, so one that a cheap request left short of it rings for its
-/// replacement rather than wait to refuse the next dear one.
+/// price, not at the target grant, so a cheap request cannot leave it short
+/// of the price without its ringing for a replacement.
 #[tokio::test(start_paused = true)]
 async fn a_learnt_price_is_not_refused_again_between_cheaper_requests() {
     // A lease sized for the dear price (600: 1,000 units, the price and
@@ -830,6 +830,37 @@ async fn a_learnt_price_is_not_refused_again_between_cheaper_requests() {
     runtime.shutdown().await;
     let billed: u64 = w.billed().iter().sum();
     assert_eq!(billed, 20 * CHEAP + 19 * dear);
+    assert!(w.store.audit().unwrap().is_empty());
+}
+
+/// I27: a quote a recheck asks the store about was answered as final (402)
+/// and served at no price. Funded by the recheck's fold after a top-up, it
+/// is served, but it does not size the account's leases: a price nobody
+/// has paid yet is no reason to hold more of the balance.
+#[tokio::test(start_paused = true)]
+async fn a_quote_funded_by_a_recheck_does_not_size_the_leases() {
+    let w = world(30);
+    let (logs, _capture) = Logs::capture();
+    let (runtime, handle) = w.spawn();
+    tokio::time::sleep(ms(200)).await;
+    assert_eq!(w.begin(&handle, 25), Ok(CostUnits(25)));
+    tokio::time::sleep(ms(300)).await;
+    let refused = w.begin(&handle, 150);
+    assert!(
+        matches!(refused, Err(DenyReason::BalanceInsufficient { .. })),
+        "{refused:?}"
+    );
+    w.store
+        .top_up(w.account, CostUnits(10_000), w.clock.now())
+        .unwrap();
+    tokio::time::sleep(config().leases.poll_interval + ms(10)).await;
+    assert_eq!(w.begin(&handle, 150), Ok(CostUnits(150)));
+    assert_eq!(
+        logs.lines_with("sized for it from now on"),
+        Vec::<String>::new()
+    );
+    runtime.shutdown().await;
+    assert_eq!(w.billed(), [25, 150]);
     assert!(w.store.audit().unwrap().is_empty());
 }
 

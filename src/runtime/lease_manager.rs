@@ -1628,7 +1628,9 @@ impl Task {
     /// How much to ask for, and where to mark the lease, for an account
     /// whose requests come as large as `quote` (or as the largest quote
     /// learnt so far, if larger). The mark is at least the quote, so a
-    /// lease rings for its replacement once it may no longer fund one, and
+    /// lease rings for its replacement once it may no longer fund one (a
+    /// request at that price during the replacement's round trip is refused,
+    /// as any larger than `low_water` is), and
     /// the grant asked for is the mark plus the configured span between
     /// rotations (`target_grant - low_water`), so what a lease serves
     /// between rotations, and what the store is asked per unit spent, stay
@@ -2254,8 +2256,12 @@ impl Task {
                     "lease manager: consolidated a lease that refused a quote"
                 );
                 // The account funded the quote: the new lease, and every
-                // later one, is marked for it.
-                self.learn_quote(needed);
+                // later one, is sized for it. Not a quote a recheck asked
+                // about: it was answered as final (402), and no request
+                // has been served at that price.
+                if kind == Fold::Refused {
+                    self.learn_quote(needed);
+                }
                 self.install(allocation);
                 return Ok(());
             }
