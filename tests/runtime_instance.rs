@@ -734,6 +734,23 @@ async fn run_for(clock: &ManualClock, steps: u32) {
     }
 }
 
+/// Admits and commits a request at each price in turn, 100 ms apart, and
+/// returns the refusals with the requests' positions.
+async fn refusals(
+    w: &World,
+    handle: &RuntimeHandle,
+    prices: impl IntoIterator<Item = u64>,
+) -> Vec<(usize, DenyReason)> {
+    let mut refused = Vec::new();
+    for (request, price) in prices.into_iter().enumerate() {
+        if let Err(reason) = w.begin(handle, price) {
+            refused.push((request, reason));
+        }
+        run_for(&w.clock, 1).await;
+    }
+    refused
+}
+
 /// I27: an account whose requests cost more than the configured low-water
 /// mark (100 units here) is refused once, when a lease first meets such a
 /// quote; the fold that funds it marks the account's leases at the quote
@@ -751,13 +768,7 @@ async fn a_price_above_low_water_is_refused_once_not_at_every_lease() {
     let (logs, _capture) = Logs::capture();
     let (runtime, handle) = w.spawn_with(Arc::clone(&w.store) as _, config);
     run_for(&w.clock, 2).await;
-    let mut refused = Vec::new();
-    for request in 0..40 {
-        if let Err(reason) = w.begin(&handle, 300) {
-            refused.push((request, reason));
-        }
-        run_for(&w.clock, 1).await;
-    }
+    let refused = refusals(&w, &handle, [300; 40]).await;
     assert_eq!(refused, [(2, DenyReason::LeaseExhausted)]);
     let warned = logs.lines_with("sized for it from now on");
     assert_eq!(warned.len(), 1, "said once: {warned:?}");
@@ -780,13 +791,7 @@ async fn a_price_above_the_target_grant_is_refused_once() {
     let (runtime, handle) = w.spawn();
     run_for(&w.clock, 2).await;
     let price = config().leases.target_grant.get() + 100;
-    let mut refused = Vec::new();
-    for request in 0..20 {
-        if let Err(reason) = w.begin(&handle, price) {
-            refused.push((request, reason));
-        }
-        run_for(&w.clock, 1).await;
-    }
+    let refused = refusals(&w, &handle, [price; 20]).await;
     assert_eq!(refused, [(0, DenyReason::LeaseExhausted)]);
     let warned = logs.lines_with("sized for it from now on");
     assert_eq!(warned.len(), 1, "said once: {warned:?}");
@@ -818,14 +823,8 @@ async fn a_learnt_price_is_not_refused_again_between_cheaper_requests() {
     let (runtime, handle) = w.spawn();
     run_for(&w.clock, 2).await;
     let dear = config().leases.target_grant.get() + 100;
-    let mut refused = Vec::new();
-    for request in 0..40 {
-        let price = if request % 2 == 0 { CHEAP } else { dear };
-        if let Err(reason) = w.begin(&handle, price) {
-            refused.push((request, reason));
-        }
-        run_for(&w.clock, 1).await;
-    }
+    let prices = (0..40).map(|request| if request % 2 == 0 { CHEAP } else { dear });
+    let refused = refusals(&w, &handle, prices).await;
     assert_eq!(refused, [(1, DenyReason::LeaseExhausted)]);
     runtime.shutdown().await;
     let billed: u64 = w.billed().iter().sum();
