@@ -70,9 +70,9 @@
 //! A lease that refused a quote the account might fund is folded, in one
 //! allocator call, into a new grant of at least that quote (I18, I27); from
 //! then on the account's leases are sized and marked for the largest such
-//! quote, so they stop refusing it (see [`Task::sizing`]).
-//! Folding needs an exact unspent count, so the lease is taken out of the
-//! slot and tested for quiescence. If a reservation is still in flight, or a committed
+//! quote, so they stop refusing it (see [`Task::sizing`]). Folding needs an
+//! exact unspent count, so the lease is taken out of the slot and tested
+//! for quiescence. If a reservation is still in flight, or a committed
 //! charge's event is still on its way (under steady traffic one always is),
 //! it goes straight back and a replacement large enough for the quote is
 //! acquired beside it instead, unless the allocator's last word rules the
@@ -1629,12 +1629,12 @@ impl Task {
     /// whose requests come as large as `quote` (or as the largest quote
     /// learnt so far, if larger). The mark is at least the quote, so a
     /// lease rings for its replacement once it may no longer fund one (a
-    /// request at that price during the replacement's round trip is refused,
-    /// as any larger than `low_water` is), and
-    /// the grant asked for is the mark plus the configured span between
-    /// rotations (`target_grant - low_water`), so what a lease serves
-    /// between rotations, and what the store is asked per unit spent, stay
-    /// as configured. A grant no larger than its mark is then one the
+    /// request at that price during the replacement's round trip is
+    /// refused, as any larger than `low_water` is), and the grant asked for
+    /// is the mark plus the configured span between rotations
+    /// (`target_grant - low_water`), so what a lease serves between
+    /// rotations, and what the store is asked per unit spent, stay as
+    /// configured. A grant no larger than its mark is then one the
     /// allocator shrank (I28). For quotes no larger than `low_water` these
     /// are the configured `target_grant` and `low_water` (I27).
     fn sizing(&self, quote: CostUnits) -> Sizing {
@@ -2209,8 +2209,9 @@ impl Task {
             self.show_evidence();
             return Ok(());
         }
-        // Sized for the quote, which is learnt once the store grants it, so
-        // the new lease is marked for it too.
+        // Sized for the quote. A refused quote is learnt once the store
+        // grants it (below), so the new lease is marked for it too; a
+        // rechecked one is not learnt.
         let requested = self.sizing(needed).request;
         let config = &self.config;
         let call = self.allocator.consolidate(
