@@ -57,6 +57,22 @@ impl Run {
 }
 
 impl Cli {
+    /// A Strict account created with `balance` units, by the command.
+    fn strict_account(&self, balance: &str) -> AccountId {
+        account_of(
+            &self
+                .run(&[
+                    "account",
+                    "create",
+                    "--balance",
+                    balance,
+                    "--mode",
+                    "strict",
+                ])
+                .ok(),
+        )
+    }
+
     fn new(test: &str) -> Option<Self> {
         let url = database_url(test)?;
         Some(Self {
@@ -170,10 +186,7 @@ fn accounts_are_created_shown_listed_suspended_resumed_and_remoded() {
         return;
     };
     cli.run(&["migrate"]).ok();
-    let strict = account_of(
-        &cli.run(&["account", "create", "--balance", "100", "--mode", "strict"])
-            .ok(),
-    );
+    let strict = cli.strict_account("100");
     let elastic = account_of(
         &cli.run(&[
             "account",
@@ -257,10 +270,7 @@ async fn a_movement_cut_off_by_a_lock_says_how_to_apply_it_once() {
         return;
     };
     cli.run(&["migrate"]).ok();
-    let account = account_of(
-        &cli.run(&["account", "create", "--balance", "100", "--mode", "strict"])
-            .ok(),
-    );
+    let account = cli.strict_account("100");
     let id = account.to_string();
     let store = cli.store().await;
     let mut holder = store.pool().begin().await.unwrap();
@@ -302,10 +312,7 @@ fn top_ups_apply_once_per_idempotency_key_and_adjustments_never_go_below_zero() 
         return;
     };
     cli.run(&["migrate"]).ok();
-    let account = account_of(
-        &cli.run(&["account", "create", "--balance", "100", "--mode", "strict"])
-            .ok(),
-    );
+    let account = cli.strict_account("100");
     let id = account.to_string();
     let top_up = |units: &str, key: &str| {
         cli.run(&[
@@ -471,11 +478,7 @@ fn refills_are_set_and_cleared() {
         return;
     };
     cli.run(&["migrate"]).ok();
-    let id = account_of(
-        &cli.run(&["account", "create", "--balance", "0", "--mode", "strict"])
-            .ok(),
-    )
-    .to_string();
+    let id = cli.strict_account("0").to_string();
     let set = cli.run(&["refill", "set", &id, "--amount", "500", "--every", "30d"]);
     let set = set.ok();
     assert_eq!(refill_field(&set), Some("500/720h"), "thirty days: {set}");
@@ -500,11 +503,7 @@ fn keys_are_issued_once_listed_by_prefix_and_revoked() {
         return;
     };
     cli.run(&["migrate"]).ok();
-    let id = account_of(
-        &cli.run(&["account", "create", "--balance", "10", "--mode", "strict"])
-            .ok(),
-    )
-    .to_string();
+    let id = cli.strict_account("10").to_string();
     let issued = cli.run(&["key", "issue", &id, "--permissions", "0,1"]);
     assert!(issued.stderr.contains("shown once"), "{}", issued.stderr);
     let key = issued.ok().trim().to_owned();
@@ -569,10 +568,7 @@ async fn usage_is_listed_by_window_reclaim_settles_expired_leases_and_audit_catc
         return;
     };
     cli.run(&["migrate"]).ok();
-    let account = account_of(
-        &cli.run(&["account", "create", "--balance", "1000", "--mode", "strict"])
-            .ok(),
-    );
+    let account = cli.strict_account("1000");
     let store = cli.store().await;
     // A lease granted long ago, whose holder never came back, with two
     // charges billed against it.
@@ -674,10 +670,7 @@ async fn reclaim_goes_on_past_a_page_that_ended_early_on_a_blocked_lease() {
         ])
         .ok(),
     );
-    let other = account_of(
-        &cli.run(&["account", "create", "--balance", "1000", "--mode", "strict"])
-            .ok(),
-    );
+    let other = cli.strict_account("1000");
     let store = cli.store().await;
     let long_ago = |second: i64| Timestamp::from_second(1_700_000_000 + second).unwrap();
     let ttl = SignedDuration::from_secs(30);
