@@ -67,6 +67,7 @@ async fn connect(url: &str) -> Arc<PostgresStore> {
                 },
             },
             lock_timeout: std::time::Duration::from_secs(5),
+            queue_timeout: std::time::Duration::from_secs(5),
         },
     )
     .await

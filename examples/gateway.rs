@@ -247,8 +247,12 @@ impl Backend {
                 // Up to three gateways share a database in the README's
                 // walk-through.
                 policy: grant_policy(3),
-                // No longer than the runtime's store calls wait (below).
-                lock_timeout: ms(1_000),
+                // A call that waited its longest for a connection and
+                // then for a row still answers within the runtime's one
+                // second for a store call (below), so no grant is made
+                // for a caller that gave up.
+                lock_timeout: ms(500),
+                queue_timeout: ms(250),
             },
         )
         .await?;

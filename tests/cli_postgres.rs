@@ -119,6 +119,7 @@ impl Cli {
                     },
                 },
                 lock_timeout: std::time::Duration::from_secs(5),
+                queue_timeout: std::time::Duration::from_secs(5),
             },
         )
         .await

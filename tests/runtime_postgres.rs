@@ -46,6 +46,7 @@ async fn connect(url: &str, schema: &str, instances: u64) -> Arc<PostgresStore> 
             schema: schema.to_owned(),
             policy: policy(instances),
             lock_timeout: std::time::Duration::from_secs(5),
+            queue_timeout: std::time::Duration::from_secs(5),
         },
     )
     .await

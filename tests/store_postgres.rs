@@ -16,6 +16,8 @@
 mod support;
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
 
 use jiff::{SignedDuration, Timestamp};
 use support::postgres::{database_url, unique_schema};
@@ -63,6 +65,7 @@ async fn fresh(test: &str, instances: u64) -> Option<PostgresStore> {
             schema: unique_schema(test),
             policy: policy(instances),
             lock_timeout: LOCK_TIMEOUT,
+            queue_timeout: LOCK_TIMEOUT,
         },
     )
     .await
@@ -97,6 +100,7 @@ async fn sibling(store: &PostgresStore) -> PostgresStore {
             schema: store.schema().to_owned(),
             policy: *store.policy(),
             lock_timeout: LOCK_TIMEOUT,
+            queue_timeout: LOCK_TIMEOUT,
         },
     )
     .await
@@ -159,59 +163,60 @@ fn movement(key: &str) -> Movement<'_> {
 // ---- setup and migrations ---------------------------------------------------
 
 #[tokio::test]
-async fn a_bad_schema_name_policy_or_lock_timeout_is_refused_before_connecting() {
+async fn a_bad_schema_name_policy_lock_or_queue_timeout_is_refused_before_connecting() {
     use std::time::Duration;
     let mut bad_policy = policy(1);
     bad_policy.max_ttl = SignedDuration::ZERO;
-    let too_long = PostgresConfig::LOCK_TIMEOUT_MAX + Duration::from_millis(1);
-    for (schema, policy, lock_timeout, expected) in [
+    let config = |schema: &str, policy, lock_timeout, queue_timeout| PostgresConfig {
+        schema: schema.to_owned(),
+        policy,
+        lock_timeout,
+        queue_timeout,
+    };
+    let under_a_milli = Duration::from_micros(999);
+    let too_long_a_lock = PostgresConfig::LOCK_TIMEOUT_MAX + Duration::from_millis(1);
+    let too_long_a_queue = PostgresConfig::QUEUE_TIMEOUT_MAX + Duration::from_millis(1);
+    for (config, expected) in [
         (
-            "Tollgate; drop",
-            policy(1),
-            LOCK_TIMEOUT,
+            config("Tollgate; drop", policy(1), LOCK_TIMEOUT, LOCK_TIMEOUT),
             Some(PostgresError::InvalidSchemaName(
                 "Tollgate; drop".to_owned(),
             )),
         ),
         (
-            "tollgate",
-            bad_policy,
-            LOCK_TIMEOUT,
+            config("tollgate", bad_policy, LOCK_TIMEOUT, LOCK_TIMEOUT),
             Some(PostgresError::Policy(
                 tollgate::store::GrantPolicyError::MaxTtlNotPositive,
             )),
         ),
         (
-            "tollgate",
-            policy(1),
-            Duration::from_micros(999),
-            Some(PostgresError::InvalidLockTimeout(Duration::from_micros(
-                999,
-            ))),
+            config("tollgate", policy(1), under_a_milli, LOCK_TIMEOUT),
+            Some(PostgresError::InvalidLockTimeout(under_a_milli)),
         ),
         (
-            "tollgate",
-            policy(1),
-            too_long,
-            Some(PostgresError::InvalidLockTimeout(too_long)),
+            config("tollgate", policy(1), too_long_a_lock, LOCK_TIMEOUT),
+            Some(PostgresError::InvalidLockTimeout(too_long_a_lock)),
+        ),
+        (
+            config("tollgate", policy(1), LOCK_TIMEOUT, under_a_milli),
+            Some(PostgresError::InvalidQueueTimeout(under_a_milli)),
+        ),
+        (
+            config("tollgate", policy(1), LOCK_TIMEOUT, too_long_a_queue),
+            Some(PostgresError::InvalidQueueTimeout(too_long_a_queue)),
         ),
         // Within bounds, the next thing to fail is the connection.
         (
-            "tollgate",
-            policy(1),
-            PostgresConfig::LOCK_TIMEOUT_MAX,
+            config(
+                "tollgate",
+                policy(1),
+                PostgresConfig::LOCK_TIMEOUT_MAX,
+                PostgresConfig::QUEUE_TIMEOUT_MAX,
+            ),
             None,
         ),
     ] {
-        let refused = PostgresStore::connect(
-            "postgres://nobody@127.0.0.1:1/none",
-            PostgresConfig {
-                schema: schema.to_owned(),
-                policy,
-                lock_timeout,
-            },
-        )
-        .await;
+        let refused = PostgresStore::connect("postgres://nobody@127.0.0.1:1/none", config).await;
         match expected {
             Some(expected) => assert_eq!(refused.err(), Some(expected)),
             None => assert!(matches!(refused, Err(PostgresError::Connect(_)))),
@@ -254,6 +259,7 @@ async fn a_role_that_owns_its_schema_but_cannot_create_schemas_migrates_and_migr
             schema: schema.clone(),
             policy: policy(1),
             lock_timeout: LOCK_TIMEOUT,
+            queue_timeout: LOCK_TIMEOUT,
         },
     )
     .unwrap();
@@ -362,6 +368,7 @@ async fn a_schema_named_by_a_reserved_word_migrates_and_serves() {
             schema: "order".to_owned(),
             policy: policy(1),
             lock_timeout: LOCK_TIMEOUT,
+            queue_timeout: LOCK_TIMEOUT,
         },
     )
     .await
@@ -1896,6 +1903,7 @@ async fn connections_end_idle_transactions_and_default_to_read_committed() {
             schema: unique_schema("server_bounds"),
             policy: policy(1),
             lock_timeout: LOCK_TIMEOUT,
+            queue_timeout: LOCK_TIMEOUT,
         },
     )
     .await
@@ -1957,6 +1965,7 @@ async fn lock_waits_are_bounded_and_an_abandoned_call_changes_nothing() {
             schema: store.schema().to_owned(),
             policy: *store.policy(),
             lock_timeout: CONFIGURED,
+            queue_timeout: LOCK_TIMEOUT,
         },
     )
     .unwrap();
@@ -2022,6 +2031,266 @@ async fn lock_waits_are_bounded_and_an_abandoned_call_changes_nothing() {
         vec![IngestOutcome::Accepted],
         "the timed-out batch recorded nothing"
     );
+    audited(&store).await;
+}
+
+// ---- turns (I35) --------------------------------------------------------------
+
+/// A pool of at most `max` connections whose sessions carry an application
+/// name of their own, and the count of connections it has opened.
+async fn counting_pool(url: &str, max: u32) -> (sqlx::PgPool, Arc<AtomicUsize>, String) {
+    let name = unique_schema("pool");
+    let opened = Arc::new(AtomicUsize::new(0));
+    let counter = Arc::clone(&opened);
+    let options = url
+        .parse::<sqlx::postgres::PgConnectOptions>()
+        .unwrap()
+        .application_name(&name);
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(max)
+        .after_connect(move |_, _| {
+            counter.fetch_add(1, Ordering::SeqCst);
+            Box::pin(async { Ok(()) })
+        })
+        .connect_with(options)
+        .await
+        .expect("the test server is reachable");
+    (pool, opened, name)
+}
+
+/// A store over `store`'s schema and `pool`, waiting `queue_timeout` for a
+/// turn.
+fn over(store: &PostgresStore, pool: sqlx::PgPool, queue_timeout: Duration) -> PostgresStore {
+    PostgresStore::with_pool(
+        pool,
+        PostgresConfig {
+            schema: store.schema().to_owned(),
+            policy: *store.policy(),
+            lock_timeout: LOCK_TIMEOUT,
+            queue_timeout,
+        },
+    )
+    .unwrap()
+}
+
+/// How many sessions named `name` are in `state` (`'idle'`, `'active'`, …)
+/// and how many of them wait for a lock.
+async fn sessions(store: &PostgresStore, name: &str) -> (i64, i64) {
+    sqlx::query_as(
+        "SELECT count(*) FILTER (WHERE state <> 'idle'), \
+                count(*) FILTER (WHERE wait_event_type = 'Lock') \
+         FROM pg_stat_activity WHERE application_name = $1",
+    )
+    .bind(name)
+    .fetch_one(store.pool())
+    .await
+    .unwrap()
+}
+
+/// Polls `done` every 10 ms for up to ten seconds; says `what` on failure.
+async fn eventually<F: Future<Output = bool>>(what: &str, mut done: impl FnMut() -> F) {
+    for _ in 0..1_000 {
+        if done().await {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("never: {what}");
+}
+
+/// I35: a storm of calls cut off by their callers mid-flight (the runtime
+/// cuts every store call off at its timeout) costs the pool none of its
+/// connections, and leaves the server no session abandoned: each call that
+/// got its turn, the connects its pool makes for it included, runs to its
+/// end and hands its connection back. Cut off mid-connect or mid-statement,
+/// calls leave sessions the server sees abandoned and connections to open
+/// again; after an outage, when every connection must be opened anew, that
+/// alone can keep every call timing out. The storm runs in a database of
+/// its own, so the server's count of abandoned sessions is the test's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_cut_off_by_their_callers_abandon_no_session() {
+    const CONNECTIONS: u32 = 4;
+    let Some(store) = store("cut_off_calls", 1).await else {
+        return;
+    };
+    let url = database_url("cut_off_calls").expect("checked above");
+    let database = unique_schema("cut_off_calls");
+    sqlx::query(&format!("CREATE DATABASE \"{database}\""))
+        .execute(store.pool())
+        .await
+        .unwrap();
+    let options = url
+        .parse::<sqlx::postgres::PgConnectOptions>()
+        .unwrap()
+        .database(&database);
+    let setup = over(
+        &store,
+        sqlx::PgPool::connect_with(options.clone()).await.unwrap(),
+        LOCK_TIMEOUT,
+    );
+    setup.migrate().await.unwrap();
+    let mut accounts = Vec::new();
+    for _ in 0..20 {
+        accounts.push(account(&setup, 1_000_000).await);
+    }
+    // No connection yet: the first calls connect.
+    let opened = Arc::new(AtomicUsize::new(0));
+    let counter = Arc::clone(&opened);
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(CONNECTIONS)
+        .after_connect(move |_, _| {
+            counter.fetch_add(1, Ordering::SeqCst);
+            Box::pin(async { Ok(()) })
+        })
+        .connect_lazy_with(options);
+    let cut_short = over(&setup, pool.clone(), LOCK_TIMEOUT);
+    let (mut answered, mut cut) = (0, 0);
+    for _ in 0..10 {
+        let mut calls = tokio::task::JoinSet::new();
+        for (i, &acct) in accounts.iter().enumerate() {
+            let store = cut_short.clone();
+            let limit = Duration::from_millis(1 + 2 * (i as u64 % 8));
+            calls.spawn(async move {
+                let call = store.acquire(acct, CostUnits(10), TTL, at(0));
+                tokio::time::timeout(limit, call).await.is_ok()
+            });
+        }
+        while let Some(call) = calls.join_next().await {
+            if call.unwrap() {
+                answered += 1;
+            } else {
+                cut += 1;
+            }
+        }
+    }
+    assert!(cut > 0, "the storm cut calls off ({answered} answered)");
+    eventually("every call that got its turn ends", || async {
+        pool.num_idle() == pool.size() as usize
+    })
+    .await;
+    cut_short
+        .acquire(accounts[0], CostUnits(10), TTL, at(0))
+        .await
+        .expect("the pool serves after the storm");
+    // Every grant made is an active lease the books account for.
+    audited(&setup).await;
+    let opened = opened.load(Ordering::SeqCst);
+    pool.close().await;
+    setup.pool().close().await;
+    // Sessions report their end as they exit.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let abandoned: i64 =
+        sqlx::query_scalar("SELECT sessions_abandoned FROM pg_stat_database WHERE datname = $1")
+            .bind(&database)
+            .fetch_one(store.pool())
+            .await
+            .unwrap();
+    assert_eq!(
+        (abandoned, opened <= CONNECTIONS as usize),
+        (0, true),
+        "{cut} calls cut off: {abandoned} sessions abandoned, {opened} connections opened for \
+         a pool of {CONNECTIONS}"
+    );
+    sqlx::query(&format!("DROP DATABASE \"{database}\" WITH (FORCE)"))
+        .execute(store.pool())
+        .await
+        .unwrap();
+}
+
+/// I35: a call that waits `queue_timeout` without a turn fails having made
+/// no call, while the call holding the only turn goes on; the turn comes
+/// back when that call ends.
+#[tokio::test]
+async fn a_call_without_a_turn_within_the_queue_timeout_makes_no_call() {
+    let Some(store) = store("no_turn", 1).await else {
+        return;
+    };
+    let url = database_url("no_turn").expect("checked above");
+    let (pool, _, name) = counting_pool(&url, 1).await;
+    let queued = over(&store, pool, Duration::from_millis(100));
+    let (first, second) = (account(&store, 100).await, account(&store, 100).await);
+    let holder = hold_row(&store, "accounts", first.get()).await;
+    let blocked = tokio::spawn({
+        let queued = queued.clone();
+        async move { queued.acquire(first, CostUnits(10), TTL, at(0)).await }
+    });
+    eventually(
+        "the first call waits for the row on the only turn",
+        || async { sessions(&store, &name).await.1 == 1 },
+    )
+    .await;
+    let refused = tokio::time::timeout(
+        Duration::from_secs(10),
+        queued.acquire(second, CostUnits(10), TTL, at(0)),
+    )
+    .await
+    .expect("the wait for a turn is bounded");
+    assert!(
+        matches!(&refused, Err(AllocateError::Storage(error))
+            if error.to_string().contains("no connection was free")),
+        "{refused:?}"
+    );
+    assert_eq!(
+        balance(&store, second, at(0)).await,
+        100,
+        "no call was made"
+    );
+    holder.rollback().await.unwrap();
+    let granted = blocked.await.unwrap().expect("the row is free");
+    assert_eq!(granted.grant.units, CostUnits(10));
+    let granted = queued
+        .acquire(second, CostUnits(10), TTL, at(0))
+        .await
+        .expect("the turn came back");
+    assert_eq!(granted.grant.units, CostUnits(10));
+    assert_eq!(balance(&store, second, at(0)).await, 90);
+    audited(&store).await;
+}
+
+/// I35: a call whose caller gave up goes on waiting for its row on its
+/// turn, then rolls back rather than commit a grant nobody holds, and
+/// hands its connection back to the pool.
+#[tokio::test]
+async fn a_call_given_up_on_finishes_by_rolling_back_on_its_connection() {
+    let Some(store) = store("given_up", 1).await else {
+        return;
+    };
+    let url = database_url("given_up").expect("checked above");
+    let (pool, opened, name) = counting_pool(&url, 2).await;
+    let given_up = over(&store, pool.clone(), LOCK_TIMEOUT);
+    let acct = account(&store, 100).await;
+    let holder = hold_row(&store, "accounts", acct.get()).await;
+    let cut = tokio::time::timeout(
+        Duration::from_millis(100),
+        given_up.acquire(acct, CostUnits(10), TTL, at(0)),
+    )
+    .await;
+    assert!(cut.is_err(), "cut off while it waits for the row");
+    assert_eq!(
+        sessions(&store, &name).await.1,
+        1,
+        "the call still waits for the row after its caller gave up"
+    );
+    holder.rollback().await.unwrap();
+    eventually("the call ends and its connection is idle", || async {
+        pool.num_idle() == pool.size() as usize && sessions(&store, &name).await.0 == 0
+    })
+    .await;
+    assert_eq!(
+        balance(&store, acct, at(0)).await,
+        100,
+        "nothing was granted"
+    );
+    let leases: i64 = sqlx::query_scalar(&format!(
+        "SELECT count(*) FROM {}.leases WHERE account_id = $1",
+        store.schema()
+    ))
+    .bind(i64::try_from(acct.get()).unwrap())
+    .fetch_one(store.pool())
+    .await
+    .unwrap();
+    assert_eq!(leases, 0, "no lease row was left");
+    assert_eq!(opened.load(Ordering::SeqCst), 1, "the connection was kept");
     audited(&store).await;
 }
 

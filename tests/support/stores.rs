@@ -252,6 +252,7 @@ mod postgres {
                     schema: unique_schema("generic"),
                     policy,
                     lock_timeout: std::time::Duration::from_secs(5),
+                    queue_timeout: std::time::Duration::from_secs(5),
                 },
             )
             .await

@@ -19,6 +19,10 @@ const DEFAULT_FILE: &str = "tollgate.toml";
 /// a command before it answers.
 const LOCK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
 
+/// How long a command's call waits for a free connection: as long as it
+/// waits for a row, for the same reason.
+const QUEUE_TIMEOUT: std::time::Duration = LOCK_TIMEOUT;
+
 /// What the file and the environment may set. Unknown keys in the file are
 /// errors, so a misspelt setting is not silently ignored.
 #[derive(Debug, Default, Deserialize)]
@@ -146,6 +150,7 @@ impl Settings {
             schema: self.schema.clone(),
             policy,
             lock_timeout: LOCK_TIMEOUT,
+            queue_timeout: QUEUE_TIMEOUT,
         })
     }
 }

@@ -17,7 +17,7 @@ use crate::store::postgres::ledger::{ACCOUNT_COLUMNS, AccountRow, Entry, UNITS_M
 use crate::store::postgres::snapshots::{
     key_status, permissions_from, permissions_to, principal_of,
 };
-use crate::store::postgres::tx::{begin, finish};
+use crate::store::postgres::tx::{Caller, begin, finish};
 use crate::store::postgres::{BalanceChange, JournalEntry, JournalKind, Movement, PostgresStore};
 use crate::store::rules;
 use crate::store::{
@@ -234,7 +234,7 @@ impl PostgresStore {
         let outcome = self
             .move_balance_in(&mut tx, account, kind, delta, movement, now)
             .await;
-        finish(tx, outcome, admin_storage).await
+        finish(tx, outcome, &mut Caller::inline(), admin_storage).await
     }
 
     async fn move_balance_in(

@@ -18,7 +18,7 @@ use crate::store::postgres::JournalKind;
 use crate::store::postgres::PostgresStore;
 use crate::store::postgres::convert::{amount, get, id, micros, storage, to_i64, to_pg, units};
 use crate::store::postgres::ledger::Entry;
-use crate::store::postgres::tx::{begin, finish};
+use crate::store::postgres::tx::{begin, finish, on_a_turn};
 use crate::store::rules::{UNITS_MAX, credited_balance, plan_acquire, plan_consolidation};
 use crate::store::{
     AllocateError, Allocation, BlockedLease, LeaseAllocator, ReclaimBatch, ReclaimedLease,
@@ -485,11 +485,15 @@ impl LeaseAllocator for PostgresStore {
         if to_i64(account.get()).is_none() {
             return Err(AllocateError::UnknownAccount);
         }
-        let mut tx = begin(self).await?;
-        let outcome = self
-            .acquire_in(&mut tx, account, requested, expires_at, now)
-            .await;
-        finish(tx, outcome, allocate_storage).await
+        let store = self.clone();
+        on_a_turn(self, |mut caller| async move {
+            let mut tx = begin(&store).await?;
+            let outcome = store
+                .acquire_in(&mut tx, account, requested, expires_at, now)
+                .await;
+            finish(tx, outcome, &mut caller, allocate_storage).await
+        })
+        .await
     }
 
     async fn release(
@@ -503,11 +507,15 @@ impl LeaseAllocator for PostgresStore {
         if to_i64(lease_id.get()).is_none() {
             return Err(AllocateError::UnknownLease);
         }
-        let mut tx = begin(self).await?;
-        let outcome = self
-            .release_in(&mut tx, lease_id, fencing_token, unspent, now)
-            .await;
-        finish(tx, outcome, allocate_storage).await
+        let store = self.clone();
+        on_a_turn(self, |mut caller| async move {
+            let mut tx = begin(&store).await?;
+            let outcome = store
+                .release_in(&mut tx, lease_id, fencing_token, unspent, now)
+                .await;
+            finish(tx, outcome, &mut caller, allocate_storage).await
+        })
+        .await
     }
 
     async fn consolidate(
@@ -528,20 +536,24 @@ impl LeaseAllocator for PostgresStore {
         if to_i64(lease_id.get()).is_none() {
             return Err(AllocateError::UnknownLease);
         }
-        let mut tx = begin(self).await?;
-        let outcome = self
-            .consolidate_in(
-                &mut tx,
-                lease_id,
-                fencing_token,
-                unspent,
-                requested,
-                needed,
-                expires_at,
-                now,
-            )
-            .await;
-        finish(tx, outcome, allocate_storage).await
+        let store = self.clone();
+        on_a_turn(self, |mut caller| async move {
+            let mut tx = begin(&store).await?;
+            let outcome = store
+                .consolidate_in(
+                    &mut tx,
+                    lease_id,
+                    fencing_token,
+                    unspent,
+                    requested,
+                    needed,
+                    expires_at,
+                    now,
+                )
+                .await;
+            finish(tx, outcome, &mut caller, allocate_storage).await
+        })
+        .await
     }
 
     async fn reclaim_expired_batch(
@@ -553,9 +565,13 @@ impl LeaseAllocator for PostgresStore {
         let Ok(cutoff) = now.checked_sub(self.policy.reclaim_grace) else {
             return Ok(ReclaimBatch::default());
         };
-        let mut tx = begin(self).await?;
-        let outcome = self.reclaim_in(&mut tx, cutoff, limit, now).await;
-        // Every error here is a storage error: roll back.
-        finish(tx, outcome, |_| true).await
+        let store = self.clone();
+        on_a_turn(self, |mut caller| async move {
+            let mut tx = begin(&store).await?;
+            let outcome = store.reclaim_in(&mut tx, cutoff, limit, now).await;
+            // Every error here is a storage error: roll back.
+            finish(tx, outcome, &mut caller, |_| true).await
+        })
+        .await
     }
 }

@@ -19,7 +19,7 @@ use sqlx::types::time::OffsetDateTime;
 use crate::model::UsageEvent;
 use crate::store::postgres::PostgresStore;
 use crate::store::postgres::convert::{get, micros, storage, to_i64, to_pg, uuid_text};
-use crate::store::postgres::tx::{begin, finish};
+use crate::store::postgres::tx::{begin, finish, on_a_turn};
 use crate::store::{IngestOutcome, RejectReason, StoreError, UsageSink};
 
 /// Stands for an id or token no bigint can hold: ids, tokens and accounts
@@ -123,24 +123,29 @@ impl UsageSink for PostgresStore {
         // In a transaction of the store's own, like every other call: read
         // committed, and lock waits bounded by the configured timeout. An
         // answer that does not add up rolls the batch back.
-        let mut tx = begin(self).await?;
-        let answer = async {
-            let rows = sqlx::query(&sql)
-                .bind(&columns.request_ids)
-                .bind(&columns.account_ids)
-                .bind(&columns.lease_ids)
-                .bind(&columns.fencing_tokens)
-                .bind(&columns.units)
-                .bind(&columns.ats)
-                .bind(&columns.revisions)
-                .bind(&columns.key_ids)
-                .fetch_all(&mut *tx)
-                .await
-                .map_err(|error| storage("ingesting usage", &error))?;
-            outcomes(&rows, batch.len())
-        }
-        .await;
-        finish(tx, answer, |_| true).await
+        let len = batch.len();
+        let store = self.clone();
+        on_a_turn(self, |mut caller| async move {
+            let mut tx = begin(&store).await?;
+            let answer = async {
+                let rows = sqlx::query(&sql)
+                    .bind(&columns.request_ids)
+                    .bind(&columns.account_ids)
+                    .bind(&columns.lease_ids)
+                    .bind(&columns.fencing_tokens)
+                    .bind(&columns.units)
+                    .bind(&columns.ats)
+                    .bind(&columns.revisions)
+                    .bind(&columns.key_ids)
+                    .fetch_all(&mut *tx)
+                    .await
+                    .map_err(|error| storage("ingesting usage", &error))?;
+                outcomes(&rows, len)
+            }
+            .await;
+            finish(tx, answer, &mut caller, |_| true).await
+        })
+        .await
     }
 }
 

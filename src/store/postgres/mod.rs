@@ -64,11 +64,13 @@ mod snapshots;
 mod tx;
 
 use std::fmt;
+use std::sync::Arc;
 use std::time::Duration;
 
 use jiff::Timestamp;
 use sqlx::postgres::{PgConnectOptions, PgConnection, PgPoolOptions};
 use sqlx::{Connection as _, PgPool};
+use tokio::sync::Semaphore;
 
 use crate::model::{AccountId, CostUnits, LeaseId};
 use crate::store::{GrantPolicy, GrantPolicyError, StoreError};
@@ -95,6 +97,17 @@ pub struct PostgresConfig {
     /// and `fetch_timeout`). At least a millisecond (`PostgreSQL` keeps
     /// whole milliseconds) and at most [`PostgresConfig::LOCK_TIMEOUT_MAX`].
     pub lock_timeout: Duration,
+    /// How long an allocator, usage or snapshot call waits for its turn at
+    /// one of the pool's connections before failing as a storage error
+    /// that made no call at all. A call that got its turn runs to its end
+    /// even if its caller gave up on it meanwhile (see
+    /// [`PostgresStore`]), so keep `queue_timeout` plus the time a call
+    /// takes (its lock waits are bounded by `lock_timeout`) within the
+    /// shortest timeout the store's callers put on a call: an answer that
+    /// comes after its caller gave up is wasted work, and a grant nobody
+    /// holds until reclaim. At least a millisecond and at most
+    /// [`PostgresConfig::QUEUE_TIMEOUT_MAX`].
+    pub queue_timeout: Duration,
 }
 
 impl PostgresConfig {
@@ -103,11 +116,32 @@ impl PostgresConfig {
     /// [`PostgresStore::connect`]), and no call should wait longer for a
     /// lock than an abandoned holder keeps it.
     pub const LOCK_TIMEOUT_MAX: Duration = Duration::from_secs(10);
+
+    /// The longest [`queue_timeout`](Self::queue_timeout): a call that
+    /// waits longer for a connection has outlived any caller's timeout
+    /// that makes sense for the request path's background work.
+    pub const QUEUE_TIMEOUT_MAX: Duration = Duration::from_secs(10);
 }
 
 /// The `PostgreSQL` store.
 ///
-/// Cheap to share behind an `Arc`; the pool inside is shared by every call.
+/// Cheap to clone; clones share the pool and its turns.
+///
+/// # Turns (I35)
+///
+/// An allocator, usage or snapshot call first waits for a *turn*: there
+/// are as many as the pool has connections, so a call with a turn never
+/// queues inside the pool. The wait is the caller's and costs the server
+/// nothing, so a caller may give up on it at any moment (the runtime cuts
+/// every call off at its timeout); one that waits `queue_timeout` without
+/// a turn fails having made no call. Once a call has its turn, its
+/// database work runs in a task of its own to the end, whether or not its
+/// caller is still waiting. Cutting a call off mid-statement or
+/// mid-connect would cost the pool that connection, and the server a
+/// session process to replace it; with thousands of accounts calling at
+/// once after an outage, that churn kept every call timing out and the
+/// gateways unready long after the database was back. The operator's
+/// calls (accounts, keys, movements, the audit, migrations) take no turn.
 ///
 /// # Invariants
 ///
@@ -116,15 +150,21 @@ impl PostgresConfig {
 ///    (`user`, `order`) means the schema, not the keyword.
 /// 2. The policy passed [`GrantPolicy::validate`].
 /// 3. Every instant the store writes is truncated to the microsecond first.
+/// 4. At most as many calls hold a turn as the pool may open connections.
+#[derive(Clone)]
 pub struct PostgresStore {
     pool: PgPool,
-    schema: String,
+    /// One permit per connection the pool may open (invariant 4).
+    turns: Arc<Semaphore>,
+    /// The longest a call waits for a turn.
+    queue_timeout: Duration,
+    schema: Arc<str>,
     policy: GrantPolicy,
     /// What opens every transaction: read committed, which the statements
     /// are written for, and the configured lock timeout.
-    begin_sql: String,
+    begin_sql: Arc<str>,
     /// The configured lock timeout, as `PostgreSQL` reads it.
-    lock_timeout: String,
+    lock_timeout: Arc<str>,
 }
 
 /// The attribution of an operator's balance movement.
@@ -246,6 +286,9 @@ pub enum PostgresError {
     /// `lock_timeout` is under a millisecond (`PostgreSQL` counts whole
     /// milliseconds) or longer than [`PostgresConfig::LOCK_TIMEOUT_MAX`].
     InvalidLockTimeout(Duration),
+    /// `queue_timeout` is under a millisecond or longer than
+    /// [`PostgresConfig::QUEUE_TIMEOUT_MAX`].
+    InvalidQueueTimeout(Duration),
     /// The database could not be reached.
     Connect(StoreError),
     /// A migration could not be applied, or the database disagrees with the
@@ -273,6 +316,11 @@ impl fmt::Display for PostgresError {
                 f,
                 "lock_timeout must be at least 1ms and at most {:?}, not {timeout:?}",
                 PostgresConfig::LOCK_TIMEOUT_MAX
+            ),
+            Self::InvalidQueueTimeout(timeout) => write!(
+                f,
+                "queue_timeout must be at least 1ms and at most {:?}, not {timeout:?}",
+                PostgresConfig::QUEUE_TIMEOUT_MAX
             ),
             Self::Connect(error) => write!(f, "cannot connect to postgres: {error}"),
             Self::Migration { version, message } => write!(f, "migration {version}: {message}"),
@@ -308,12 +356,13 @@ const POOL_ACQUIRE_TIMEOUT: Duration = Duration::from_secs(5);
 const CAUSE_TIMEOUT: Duration = Duration::from_secs(1);
 /// Server-side bounds on every connection [`PostgresStore::connect`] opens.
 ///
-/// A caller that gives up on a store call (the runtime's
-/// `store_call_timeout`) drops its future, but the server does not know:
-/// a backend waiting for a row lock would keep waiting (every transaction
-/// the store opens bounds that wait by the configured `lock_timeout`), and
-/// one left idle inside a transaction would keep its locks, stalling every
-/// later call on the same account. The server ends the idle one itself.
+/// The runtime's calls run to their end on a turn (I35), but an operator's
+/// call runs in its caller's future: a caller that gives up on it drops
+/// it, and the server does not know. A backend waiting for a row lock
+/// would keep waiting (every transaction the store opens bounds that wait
+/// by the configured `lock_timeout`), and one left idle inside a
+/// transaction would keep its locks, stalling every later call on the
+/// same account. The server ends the idle one itself.
 /// Neither bound touches a statement that is running rather than waiting,
 /// so a long audit is not cut short.
 const SERVER_BOUNDS: [(&str, &str); 2] = [
@@ -345,7 +394,7 @@ impl PostgresStore {
     ///
     /// # Errors
     ///
-    /// An invalid schema name, policy or lock timeout, or
+    /// An invalid schema name, policy, lock timeout or queue timeout, or
     /// [`PostgresError::Connect`].
     pub async fn connect(url: &str, config: PostgresConfig) -> Result<Self, PostgresError> {
         validate(&config)?;
@@ -385,26 +434,34 @@ impl PostgresStore {
     ///
     /// The pool is the caller's, and so are its connections' settings: set
     /// `idle_in_transaction_session_timeout` on it as
-    /// [`connect`](Self::connect) does, or a call abandoned on a timeout
-    /// can leave its locks held. (The store's own transactions, a
+    /// [`connect`](Self::connect) does, or an operator's call abandoned on
+    /// a timeout can leave its locks held. (The store's own transactions, a
     /// migration's included, set their isolation level and lock timeout
-    /// themselves; the audit reads at repeatable read.)
+    /// themselves; the audit reads at repeatable read.) The store takes one
+    /// turn per connection the pool may open (I35); other users of the
+    /// pool make the store's calls wait for connections with their turns.
     ///
     /// # Errors
     ///
-    /// [`PostgresError::InvalidSchemaName`], [`PostgresError::Policy`] or
-    /// [`PostgresError::InvalidLockTimeout`].
+    /// [`PostgresError::InvalidSchemaName`], [`PostgresError::Policy`],
+    /// [`PostgresError::InvalidLockTimeout`] or
+    /// [`PostgresError::InvalidQueueTimeout`].
     pub fn with_pool(pool: PgPool, config: PostgresConfig) -> Result<Self, PostgresError> {
         validate(&config)?;
         let lock_timeout = format!("{}ms", config.lock_timeout.as_millis());
+        let connections =
+            usize::try_from(pool.options().get_max_connections()).unwrap_or(usize::MAX);
         Ok(Self {
+            turns: Arc::new(Semaphore::new(connections.min(Semaphore::MAX_PERMITS))),
+            queue_timeout: config.queue_timeout,
             pool,
-            schema: config.schema,
+            schema: config.schema.into(),
             policy: config.policy,
             begin_sql: format!(
                 "BEGIN ISOLATION LEVEL READ COMMITTED; SET LOCAL lock_timeout = '{lock_timeout}'"
-            ),
-            lock_timeout,
+            )
+            .into(),
+            lock_timeout: lock_timeout.into(),
         })
     }
 
@@ -458,6 +515,11 @@ fn validate(config: &PostgresConfig) -> Result<(), PostgresError> {
         || config.lock_timeout > PostgresConfig::LOCK_TIMEOUT_MAX
     {
         return Err(PostgresError::InvalidLockTimeout(config.lock_timeout));
+    }
+    if config.queue_timeout < Duration::from_millis(1)
+        || config.queue_timeout > PostgresConfig::QUEUE_TIMEOUT_MAX
+    {
+        return Err(PostgresError::InvalidQueueTimeout(config.queue_timeout));
     }
     Ok(())
 }

@@ -13,6 +13,7 @@ use crate::model::{
 };
 use crate::store::postgres::PostgresStore;
 use crate::store::postgres::convert::{get, id, storage, to_i64, units};
+use crate::store::postgres::tx::on_a_turn;
 use crate::store::{SnapshotCursor, SnapshotPage, SnapshotSource, StoreError};
 
 /// The join every snapshot query reads: a key and its account.
@@ -103,11 +104,15 @@ impl SnapshotSource for PostgresStore {
             return Ok(Vec::new());
         }
         let sql = self.sql(&format!("{SNAPSHOT_SELECT} WHERE k.key_id = ANY($1)"));
-        let rows = sqlx::query(&sql)
-            .bind(&ids)
-            .fetch_all(&self.pool)
-            .await
-            .map_err(|error| storage("fetching snapshots", &error))?;
+        let pool = self.pool.clone();
+        let rows = on_a_turn(self, |_| async move {
+            sqlx::query(&sql)
+                .bind(&ids)
+                .fetch_all(&pool)
+                .await
+                .map_err(|error| storage("fetching snapshots", &error))
+        })
+        .await?;
         let mut found = HashMap::with_capacity(rows.len());
         for row in &rows {
             let snapshot = snapshot(row, now)?;
@@ -141,12 +146,16 @@ impl SnapshotSource for PostgresStore {
         let sql = self.sql(&format!(
             "{SNAPSHOT_SELECT} WHERE k.revision > $1 ORDER BY k.revision LIMIT $2"
         ));
-        let rows = sqlx::query(&sql)
-            .bind(cursor)
-            .bind(fetch)
-            .fetch_all(&self.pool)
-            .await
-            .map_err(|error| storage("enumerating changed snapshots", &error))?;
+        let pool = self.pool.clone();
+        let rows = on_a_turn(self, |_| async move {
+            sqlx::query(&sql)
+                .bind(cursor)
+                .bind(fetch)
+                .fetch_all(&pool)
+                .await
+                .map_err(|error| storage("enumerating changed snapshots", &error))
+        })
+        .await?;
         let complete = rows.len() <= limit;
         let snapshots = rows
             .iter()
@@ -171,13 +180,18 @@ impl SnapshotSource for PostgresStore {
         let sql = self.sql(&format!(
             "{SNAPSHOT_SELECT} WHERE k.hash = $1 AND k.status = 'active'"
         ));
-        sqlx::query(&sql)
-            .bind(hash.0.as_slice())
-            .fetch_optional(&self.pool)
-            .await
-            .map_err(|error| storage("looking up a key", &error))?
-            .as_ref()
-            .map(|row| snapshot(row, now))
-            .transpose()
+        let pool = self.pool.clone();
+        let hash = hash.0;
+        on_a_turn(self, |_| async move {
+            sqlx::query(&sql)
+                .bind(hash.as_slice())
+                .fetch_optional(&pool)
+                .await
+                .map_err(|error| storage("looking up a key", &error))
+        })
+        .await?
+        .as_ref()
+        .map(|row| snapshot(row, now))
+        .transpose()
     }
 }
