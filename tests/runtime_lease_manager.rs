@@ -709,6 +709,46 @@ async fn a_lease_near_the_end_of_its_window_is_replaced_before_it_closes() {
     assert!(h.ready());
 }
 
+/// I28: leases granted together are not replaced together. Each is
+/// replaced up to a quarter of its slack (its window before the
+/// replacement lead) early, by a share its id decides, so the leases every
+/// account took at start, or after an outage, are not all renewed at the
+/// same moment, one lease's life later and at every life after.
+#[tokio::test(start_paused = true)]
+async fn leases_are_replaced_early_by_a_share_of_their_slack_their_ids_decide() {
+    let config = LeaseManagerConfig {
+        poll_interval: secs(1),
+        ..config()
+    };
+    let lead = config.replacement_lead();
+    let h = Harness::started_with(Scripted::new(), config).await;
+    // Whole seconds: the manager looks once a second.
+    let window = (TTL - MARGIN).as_secs_f64();
+    let slack = window - lead.as_secs_f64();
+    let (mut serving, mut since, mut ages) = (1, 0_u32, Vec::new());
+    for second in 1..=600_u32 {
+        h.run_for(1).await;
+        let (id, _) = h.serving().expect("a lease always serves");
+        if id != serving {
+            ages.push(second - since);
+            (serving, since) = (id, second);
+        }
+    }
+    assert!(ages.len() >= 10, "{ages:?}");
+    for &age in &ages {
+        let early = slack - f64::from(age);
+        assert!(
+            (-1.0..=slack / 4.0).contains(&early),
+            "replaced at {age} s of a {window} s window: {ages:?}"
+        );
+    }
+    let (first, last) = (ages.iter().min().unwrap(), ages.iter().max().unwrap());
+    assert!(
+        f64::from(last - first) >= slack / 8.0,
+        "replaced at ages {ages:?}: not spread over the slack of {slack} s"
+    );
+}
+
 /// A replaced lease keeps serving the reservations taken on it; it is
 /// released only once the last one resolves, with exactly what is left
 /// (I6, I15, I26).

@@ -14,7 +14,9 @@
 //! want of units (I7); the doorbell is a flag and a waker, so ringing it is
 //! two atomic operations on the request path (I28). The poll is the backstop
 //! for what no debit announces: a cold start with no lease, a lease reaching
-//! the end of its usability window, and an attempt that failed and must be
+//! the end of its usability window (replaced a little earlier than it must
+//! be, by a share of its window its id decides, so leases granted together
+//! are not all renewed together), and an attempt that failed and must be
 //! made again. A lease whose window would close before the next poll gets up
 //! to two wake-ups of its own: one store call before the close, to replace
 //! it, and at the close, to retire it, so the account is not left unserved,
@@ -210,7 +212,8 @@ pub struct LeaseManagerConfig {
     /// the module docs). Expiry rings no doorbell,
     /// so a lease is replaced `poll_interval + store_call_timeout` before
     /// its usable window closes ([`replacement_lead`](Self::replacement_lead)),
-    /// which must be shorter than that window. (A grant the allocator cuts
+    /// which must be shorter than that window, and earlier still by up to a
+    /// quarter of the rest of the window, spread by lease id (I28). (A grant the allocator cuts
     /// shorter is replaced one store call before its window closes, whatever
     /// the poll.) Must be positive.
     pub poll_interval: Duration,
@@ -619,6 +622,7 @@ impl LeaseManager {
             largest_quote: CostUnits::ZERO,
             chasing: CostUnits::ZERO,
             warned_short_window: false,
+            renew_early: None,
             unanswered_acquires: 0,
             acquire_after: None,
             unusable_grants: 0,
@@ -1185,6 +1189,9 @@ struct Task {
     last_wanted: Instant,
     /// When the last acquire call was made.
     last_acquire: Option<Instant>,
+    /// How much earlier than the replacement lead the serving lease is
+    /// replaced (see [`renewal_spread`]), fixed when it was installed.
+    renew_early: Option<(LeaseId, SignedDuration)>,
 }
 
 /// Which of its early wake-ups a lease has had: each at most once, so a
@@ -1365,6 +1372,16 @@ impl Task {
     /// clock's staleness bound past it, so a clock that reads behind still
     /// shows it closed. `None` when there is no lease, or nothing is left to
     /// wake for.
+    /// How long before its usable window closes `lease` is replaced: the
+    /// replacement lead, plus the spread it was given when installed.
+    fn renewal_lead(&self, lease: &LocalLease) -> SignedDuration {
+        let lead = self.config.replacement_lead();
+        match self.renew_early {
+            Some((id, early)) if id == lease.grant().lease_id => lead.saturating_add(early),
+            _ => lead,
+        }
+    }
+
     fn early_wake(&mut self) -> Option<(Instant, EarlyWake)> {
         let (lease, usable_until) = self.slot.with_lease(|lease| {
             lease.map(|lease| (lease.grant().lease_id, lease.usable_until()))
@@ -1469,7 +1486,7 @@ impl Task {
             let now = self.clock.now();
             if now >= lease.usable_until() {
                 None
-            } else if lease.usable_until().duration_since(now) <= self.config.replacement_lead() {
+            } else if lease.usable_until().duration_since(now) <= self.renewal_lead(&lease) {
                 // Expiry rings no doorbell. A lease whose window closes
                 // before the next inspection could have a replacement in
                 // place is replaced now, while it still serves (I28); by
@@ -1885,6 +1902,13 @@ impl Task {
         self.unusable_until = None;
         self.acquire_after = None;
         let window = lease.usable_until().duration_since(now);
+        self.renew_early = Some((
+            grant.lease_id,
+            renewal_spread(
+                grant.lease_id,
+                window.saturating_sub(self.config.replacement_lead()),
+            ),
+        ));
         if window <= self.config.replacement_lead() && !self.warned_short_window {
             self.warned_short_window = true;
             tracing::warn!(
@@ -2922,6 +2946,28 @@ fn serving(slot: &LeaseSlot, clock: &dyn Clock) -> bool {
             now < lease.usable_until() && !(unreachable && lease.remaining().is_zero())
         })
     })
+}
+
+/// How much of `slack`, the part of a lease's usable window before its
+/// replacement lead, is given up to replace it earlier: up to a quarter,
+/// spread by the lease's id. Leases granted together (every account's at
+/// start, or after an outage) would otherwise all be replaced together,
+/// one lease's life later and at every life after, in bursts the store
+/// must answer within a call's timeout; spread, each generation is
+/// replaced over a wider span than the last (I28). The id decides, so the
+/// spread needs no randomness and is the same on every run.
+fn renewal_spread(lease: LeaseId, slack: SignedDuration) -> SignedDuration {
+    if !slack.is_positive() {
+        return SignedDuration::ZERO;
+    }
+    // SplitMix64's finaliser: consecutive ids land far apart.
+    let mut mixed = lease.get().wrapping_add(0x9E37_79B9_7F4A_7C15);
+    mixed = (mixed ^ (mixed >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    mixed = (mixed ^ (mixed >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    mixed ^= mixed >> 31;
+    // A fraction of a quarter of the slack, in 1/1024ths.
+    let share = i32::try_from(mixed % 1024).unwrap_or(0);
+    slack / 4 / 1024 * share
 }
 
 /// Runs an allocator call until `give_up_at` (I22) and, when `stop` is
