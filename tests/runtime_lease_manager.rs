@@ -3670,6 +3670,49 @@ async fn an_account_out_of_funds_is_not_a_warning_and_an_outage_is() {
     );
 }
 
+/// An outage warns once per account and spell without a lease that
+/// serves, not at every retry: over thousands of accounts, a warning per
+/// retry wrote tens of megabytes a minute while the store was away. Once
+/// a grant serves, the next spell warns again.
+#[tokio::test(start_paused = true)]
+async fn an_outage_warns_once_per_spell_not_at_every_retry() {
+    let (logs, _guard) = support::logs::Logs::capture();
+    let denied = |logs: &support::logs::Logs| {
+        logs.lines_with("WARN")
+            .iter()
+            .filter(|line| line.contains("requests on this account are denied"))
+            .count()
+    };
+    let allocator = Scripted::new();
+    let outage = || Reply::Refuse(storage_error());
+    allocator.plan_acquires([outage(), outage(), outage(), outage(), Reply::Grant(TARGET)]);
+    allocator.plan_acquires([outage(), outage(), outage()]);
+    let h = Harness::started(allocator).await;
+    h.allocator.calls_reach(4).await;
+    settle().await;
+    assert_eq!(h.serving(), None);
+    assert_eq!(
+        denied(&logs),
+        1,
+        "four failures, one spell: {}",
+        logs.text()
+    );
+    h.allocator.calls_reach(5).await;
+    settle().await;
+    assert_eq!(h.serving(), Some((1, TARGET)));
+    // The lease's window closes with the store away again: a new spell.
+    h.clock.advance(TTL);
+    h.allocator.calls_reach(8).await;
+    settle().await;
+    assert_eq!(h.serving(), None);
+    assert_eq!(
+        denied(&logs),
+        2,
+        "a second spell warns once: {}",
+        logs.text()
+    );
+}
+
 /// I29: a lease whose replacement keeps failing is retired as its window
 /// closes, not at the next poll, so readiness stops saying it serves the
 /// moment it stops serving. Before, the last attempt one store call before

@@ -623,6 +623,7 @@ impl LeaseManager {
             chasing: CostUnits::ZERO,
             warned_short_window: false,
             renew_early: None,
+            warned_unserved: false,
             unanswered_acquires: 0,
             acquire_after: None,
             unusable_grants: 0,
@@ -1192,6 +1193,12 @@ struct Task {
     /// How much earlier than the replacement lead the serving lease is
     /// replaced (see [`renewal_spread`]), fixed when it was installed.
     renew_early: Option<(LeaseId, SignedDuration)>,
+    /// Whether the spell without a lease that serves, for want of an
+    /// answer or for a refusal an operator should see, has been warned
+    /// about: once a spell, until a grant serves again. Every retry would
+    /// otherwise warn again, and an outage over thousands of accounts
+    /// would write tens of megabytes of the same line.
+    warned_unserved: bool,
 }
 
 /// Which of its early wake-ups a lease has had: each at most once, so a
@@ -1831,7 +1838,7 @@ impl Task {
     /// a lease still serves, or when the account is simply out of funds
     /// (every poll would repeat it); a warning when the account is denied
     /// for want of an answer or for a refusal an operator should see.
-    fn log_unfunded(&self, reason: &dyn fmt::Display, out_of_funds: bool) {
+    fn log_unfunded(&mut self, reason: &dyn fmt::Display, out_of_funds: bool) {
         let account = self.config.account;
         if serving(&self.slot, self.clock.as_ref()) {
             tracing::debug!(
@@ -1845,14 +1852,22 @@ impl Task {
                 %reason,
                 "lease manager: the account is out of funds; its requests are denied"
             );
+        } else if self.warned_unserved {
+            tracing::debug!(
+                %account,
+                %reason,
+                "lease manager: still no lease that serves; requests on this account are denied"
+            );
         } else {
             // I5: no lease that serves (the slot is empty, or its lease is
             // closed or drained) and requests are denied while the task
             // retries (backing off while the store does not answer).
+            self.warned_unserved = true;
             tracing::warn!(
                 %account,
                 %reason,
-                "lease manager: no lease that serves; requests on this account are denied"
+                "lease manager: no lease that serves; requests on this account are denied \
+                 (said once until a lease serves again)"
             );
         }
     }
@@ -1897,7 +1912,9 @@ impl Task {
             self.slot.end_idle();
             return;
         }
-        // The store answered with a grant that serves: no wait is left.
+        // The store answered with a grant that serves: no wait is left,
+        // and the next spell without one is worth a warning again.
+        self.warned_unserved = false;
         self.unusable_grants = 0;
         self.unusable_until = None;
         self.acquire_after = None;
@@ -2587,7 +2604,10 @@ impl Task {
                 self.clear_slot_after_fence();
             }
             ReleaseRefusal::Retry => {
-                tracing::warn!(
+                // Counted, and logged as a timeout is: the lease is
+                // retried at every pass, and an outage would repeat this
+                // for every parked lease of every account.
+                tracing::debug!(
                     lease = %lease_id,
                     %error,
                     "lease manager: release failed; trying again next pass"
