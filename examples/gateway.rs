@@ -247,11 +247,11 @@ impl Backend {
                 // Up to three gateways share a database in the README's
                 // walk-through.
                 policy: grant_policy(3),
-                // A call that waited its longest for a connection and
-                // then for a row still answers within the runtime's one
-                // second for a store call (below), so no grant is made
-                // for a caller that gave up.
-                lock_timeout: ms(500),
+                // A call that waited its longest for a turn and then for
+                // its rows (a release or a fold locks two, one after the
+                // other) still answers within the runtime's one second for
+                // a store call (below): 250 + 2 × 350 ms.
+                lock_timeout: ms(350),
                 queue_timeout: ms(250),
             },
         )

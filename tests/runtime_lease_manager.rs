@@ -749,6 +749,33 @@ async fn leases_are_replaced_early_by_a_share_of_their_slack_their_ids_decide() 
     );
 }
 
+/// I28: an early replacement the store refuses with an answer (the account
+/// is spent) is not asked again at every poll of the spread: the store
+/// would answer the same, each time on the account's row lock. The lease
+/// is replaced, or let close, from the plain replacement lead, as before
+/// the spread.
+#[tokio::test(start_paused = true)]
+async fn a_refused_early_replacement_waits_for_the_plain_lead() {
+    let config = LeaseManagerConfig {
+        poll_interval: secs(1),
+        ..config()
+    };
+    let allocator = Scripted::new();
+    // Lease 3 comes due some twelve seconds early (see the test above).
+    allocator.next_lease.store(3, Ordering::SeqCst);
+    allocator.plan_acquires([Reply::Grant(TARGET)]);
+    allocator.plan_acquires((0..40).map(|_| exhausted(None)));
+    let h = Harness::started_with(allocator, config).await;
+    h.run_for(40).await;
+    assert_eq!(h.allocator.calls(), [acquire()], "not due yet");
+    h.run_for(14).await;
+    let asked = h.allocator.calls().len() - 1;
+    assert!(
+        (1..=3).contains(&asked),
+        "refused replacements asked in the window's last 14 s: {asked}"
+    );
+}
+
 /// A replaced lease keeps serving the reservations taken on it; it is
 /// released only once the last one resolves, with exactly what is left
 /// (I6, I15, I26).

@@ -1366,6 +1366,16 @@ impl Task {
         }
     }
 
+    /// How long before its usable window closes `lease` is replaced: the
+    /// replacement lead, plus the spread it was given when installed.
+    fn renewal_lead(&self, lease: &LocalLease) -> SignedDuration {
+        let lead = self.config.replacement_lead();
+        match self.renew_early {
+            Some((id, early)) if id == lease.grant().lease_id => lead.saturating_add(early),
+            _ => lead,
+        }
+    }
+
     /// When the serving lease needs an inspection before the next poll, and
     /// why: one store call before its window closes, to replace it (I28),
     /// and at the close, to retire it, each at most once per lease.
@@ -1379,16 +1389,6 @@ impl Task {
     /// clock's staleness bound past it, so a clock that reads behind still
     /// shows it closed. `None` when there is no lease, or nothing is left to
     /// wake for.
-    /// How long before its usable window closes `lease` is replaced: the
-    /// replacement lead, plus the spread it was given when installed.
-    fn renewal_lead(&self, lease: &LocalLease) -> SignedDuration {
-        let lead = self.config.replacement_lead();
-        match self.renew_early {
-            Some((id, early)) if id == lease.grant().lease_id => lead.saturating_add(early),
-            _ => lead,
-        }
-    }
-
     fn early_wake(&mut self) -> Option<(Instant, EarlyWake)> {
         let (lease, usable_until) = self.slot.with_lease(|lease| {
             lease.map(|lease| (lease.grant().lease_id, lease.usable_until()))
@@ -1573,9 +1573,10 @@ impl Task {
     /// within a poll, and folds the released units with its own; both
     /// renewing their shares at once, neither would ever fund it.
     ///
-    /// Decided one store call and a poll before the window closes: a lease
-    /// first used after that is replaced only as it closes, so requests
-    /// meet the round trip then.
+    /// Decided when the lease comes due for replacement (see
+    /// [`renewal_lead`](Self::renewal_lead)): a lease first used after
+    /// that is replaced only as it closes, so requests meet the round trip
+    /// then.
     fn lets_lapse(&self, lease: &LocalLease) -> bool {
         self.allocator.shares_tails()
             && self.balance_in_force().is_some()
@@ -1781,6 +1782,13 @@ impl Task {
                 if let Some(evidence) = error.evidence() {
                     self.evidence = Some(evidence);
                     self.show_evidence();
+                }
+                if !matches!(error, AllocateError::Storage(_)) {
+                    // The store will answer the same until something
+                    // changes: the serving lease's replacement waits for
+                    // the plain lead rather than ask at every poll of its
+                    // spread (I28).
+                    self.renew_early = None;
                 }
                 self.log_unfunded(&error, out_of_funds);
             }

@@ -89,12 +89,13 @@ pub struct PostgresConfig {
     pub policy: GrantPolicy,
     /// How long a store call's statement waits for a row lock before the
     /// call fails as a storage error (set on every allocator, usage and
-    /// admin transaction, and on a migration's own statements). The server
-    /// goes on waiting for a call its caller gave up
-    /// on, holding the call's connection and any lock it took already, so
-    /// keep it no longer than the shortest timeout the store's callers
-    /// put on a call (the runtime's `store_call_timeout`, `ingest_timeout`
-    /// and `fetch_timeout`). At least a millisecond (`PostgreSQL` keeps
+    /// admin transaction, and on a migration's own statements). A call
+    /// its caller gave up on goes on waiting (see
+    /// [`queue_timeout`](Self::queue_timeout)), holding its connection and
+    /// any lock it took already, so keep twice this plus `queue_timeout`
+    /// within the shortest timeout the store's callers put on a call (the
+    /// runtime's `store_call_timeout`, `ingest_timeout`, `fetch_timeout`
+    /// and `enumeration_timeout`). At least a millisecond (`PostgreSQL` keeps
     /// whole milliseconds) and at most [`PostgresConfig::LOCK_TIMEOUT_MAX`].
     pub lock_timeout: Duration,
     /// How long an allocator, usage or snapshot call waits for its turn at
@@ -102,10 +103,11 @@ pub struct PostgresConfig {
     /// that made no call at all. A call that got its turn runs to its end
     /// even if its caller gave up on it meanwhile (see
     /// [`PostgresStore`]), so keep `queue_timeout` plus the time a call
-    /// takes (its lock waits are bounded by `lock_timeout`) within the
-    /// shortest timeout the store's callers put on a call: an answer that
-    /// comes after its caller gave up is wasted work, and a grant nobody
-    /// holds until reclaim. At least a millisecond and at most
+    /// takes (a release or a fold waits for two row locks, one after the
+    /// other, each bounded by `lock_timeout`) within the shortest timeout
+    /// the store's callers put on a call: an answer that comes after its
+    /// caller gave up is wasted work (a call that has not committed by
+    /// then rolls back). At least a millisecond and at most
     /// [`PostgresConfig::QUEUE_TIMEOUT_MAX`].
     pub queue_timeout: Duration,
 }
@@ -130,8 +132,9 @@ impl PostgresConfig {
 /// # Turns (I35)
 ///
 /// An allocator, usage or snapshot call first waits for a *turn*: there
-/// are as many as the pool has connections, so a call with a turn never
-/// queues inside the pool. The wait is the caller's and costs the server
+/// are as many as the pool has connections, so a call with a turn waits
+/// in the pool at most for a connection being handed back, or one the
+/// operator's calls (which take no turn) hold. The wait is the caller's and costs the server
 /// nothing, so a caller may give up on it at any moment (the runtime cuts
 /// every call off at its timeout); one that waits `queue_timeout` without
 /// a turn fails having made no call. Once a call has its turn, its
