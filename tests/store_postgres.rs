@@ -2247,6 +2247,63 @@ async fn a_call_without_a_turn_within_the_queue_timeout_makes_no_call() {
     audited(&store).await;
 }
 
+/// I35: the allocator's calls may hold every turn but one, so a usage
+/// batch or a snapshot read (what billing and readiness wait on) finds a
+/// turn while grants and releases queue for theirs.
+#[tokio::test]
+async fn usage_and_snapshot_calls_keep_a_turn_the_allocator_cannot_take() {
+    let Some(store) = store("priority_turn", 1).await else {
+        return;
+    };
+    let url = database_url("priority_turn").expect("checked above");
+    let (pool, _, name) = counting_pool(&url, 2).await;
+    let queued = over(&store, pool, Duration::from_millis(100));
+    let (held, other, billed) = (
+        account(&store, 100).await,
+        account(&store, 100).await,
+        account(&store, 100).await,
+    );
+    let lease = store
+        .acquire(billed, CostUnits(10), TTL, at(0))
+        .await
+        .unwrap();
+    let holder = hold_row(&store, "accounts", held.get()).await;
+    let blocked = tokio::spawn({
+        let queued = queued.clone();
+        async move { queued.acquire(held, CostUnits(10), TTL, at(0)).await }
+    });
+    eventually("the first grant waits for its row on a turn", || async {
+        sessions(&store, &name).await.1 == 1
+    })
+    .await;
+    let refused = queued.acquire(other, CostUnits(10), TTL, at(0)).await;
+    assert!(
+        matches!(&refused, Err(AllocateError::Storage(error))
+            if error.to_string().contains("no connection was free")),
+        "the allocator's share is taken: {refused:?}"
+    );
+    assert_eq!(
+        queued
+            .ingest(&[leased(1, billed, &lease, 4)])
+            .await
+            .unwrap(),
+        vec![IngestOutcome::Accepted],
+        "the usage batch takes the last turn"
+    );
+    assert_eq!(
+        queued
+            .lookup_key(&KeyHash([7; 32]), at(0))
+            .await
+            .expect("a snapshot read takes the last turn"),
+        None
+    );
+    holder.rollback().await.unwrap();
+    let granted = blocked.await.unwrap().expect("the row is free");
+    assert_eq!(granted.grant.units, CostUnits(10));
+    assert_eq!(balance(&store, other, at(0)).await, 100, "no call was made");
+    audited(&store).await;
+}
+
 /// I35: a call whose caller gave up goes on waiting for its row on its
 /// turn, then rolls back rather than commit a grant nobody holds, and
 /// hands its connection back to the pool.

@@ -18,7 +18,7 @@ use crate::store::postgres::JournalKind;
 use crate::store::postgres::PostgresStore;
 use crate::store::postgres::convert::{amount, get, id, micros, storage, to_i64, to_pg, units};
 use crate::store::postgres::ledger::Entry;
-use crate::store::postgres::tx::{begin, finish, on_a_turn};
+use crate::store::postgres::tx::{Lane, begin, finish, on_a_turn};
 use crate::store::rules::{UNITS_MAX, credited_balance, plan_acquire, plan_consolidation};
 use crate::store::{
     AllocateError, Allocation, BlockedLease, LeaseAllocator, ReclaimBatch, ReclaimedLease,
@@ -486,7 +486,7 @@ impl LeaseAllocator for PostgresStore {
             return Err(AllocateError::UnknownAccount);
         }
         let store = self.clone();
-        on_a_turn(self, |mut caller| async move {
+        on_a_turn(self, Lane::Allocator, |mut caller| async move {
             let mut tx = begin(&store).await?;
             let outcome = store
                 .acquire_in(&mut tx, account, requested, expires_at, now)
@@ -508,7 +508,7 @@ impl LeaseAllocator for PostgresStore {
             return Err(AllocateError::UnknownLease);
         }
         let store = self.clone();
-        on_a_turn(self, |mut caller| async move {
+        on_a_turn(self, Lane::Allocator, |mut caller| async move {
             let mut tx = begin(&store).await?;
             let outcome = store
                 .release_in(&mut tx, lease_id, fencing_token, unspent, now)
@@ -537,7 +537,7 @@ impl LeaseAllocator for PostgresStore {
             return Err(AllocateError::UnknownLease);
         }
         let store = self.clone();
-        on_a_turn(self, |mut caller| async move {
+        on_a_turn(self, Lane::Allocator, |mut caller| async move {
             let mut tx = begin(&store).await?;
             let outcome = store
                 .consolidate_in(
@@ -566,7 +566,7 @@ impl LeaseAllocator for PostgresStore {
             return Ok(ReclaimBatch::default());
         };
         let store = self.clone();
-        on_a_turn(self, |mut caller| async move {
+        on_a_turn(self, Lane::Allocator, |mut caller| async move {
             let mut tx = begin(&store).await?;
             let outcome = store.reclaim_in(&mut tx, cutoff, limit, now).await;
             // Every error here is a storage error: roll back.

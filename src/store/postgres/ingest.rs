@@ -19,7 +19,7 @@ use sqlx::types::time::OffsetDateTime;
 use crate::model::UsageEvent;
 use crate::store::postgres::PostgresStore;
 use crate::store::postgres::convert::{get, micros, storage, to_i64, to_pg, uuid_text};
-use crate::store::postgres::tx::{begin, finish, on_a_turn};
+use crate::store::postgres::tx::{Lane, begin, finish, on_a_turn};
 use crate::store::{IngestOutcome, RejectReason, StoreError, UsageSink};
 
 /// Stands for an id or token no bigint can hold: ids, tokens and accounts
@@ -125,7 +125,7 @@ impl UsageSink for PostgresStore {
         // answer that does not add up rolls the batch back.
         let len = batch.len();
         let store = self.clone();
-        on_a_turn(self, |mut caller| async move {
+        on_a_turn(self, Lane::Priority, |mut caller| async move {
             let mut tx = begin(&store).await?;
             let answer = async {
                 let rows = sqlx::query(&sql)

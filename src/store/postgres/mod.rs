@@ -70,7 +70,7 @@ use std::time::Duration;
 use jiff::Timestamp;
 use sqlx::postgres::{PgConnectOptions, PgConnection, PgPoolOptions};
 use sqlx::{Connection as _, PgPool};
-use tokio::sync::Semaphore;
+use tx::Turns;
 
 use crate::model::{AccountId, CostUnits, LeaseId};
 use crate::store::{GrantPolicy, GrantPolicyError, StoreError};
@@ -143,8 +143,11 @@ impl PostgresConfig {
 /// mid-connect would cost the pool that connection, and the server a
 /// session process to replace it; with thousands of accounts calling at
 /// once after an outage, that churn kept every call timing out and the
-/// gateways unready long after the database was back. The operator's
-/// calls (accounts, keys, movements, the audit, migrations) take no turn.
+/// gateways unready long after the database was back. The allocator's
+/// calls may hold all turns but one, which usage batches and snapshot
+/// reads (what billing and readiness wait on) can always take. The
+/// operator's calls (accounts, keys, movements, the audit, migrations)
+/// take no turn.
 ///
 /// # Invariants
 ///
@@ -157,8 +160,8 @@ impl PostgresConfig {
 #[derive(Clone)]
 pub struct PostgresStore {
     pool: PgPool,
-    /// One permit per connection the pool may open (invariant 4).
-    turns: Arc<Semaphore>,
+    /// One per connection the pool may open (invariant 4).
+    turns: Turns,
     /// The longest a call waits for a turn.
     queue_timeout: Duration,
     schema: Arc<str>,
@@ -452,10 +455,8 @@ impl PostgresStore {
     pub fn with_pool(pool: PgPool, config: PostgresConfig) -> Result<Self, PostgresError> {
         validate(&config)?;
         let lock_timeout = format!("{}ms", config.lock_timeout.as_millis());
-        let connections =
-            usize::try_from(pool.options().get_max_connections()).unwrap_or(usize::MAX);
         Ok(Self {
-            turns: Arc::new(Semaphore::new(connections.min(Semaphore::MAX_PERMITS))),
+            turns: Turns::new(pool.options().get_max_connections()),
             queue_timeout: config.queue_timeout,
             pool,
             schema: config.schema.into(),

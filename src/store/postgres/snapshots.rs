@@ -13,7 +13,7 @@ use crate::model::{
 };
 use crate::store::postgres::PostgresStore;
 use crate::store::postgres::convert::{get, id, storage, to_i64, units};
-use crate::store::postgres::tx::on_a_turn;
+use crate::store::postgres::tx::{Lane, on_a_turn};
 use crate::store::{SnapshotCursor, SnapshotPage, SnapshotSource, StoreError};
 
 /// The join every snapshot query reads: a key and its account.
@@ -105,7 +105,7 @@ impl SnapshotSource for PostgresStore {
         }
         let sql = self.sql(&format!("{SNAPSHOT_SELECT} WHERE k.key_id = ANY($1)"));
         let pool = self.pool.clone();
-        let rows = on_a_turn(self, |_| async move {
+        let rows = on_a_turn(self, Lane::Priority, |_| async move {
             sqlx::query(&sql)
                 .bind(&ids)
                 .fetch_all(&pool)
@@ -147,7 +147,7 @@ impl SnapshotSource for PostgresStore {
             "{SNAPSHOT_SELECT} WHERE k.revision > $1 ORDER BY k.revision LIMIT $2"
         ));
         let pool = self.pool.clone();
-        let rows = on_a_turn(self, |_| async move {
+        let rows = on_a_turn(self, Lane::Priority, |_| async move {
             sqlx::query(&sql)
                 .bind(cursor)
                 .bind(fetch)
@@ -182,7 +182,7 @@ impl SnapshotSource for PostgresStore {
         ));
         let pool = self.pool.clone();
         let hash = hash.0;
-        on_a_turn(self, |_| async move {
+        on_a_turn(self, Lane::Priority, |_| async move {
             sqlx::query(&sql)
                 .bind(hash.as_slice())
                 .fetch_optional(&pool)

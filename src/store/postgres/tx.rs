@@ -6,12 +6,70 @@ use std::sync::Arc;
 
 use sqlx::{Postgres, Transaction};
 use tokio::sync::oneshot::{self, error::TryRecvError};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::store::StoreError;
 use crate::store::postgres::PostgresStore;
 use crate::store::postgres::convert::storage;
 
-/// Runs `work`, a call's database work, on a turn of its own (I35).
+/// The store's turns (I35): one per connection the pool may open. The
+/// allocator's calls may hold all but one of them, so usage batches and
+/// snapshot reads, which readiness and billing wait on, always find one
+/// within a call's time however many accounts renew at once. (A pool of
+/// one connection has nothing to spare, and shares it.)
+#[derive(Clone)]
+pub(super) struct Turns {
+    all: Arc<Semaphore>,
+    allocator: Option<Arc<Semaphore>>,
+}
+
+impl Turns {
+    /// The turns of a pool of `connections` connections.
+    pub(super) fn new(connections: u32) -> Self {
+        let connections = usize::try_from(connections)
+            .unwrap_or(usize::MAX)
+            .min(Semaphore::MAX_PERMITS);
+        Self {
+            all: Arc::new(Semaphore::new(connections)),
+            allocator: (connections > 1).then(|| Arc::new(Semaphore::new(connections - 1))),
+        }
+    }
+
+    /// Waits for a turn for a call of `lane`.
+    async fn take(&self, lane: Lane) -> Turn {
+        // The allocator's share first, then a connection's turn: calls of
+        // the other lane take only the second, so no wait closes a cycle.
+        let share = match (&self.allocator, lane) {
+            (Some(share), Lane::Allocator) => Arc::clone(share).acquire_owned().await.ok(),
+            _ => None,
+        };
+        let turn = Arc::clone(&self.all).acquire_owned().await.ok();
+        Turn {
+            _share: share,
+            _turn: turn,
+        }
+    }
+}
+
+/// Who a call is for: the lanes share the turns, but the allocator's calls
+/// may not take the last one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Lane {
+    /// Grants, releases, folds and reclaim.
+    Allocator,
+    /// Usage batches and snapshot reads.
+    Priority,
+}
+
+/// A call's turn, handed back when dropped. (The semaphores are never
+/// closed, so both permits are always there.)
+struct Turn {
+    _share: Option<OwnedSemaphorePermit>,
+    _turn: Option<OwnedSemaphorePermit>,
+}
+
+/// Runs `work`, a call's database work for `lane`, on a turn of its own
+/// (I35).
 ///
 /// Waiting for the turn is the only part a caller giving up cancels; once
 /// it has one, `work` runs in a task of its own to its end, and the turn
@@ -23,19 +81,19 @@ use crate::store::postgres::convert::storage;
 /// A storage error when no turn came within the store's `queue_timeout`
 /// (no call was made) or the task was cancelled (the runtime is shutting
 /// down; the call may have been made); otherwise whatever `work` answers.
-pub(super) async fn on_a_turn<T, E, F, W>(store: &PostgresStore, work: W) -> Result<T, E>
+pub(super) async fn on_a_turn<T, E, F, W>(
+    store: &PostgresStore,
+    lane: Lane,
+    work: W,
+) -> Result<T, E>
 where
     T: Send + 'static,
     E: From<StoreError> + Send + 'static,
     F: Future<Output = Result<T, E>> + Send + 'static,
     W: FnOnce(Caller) -> F,
 {
-    let waited = tokio::time::timeout(
-        store.queue_timeout,
-        Arc::clone(&store.turns).acquire_owned(),
-    );
-    // The turns are never closed, so a wait ends with a turn or a timeout.
-    let Ok(Ok(turn)) = waited.await else {
+    let waited = tokio::time::timeout(store.queue_timeout, store.turns.take(lane));
+    let Ok(turn) = waited.await else {
         return Err(E::from(StoreError::new(format!(
             "postgres: no connection was free within the queue timeout ({:?}); the call was \
              not made",
