@@ -2197,6 +2197,40 @@ async fn calls_cut_off_by_their_callers_abandon_no_session() {
         .unwrap();
 }
 
+/// A grant by `queued` on `account` whose row another session holds: it
+/// waits for the row on a turn (its sessions are named `name`) until the
+/// returned holder lets go, and then answers through the handle.
+async fn grant_waiting_on_its_row(
+    store: &PostgresStore,
+    queued: &PostgresStore,
+    name: &str,
+    account: AccountId,
+) -> (
+    sqlx::Transaction<'static, sqlx::Postgres>,
+    tokio::task::JoinHandle<Result<Allocation, AllocateError>>,
+) {
+    let holder = hold_row(store, "accounts", account.get()).await;
+    let blocked = tokio::spawn({
+        let queued = queued.clone();
+        async move { queued.acquire(account, CostUnits(10), TTL, at(0)).await }
+    });
+    eventually("the grant waits for its row on a turn", || async {
+        sessions(store, name).await.1 == 1
+    })
+    .await;
+    (holder, blocked)
+}
+
+/// Asserts that `answer` is the failure of a call that got no turn.
+#[track_caller]
+fn no_turn<T: std::fmt::Debug>(answer: &Result<T, AllocateError>) {
+    assert!(
+        matches!(answer, Err(AllocateError::Storage(error))
+            if error.to_string().contains("no connection was free")),
+        "a call that got no turn: {answer:?}"
+    );
+}
+
 /// I35: a call that waits `queue_timeout` without a turn fails having made
 /// no call, while the call holding the only turn goes on; the turn comes
 /// back when that call ends.
@@ -2209,27 +2243,14 @@ async fn a_call_without_a_turn_within_the_queue_timeout_makes_no_call() {
     let (pool, _, name) = counting_pool(&url, 1).await;
     let queued = over(&store, pool, Duration::from_millis(100));
     let (first, second) = (account(&store, 100).await, account(&store, 100).await);
-    let holder = hold_row(&store, "accounts", first.get()).await;
-    let blocked = tokio::spawn({
-        let queued = queued.clone();
-        async move { queued.acquire(first, CostUnits(10), TTL, at(0)).await }
-    });
-    eventually(
-        "the first call waits for the row on the only turn",
-        || async { sessions(&store, &name).await.1 == 1 },
-    )
-    .await;
+    let (holder, blocked) = grant_waiting_on_its_row(&store, &queued, &name, first).await;
     let refused = tokio::time::timeout(
         Duration::from_secs(10),
         queued.acquire(second, CostUnits(10), TTL, at(0)),
     )
     .await
     .expect("the wait for a turn is bounded");
-    assert!(
-        matches!(&refused, Err(AllocateError::Storage(error))
-            if error.to_string().contains("no connection was free")),
-        "{refused:?}"
-    );
+    no_turn(&refused);
     assert_eq!(
         balance(&store, second, at(0)).await,
         100,
@@ -2267,21 +2288,9 @@ async fn usage_and_snapshot_calls_keep_a_turn_the_allocator_cannot_take() {
         .acquire(billed, CostUnits(10), TTL, at(0))
         .await
         .unwrap();
-    let holder = hold_row(&store, "accounts", held.get()).await;
-    let blocked = tokio::spawn({
-        let queued = queued.clone();
-        async move { queued.acquire(held, CostUnits(10), TTL, at(0)).await }
-    });
-    eventually("the first grant waits for its row on a turn", || async {
-        sessions(&store, &name).await.1 == 1
-    })
-    .await;
-    let refused = queued.acquire(other, CostUnits(10), TTL, at(0)).await;
-    assert!(
-        matches!(&refused, Err(AllocateError::Storage(error))
-            if error.to_string().contains("no connection was free")),
-        "the allocator's share is taken: {refused:?}"
-    );
+    let (holder, blocked) = grant_waiting_on_its_row(&store, &queued, &name, held).await;
+    // The allocator's share is taken; one turn is free.
+    no_turn(&queued.acquire(other, CostUnits(10), TTL, at(0)).await);
     assert_eq!(
         queued
             .ingest(&[leased(1, billed, &lease, 4)])
