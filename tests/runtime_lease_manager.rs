@@ -2232,6 +2232,48 @@ async fn unanswered_acquires_back_off_until_the_store_answers() {
     assert_eq!(h.stats().uncertain_acquires, 6);
 }
 
+/// I22, I35: an acquire the store says it never made (no connection was
+/// free in time) left no grant behind, so it is retried at every poll
+/// rather than backed off: while thousands of accounts wait for turns,
+/// backing off would leave the store idle between their tries. Nor does
+/// it put the cadence back after calls that did go unanswered.
+#[tokio::test(start_paused = true)]
+async fn acquires_the_store_never_made_are_retried_at_every_poll() {
+    let not_made = || {
+        Reply::Refuse(AllocateError::Storage(StoreError::not_made(
+            "no connection was free",
+        )))
+    };
+    let allocator = Scripted::new();
+    allocator.plan_acquires(
+        std::iter::repeat_n(not_made(), 4)
+            .chain(std::iter::repeat_n(Reply::Refuse(storage_error()), 2))
+            .chain([
+                not_made(),
+                Reply::Refuse(storage_error()),
+                Reply::Grant(TARGET),
+            ]),
+    );
+    let h = Harness::started(allocator).await;
+    sleep(POLL * 40).await;
+    settle().await;
+    let at: Vec<Duration> = h
+        .allocator
+        .timed_calls()
+        .iter()
+        .map(|(at, _)| *at)
+        .collect();
+    assert_eq!(
+        at,
+        [0, 1, 2, 3, 4, 5, 6, 7, 9]
+            .map(|polls| POLL * polls)
+            .to_vec(),
+        "every poll while calls are not made; then two misses, a call not made that \
+         changes nothing, and a third miss that waits two polls"
+    );
+    assert_eq!(h.serving(), Some((1, 100)));
+}
+
 /// Any answer from the store ends the backoff, not only an acquire's: a
 /// superseded lease's release answered while acquires back off puts the
 /// cadence back, so the next acquire comes at that inspection rather than

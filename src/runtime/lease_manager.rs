@@ -117,7 +117,9 @@
 //! have left a grant nobody holds until reclaim, so from the second such
 //! call in a row acquires and folds back off: one poll, then two, four and
 //! eight, back to the usual cadence at the store's first answer to any
-//! call. A grant that arrives unable to serve a debit (empty, or usable for
+//! call. A call the store says it never made (no connection was free in
+//! time) left nothing behind: it is retried at the next inspection, and
+//! neither backs off nor puts the cadence back. A grant that arrives unable to serve a debit (empty, or usable for
 //! no time: the store's `max_ttl` is no longer than the safety margin) is
 //! returned, and acquires and folds wait the same way after each, until a
 //! grant serves. A release pass shares one such budget across all parked
@@ -1750,11 +1752,7 @@ impl Task {
             .grant_call_in_flight
             .store(false, Ordering::Release);
         let counters = Arc::clone(&self.shared.counters);
-        let answered = match &end {
-            CallEnd::Answered(answer) => !matches!(answer, Err(AllocateError::Storage(_))),
-            CallEnd::TimedOut | CallEnd::Stopped(_) => false,
-        };
-        self.note_acquire_answered(answered);
+        let answered = self.note_grant_call(&end);
         // Only an answer brings the evidence up to date.
         if answered {
             self.last_acquire = Some(asked_at);
@@ -1806,6 +1804,20 @@ impl Task {
             }
         }
         Ok(None)
+    }
+
+    /// Books how a grant call (an acquire or a fold) ended, and says
+    /// whether the store answered it. A call the store never made counts
+    /// neither way (I22).
+    fn note_grant_call(&mut self, end: &CallEnd<Result<Allocation, AllocateError>>) -> bool {
+        let answered = match end {
+            CallEnd::Answered(answer) => !matches!(answer, Err(AllocateError::Storage(_))),
+            CallEnd::TimedOut | CallEnd::Stopped(_) => false,
+        };
+        if !made_no_call(end) {
+            self.note_acquire_answered(answered);
+        }
+        answered
     }
 
     /// Books whether an acquire got an answer; without one, the next waits
@@ -2287,10 +2299,7 @@ impl Task {
             .grant_call_in_flight
             .store(false, Ordering::Release);
         let counters = Arc::clone(&self.shared.counters);
-        self.note_acquire_answered(match &end {
-            CallEnd::Answered(answer) => !matches!(answer, Err(AllocateError::Storage(_))),
-            CallEnd::TimedOut | CallEnd::Stopped(_) => false,
-        });
+        self.note_grant_call(&end);
         let error = match end {
             CallEnd::Answered(Ok(allocation)) => {
                 // The store settled the old lease in the same step (I18):
@@ -2996,6 +3005,13 @@ fn renewal_spread(lease: LeaseId, slack: SignedDuration) -> SignedDuration {
     // A fraction of a quarter of the slack, in 1/1024ths.
     let share = i32::try_from(mixed % 1024).unwrap_or(0);
     slack / 4 / 1024 * share
+}
+
+/// Whether a grant call ended with the store saying it never made it (no
+/// connection was free): it left no grant behind, so it neither counts as
+/// a call without an answer nor puts the cadence back (I22).
+fn made_no_call<T>(end: &CallEnd<Result<T, AllocateError>>) -> bool {
+    matches!(end, CallEnd::Answered(Err(AllocateError::Storage(error))) if error.made_no_call())
 }
 
 /// Runs an allocator call until `give_up_at` (I22) and, when `stop` is

@@ -507,18 +507,38 @@ impl From<StoreError> for AllocateError {
 }
 
 /// A store that could not answer: unreachable, timed out, failed mid-call.
-/// The call may or may not have taken effect.
+/// The call may or may not have taken effect, unless the store says it
+/// never made it ([`made_no_call`](Self::made_no_call)).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StoreError {
     message: String,
+    made_no_call: bool,
 }
 
 impl StoreError {
-    /// An error described by `message`.
+    /// An error described by `message`: the call may have taken effect.
     pub fn new(message: impl Into<String>) -> Self {
         Self {
             message: message.into(),
+            made_no_call: false,
         }
+    }
+
+    /// An error described by `message` for a call the store never made
+    /// (for example, no connection was free in time): it took no effect,
+    /// and left nothing behind for reclaim to find.
+    pub fn not_made(message: impl Into<String>) -> Self {
+        Self {
+            message: message.into(),
+            made_no_call: true,
+        }
+    }
+
+    /// Whether the store never made the call, so it certainly took no
+    /// effect.
+    #[must_use]
+    pub fn made_no_call(&self) -> bool {
+        self.made_no_call
     }
 
     /// What went wrong.

@@ -94,7 +94,7 @@ where
 {
     let waited = tokio::time::timeout(store.queue_timeout, store.turns.take(lane));
     let Ok(turn) = waited.await else {
-        return Err(E::from(StoreError::new(format!(
+        return Err(E::from(StoreError::not_made(format!(
             "postgres: no connection was free within the queue timeout ({:?}); the call was \
              not made",
             store.queue_timeout
