@@ -189,6 +189,11 @@ impl Scripted {
         lock(&self.calls).clone()
     }
 
+    /// When each call arrived, since the harness started.
+    fn call_times(&self) -> Vec<Duration> {
+        lock(&self.calls).iter().map(|(at, _)| *at).collect()
+    }
+
     /// Waits (letting paused time run) until `n` calls have arrived.
     async fn calls_reach(&self, n: usize) {
         let mut count = self.count.subscribe();
@@ -2217,12 +2222,7 @@ async fn unanswered_acquires_back_off_until_the_store_answers() {
     let h = Harness::started(allocator).await;
     sleep(POLL * 40).await;
     settle().await;
-    let at: Vec<Duration> = h
-        .allocator
-        .timed_calls()
-        .iter()
-        .map(|(at, _)| *at)
-        .collect();
+    let at = h.allocator.call_times();
     assert_eq!(
         at,
         [0, 1, 2, 4, 8, 16, 24].map(|polls| POLL * polls).to_vec(),
@@ -2257,12 +2257,7 @@ async fn acquires_the_store_never_made_are_retried_at_every_poll() {
     let h = Harness::started(allocator).await;
     sleep(POLL * 40).await;
     settle().await;
-    let at: Vec<Duration> = h
-        .allocator
-        .timed_calls()
-        .iter()
-        .map(|(at, _)| *at)
-        .collect();
+    let at = h.allocator.call_times();
     assert_eq!(
         at,
         [0, 1, 2, 3, 4, 5, 6, 7, 9]
@@ -2538,12 +2533,7 @@ async fn an_exhausted_account_is_funded_again_at_its_period_end_not_the_next_pol
     let h = Harness::started(allocator).await;
     assert_eq!(h.serving(), None);
     h.run_for(26).await;
-    let at: Vec<Duration> = h
-        .allocator
-        .timed_calls()
-        .iter()
-        .map(|(at, _)| *at)
-        .collect();
+    let at = h.allocator.call_times();
     assert_eq!(at, [0, 10, 20, 25].map(secs).to_vec());
     assert_eq!(h.serving(), Some((1, 100)));
     assert!(h.ready());

@@ -119,10 +119,11 @@
 //! eight, back to the usual cadence at the store's first answer to any
 //! call. A call the store says it never made (no connection was free in
 //! time) left nothing behind: it is retried at the next inspection, and
-//! neither backs off nor puts the cadence back. A grant that arrives unable to serve a debit (empty, or usable for
-//! no time: the store's `max_ttl` is no longer than the safety margin) is
-//! returned, and acquires and folds wait the same way after each, until a
-//! grant serves. A release pass shares one such budget across all parked
+//! neither backs off nor puts the cadence back. A grant that arrives
+//! unable to serve a debit (empty, or usable for no time: the store's
+//! `max_ttl` is no longer than the safety margin) is returned, and
+//! acquires and folds wait the same way after each, until a grant serves.
+//! A release pass shares one such budget across all parked
 //! leases, each call capped by what is left of it, so a store that hangs
 //! costs one timeout per pass however many leases are parked; a lease whose
 //! call used up the budget goes to the back of the queue so the others get
@@ -215,9 +216,9 @@ pub struct LeaseManagerConfig {
     /// so a lease is replaced `poll_interval + store_call_timeout` before
     /// its usable window closes ([`replacement_lead`](Self::replacement_lead)),
     /// which must be shorter than that window, and earlier still by up to a
-    /// quarter of the rest of the window, spread by lease id (I28). (A grant the allocator cuts
-    /// shorter is replaced one store call before its window closes, whatever
-    /// the poll.) Must be positive.
+    /// quarter of the rest of the window, spread by lease id (I28). (A
+    /// grant the allocator cuts shorter is replaced one store call before
+    /// its window closes, whatever the poll.) Must be positive.
     pub poll_interval: Duration,
     /// The longest any allocator call may take (I22), and the budget of one
     /// release pass over every parked lease. A call cut off by it is treated
