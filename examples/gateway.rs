@@ -465,10 +465,13 @@ async fn run() -> Result<(), Box<dyn std::error::Error>> {
     // Admission at the outer edge, the commit where each handler starts: a
     // request waiting for the slow route holds its reservation, pays in
     // full once it runs and nothing if its client leaves first, and one
-    // without a usable key is refused at once instead of queueing.
+    // without a usable key is refused at once instead of queueing. A
+    // request that finds its account's lease missing or drained while the
+    // lease manager fetches the next waits a quarter second for it (I36).
     let tollgate = TollgateLayer::builder(handle.clone())
         .price(price)
         .commit_in_handler()
+        .wait_for_lease(Duration::from_millis(250))
         .build()?;
 
     let demo = Demo {

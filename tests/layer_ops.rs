@@ -270,6 +270,7 @@ async fn metrics_publish_the_exact_admission_counts_as_prometheus_text() {
     check_series(&series, "tollgate_admitted_total", count(admitted));
     check_series(&series, "tollgate_admitted_overage_total", 0.0);
     check_series(&series, "tollgate_released_total", 0.0);
+    check_series(&series, "tollgate_lease_waits_total", 0.0);
     for reason in DenyReason::ALL {
         let code = reason.code();
         let expected = denied.get(code).copied().unwrap_or(0);

@@ -109,7 +109,7 @@ impl AdmissionEngine {
         // The admission is the tail, built where the caller receives it; the
         // pin is given back after.
         let pinned = self.snapshots.pin();
-        self.admit(&pinned, pinned.entry(principal, now), required, quote, now)
+        self.admit::<true>(&pinned, pinned.entry(principal, now), required, quote, now)
     }
 
     /// [`begin`](Self::begin) for the principal whose API key hashes to
@@ -131,7 +131,31 @@ impl AdmissionEngine {
         now: Timestamp,
     ) -> Result<RequestContext, DenyReason> {
         let pinned = self.snapshots.pin();
-        self.admit(&pinned, pinned.entry_by_key(key, now), required, quote, now)
+        self.admit::<true>(&pinned, pinned.entry_by_key(key, now), required, quote, now)
+    }
+
+    /// [`begin_by_key`](Self::begin_by_key) that leaves a denial uncounted,
+    /// for a caller that may try again and counts only the last answer: the
+    /// HTTP layer waiting out a lease shortage.
+    pub(crate) fn begin_by_key_uncounted(
+        &self,
+        key: &KeyHash,
+        required: PermissionBits,
+        quote: CostUnits,
+        now: Timestamp,
+    ) -> Result<RequestContext, DenyReason> {
+        let pinned = self.snapshots.pin();
+        self.admit::<false>(&pinned, pinned.entry_by_key(key, now), required, quote, now)
+    }
+
+    /// The lease slot of the account whose principal holds the key hashing
+    /// to `key`, if the map has it.
+    pub(crate) fn slot_by_key(&self, key: &KeyHash, now: Timestamp) -> Option<Arc<LeaseSlot>> {
+        let pinned = self.snapshots.pin();
+        pinned
+            .entry_by_key(key, now)
+            .ok()
+            .map(|entry| Arc::clone(&entry.slot))
     }
 
     /// The admission counters.
@@ -157,7 +181,7 @@ impl AdmissionEngine {
         reason = "inlined so the admitted context is built in place, not copied out of a call"
     )]
     #[inline(always)]
-    fn admit(
+    fn admit<const COUNT_DENIALS: bool>(
         &self,
         pinned: &Pinned<'_>,
         entry: Result<&Entry, DenyReason>,
@@ -173,23 +197,23 @@ impl AdmissionEngine {
         // straight into the caller's result.
         let entry = match entry {
             Ok(entry) => entry,
-            Err(reason) => return Err(self.counters.denied_at(locality, reason)),
+            Err(reason) => return Err(self.deny::<COUNT_DENIALS>(locality, reason)),
         };
         // Read in place; what the request keeps of the snapshot is copied
         // into its context, so the snapshot's reference count is not
         // touched.
         let snapshot = &*entry.snapshot;
         if let Err(reason) = Self::check_policy(pinned, entry, required, now) {
-            return Err(self.counters.denied_at(locality, reason));
+            return Err(self.deny::<COUNT_DENIALS>(locality, reason));
         }
         let reservation = match fund(&entry.slot, snapshot, quote, now, locality) {
             Ok(reservation) => reservation,
-            Err(reason) => return Err(self.counters.denied_at(locality, reason)),
+            Err(reason) => return Err(self.deny::<COUNT_DENIALS>(locality, reason)),
         };
         // A refused place drops the reservation, which releases it (I4).
         let permit = match self.recorder.try_permit_at(locality) {
             Ok(permit) => permit,
-            Err(reason) => return Err(self.counters.denied_at(locality, reason)),
+            Err(reason) => return Err(self.deny::<COUNT_DENIALS>(locality, reason)),
         };
         // A free request funded by the overage counter spent no overage.
         let admitted_as_overage = reservation.admitted_as_overage() && !quote.is_zero();
@@ -224,6 +248,16 @@ impl AdmissionEngine {
             policy_revision: snapshot.policy_revision,
             flags,
         })
+    }
+
+    /// A denial decided in admission, counted unless the caller counts it.
+    #[inline]
+    fn deny<const COUNT: bool>(&self, locality: Locality, reason: DenyReason) -> DenyReason {
+        if COUNT {
+            self.counters.denied_at(locality, reason)
+        } else {
+            reason
+        }
     }
 
     /// The policy checks, in their fixed order (I23): staleness, key and
@@ -626,6 +660,7 @@ struct Stripe {
     admitted: AtomicU64,
     admitted_overage: AtomicU64,
     released: AtomicU64,
+    lease_waits: AtomicU64,
     denied: [AtomicU64; REASONS],
 }
 
@@ -643,6 +678,12 @@ pub struct AdmissionStats {
     /// denial instead. An embedding that drops contexts itself counts its
     /// own.
     pub released: u64,
+    /// Requests the HTTP layer held for a lease after a transient shortage
+    /// (see
+    /// [`TollgateBuilder::wait_for_lease`](crate::layer::TollgateBuilder::wait_for_lease)),
+    /// counted as each wait begins: each is also counted once, when the
+    /// wait ends, as admitted or under its denial.
+    pub lease_waits: u64,
     /// Denials, indexed by [`DenyReason::index`].
     pub denied: [u64; REASONS],
 }
@@ -673,6 +714,7 @@ impl AdmissionCounters {
                         admitted: AtomicU64::new(0),
                         admitted_overage: AtomicU64::new(0),
                         released: AtomicU64::new(0),
+                        lease_waits: AtomicU64::new(0),
                         denied: std::array::from_fn(|_| AtomicU64::new(0)),
                     })
                 })
@@ -729,6 +771,15 @@ impl AdmissionCounters {
             .fetch_add(1, Ordering::Relaxed);
     }
 
+    /// Counts a request the HTTP layer holds for a lease.
+    #[cold]
+    pub(crate) fn lease_wait(&self) {
+        self.stripe(Locality::current())
+            .0
+            .lease_waits
+            .fetch_add(1, Ordering::Relaxed);
+    }
+
     /// Counts a denial and hands it back.
     #[cold]
     fn denied_at(&self, locality: Locality, reason: DenyReason) -> DenyReason {
@@ -747,12 +798,14 @@ impl AdmissionCounters {
             admitted: 0,
             admitted_overage: 0,
             released: 0,
+            lease_waits: 0,
             denied: [0; REASONS],
         };
         for stripe in &self.stripes[..] {
             stats.admitted += stripe.admitted.load(Ordering::Relaxed);
             stats.admitted_overage += stripe.admitted_overage.load(Ordering::Relaxed);
             stats.released += stripe.released.load(Ordering::Relaxed);
+            stats.lease_waits += stripe.lease_waits.load(Ordering::Relaxed);
             for (total, count) in stats.denied.iter_mut().zip(&stripe.denied) {
                 *total += count.load(Ordering::Relaxed);
             }

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use arc_swap::{ArcSwap, ArcSwapOption};
 use jiff::Timestamp;
 use rustc_hash::FxBuildHasher;
-use tokio::sync::watch;
+use tokio::sync::{Notify, watch};
 
 use crate::model::{
     AccountId, AccountOverage, BalanceShortfall, LeaseId, LocalLease, LocalSharding, RefillSignal,
@@ -37,6 +37,12 @@ pub struct LeaseSlot {
     /// lease manager, which asks the store about a spent account at every
     /// poll only while requests want it.
     wanted: AtomicBool,
+    /// Wakes requests waiting for a lease (see
+    /// [`TollgateBuilder::wait_for_lease`](crate::layer::TollgateBuilder::wait_for_lease))
+    /// whenever the lease manager changes what admission would answer: a
+    /// lease installed, evidence published, the allocator found reachable
+    /// or not. Only the lease manager notifies, never the request path.
+    changes: Arc<Notify>,
 }
 
 /// How a request wakes the lease manager of a slot left empty for want of
@@ -71,7 +77,16 @@ impl LeaseSlot {
             retired_contention: AtomicU64::new(0),
             idle: ArcSwapOption::empty(),
             wanted: AtomicBool::new(false),
+            changes: Arc::new(Notify::new()),
         }
+    }
+
+    /// What wakes a request waiting for this slot's lease manager to change
+    /// what admission answers (a lease installed, evidence published, the
+    /// allocator's reachability recorded). Enable the notification before
+    /// trying admission again, so a change in between is not missed.
+    pub(crate) fn changes(&self) -> &Arc<Notify> {
+        &self.changes
     }
 
     /// Marks the slot as left empty for want of use, by the lease manager
@@ -182,6 +197,7 @@ impl LeaseSlot {
         );
         let previous = self.lease.swap(Some(lease));
         self.retire(previous.as_deref());
+        self.changes.notify_waiters();
         previous
     }
 
@@ -242,6 +258,7 @@ impl LeaseSlot {
                 serving,
             })
         }));
+        self.changes.notify_waiters();
     }
 
     /// The id of the lease the slot serves, if any.
@@ -262,6 +279,7 @@ impl LeaseSlot {
     pub fn publish_allocator_reachable(&self, reachable: bool) {
         self.allocator_unreachable
             .store(!reachable, Ordering::Relaxed);
+        self.changes.notify_waiters();
     }
 
     /// Whether the lease manager's last grant call went unanswered, so a

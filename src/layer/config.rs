@@ -2,6 +2,7 @@
 
 use std::fmt;
 use std::sync::Arc;
+use std::time::Duration;
 
 use tower_layer::Layer;
 
@@ -35,6 +36,10 @@ pub enum LayerConfigError {
     /// would reject every usage event stamped with it, and every charge
     /// would go unbilled.
     PolicyRevisionTooLarge,
+    /// The lease wait is above [`TollgateBuilder::MAX_LEASE_WAIT`]: a lease
+    /// that has not come by then is not coming soon, and every request
+    /// held that long ties up its connection for nothing.
+    LeaseWaitTooLong,
 }
 
 impl fmt::Display for LayerConfigError {
@@ -45,6 +50,11 @@ impl fmt::Display for LayerConfigError {
             Self::PolicyRevisionTooLarge => {
                 f.write_str("the policy revision is above PolicyRevision::MAX (i64::MAX)")
             }
+            Self::LeaseWaitTooLong => write!(
+                f,
+                "the lease wait is above {} ms",
+                TollgateBuilder::MAX_LEASE_WAIT.as_millis()
+            ),
         }
     }
 }
@@ -65,6 +75,9 @@ pub(super) struct Shared {
     pub(super) deferred: bool,
     /// Whether admitted requests carry a cancellation token.
     pub(super) track_cancellation: bool,
+    /// How long a request refused for a transient lease shortage waits for
+    /// the lease manager before it is answered; zero answers at once.
+    pub(super) lease_wait: Duration,
     /// Ids for callers denied after identification: something to quote in
     /// a support request, keying no usage event.
     pub(super) denial_ids: RequestIds,
@@ -77,6 +90,7 @@ impl fmt::Debug for Shared {
             .field("policy_revision", &self.policy_revision)
             .field("deferred", &self.deferred)
             .field("track_cancellation", &self.track_cancellation)
+            .field("lease_wait", &self.lease_wait)
             .finish_non_exhaustive()
     }
 }
@@ -104,6 +118,7 @@ impl TollgateLayer {
             policy_revision: None,
             deferred: false,
             track_cancellation: false,
+            lease_wait: Duration::ZERO,
         }
     }
 }
@@ -128,9 +143,13 @@ pub struct TollgateBuilder {
     policy_revision: Option<PolicyRevision>,
     deferred: bool,
     track_cancellation: bool,
+    lease_wait: Duration,
 }
 
 impl TollgateBuilder {
+    /// The longest [`wait_for_lease`](Self::wait_for_lease) accepted.
+    pub const MAX_LEASE_WAIT: Duration = Duration::from_secs(10);
+
     /// Prices each request from its method, URI, headers and extensions.
     /// Called once per request that presents a well-formed key, before the
     /// key is looked up: admission needs the price and the key's policy in
@@ -196,14 +215,41 @@ impl TollgateBuilder {
         self
     }
 
+    /// Lets a request refused for a transient lease shortage wait up to
+    /// `wait` for its account's lease manager, instead of being answered
+    /// `503 lease_unavailable` or `429 lease_exhausted` at once (default:
+    /// zero, no wait; at most [`MAX_LEASE_WAIT`](Self::MAX_LEASE_WAIT)).
+    ///
+    /// The shortages waited out are those the lease manager is already
+    /// curing: no lease yet (the account's first, or a lapsed share
+    /// fetched again, I28), or a lease drained or closed while its
+    /// replacement is on its way (I7). The request holds nothing while it
+    /// waits, no units and no usage place, so a client that leaves pays
+    /// nothing and costs nothing; it tries admission again each time the
+    /// lease manager changes the account's lease or evidence, and is
+    /// answered with the last refusal once `wait` is over. It does not wait
+    /// while the store is unreachable (the lease manager's last call went
+    /// unanswered): that refusal is not going to end within a wait.
+    ///
+    /// Waiting uses tokio's timer, so the layer must then run inside a
+    /// tokio runtime with time enabled, as servers built on hyper do.
+    /// Waits are counted in
+    /// [`AdmissionStats::lease_waits`](crate::admission::AdmissionStats::lease_waits).
+    pub fn wait_for_lease(mut self, wait: Duration) -> Self {
+        self.lease_wait = wait;
+        self
+    }
+
     /// The layer.
     ///
     /// # Errors
     ///
     /// [`LayerConfigError::MissingPricing`] when no pricing was given;
     /// [`LayerConfigError::PolicyRevisionTooLarge`] for a policy revision
-    /// no store can record; [`LayerConfigError::Randomness`] when the
-    /// operating system supplied no randomness.
+    /// no store can record; [`LayerConfigError::LeaseWaitTooLong`] for a
+    /// lease wait above [`MAX_LEASE_WAIT`](Self::MAX_LEASE_WAIT);
+    /// [`LayerConfigError::Randomness`] when the operating system supplied
+    /// no randomness.
     pub fn build(self) -> Result<TollgateLayer, LayerConfigError> {
         let price = self.price.ok_or(LayerConfigError::MissingPricing)?;
         if self
@@ -211,6 +257,9 @@ impl TollgateBuilder {
             .is_some_and(|revision| revision > PolicyRevision::MAX)
         {
             return Err(LayerConfigError::PolicyRevisionTooLarge);
+        }
+        if self.lease_wait > Self::MAX_LEASE_WAIT {
+            return Err(LayerConfigError::LeaseWaitTooLong);
         }
         let denial_ids = RequestIds::random().map_err(|_| LayerConfigError::Randomness)?;
         Ok(TollgateLayer {
@@ -222,6 +271,7 @@ impl TollgateBuilder {
                 policy_revision: self.policy_revision,
                 deferred: self.deferred,
                 track_cancellation: self.track_cancellation,
+                lease_wait: self.lease_wait,
                 denial_ids,
             }),
         })
@@ -236,6 +286,7 @@ impl fmt::Debug for TollgateBuilder {
             .field("policy_revision", &self.policy_revision)
             .field("deferred", &self.deferred)
             .field("track_cancellation", &self.track_cancellation)
+            .field("lease_wait", &self.lease_wait)
             .finish_non_exhaustive()
     }
 }

@@ -10,7 +10,7 @@ use std::task::{Context, Poll, ready};
 use std::fmt::Write as _;
 
 use http::header::HeaderName;
-use http::{HeaderValue, Response};
+use http::{HeaderValue, Request, Response};
 use jiff::Timestamp;
 use pin_project_lite::pin_project;
 use tokio_util::sync::{CancellationToken, DropGuard};
@@ -19,7 +19,7 @@ use tower_service::Service;
 use super::body::{DenyBody, TollgateBody};
 use super::config::Shared;
 use super::deferred::{ChargeCell, ReleaseOnDrop};
-use super::service::REQUEST_ID_HEADER;
+use super::service::{REQUEST_ID_HEADER, admit, deny};
 use crate::admission::RequestContext;
 use crate::{CommitError, CostUnits, DenyReason, RequestId};
 
@@ -56,8 +56,29 @@ pin_project! {
         // completes. On completion it is disarmed, or handed to a response
         // body that is still to stream.
         cancel_on_drop: Option<CancelOnDrop>,
+        // A request refused for a lease shortage, waiting for its lease
+        // (`TollgateBuilder::wait_for_lease`); its service and request
+        // wait in `waiting`.
+        lease_wait: Option<LeaseWait>,
     }
 }
+
+/// A request's wait for its lease: admission tried again at each change of
+/// the account's slot until it admits, refuses for another reason, or the
+/// wait is over. Yields the layer's state and the request's span with the
+/// outcome, for the response future to go on with. Boxed: it exists only
+/// for a request that waits, and keeps every other response future small.
+pub(super) type LeaseWait = Pin<
+    Box<
+        dyn Future<
+                Output = (
+                    Arc<Shared>,
+                    tracing::Span,
+                    Result<RequestContext, DenyReason>,
+                ),
+            > + Send,
+    >,
+>;
 
 /// What the request owes, and when it settles.
 enum Charge {
@@ -78,6 +99,8 @@ enum Charge {
     Denied {
         response: Option<Response<DenyBody>>,
     },
+    /// Waiting for a lease: nothing reserved, nothing owed.
+    WaitingForLease,
 }
 
 impl Drop for Charge {
@@ -102,7 +125,7 @@ impl Charge {
                 }
             }
             Self::Deferred { guard, .. } => drop(guard.take()),
-            Self::Denied { .. } => {}
+            Self::Denied { .. } | Self::WaitingForLease => {}
         }
     }
 }
@@ -165,6 +188,20 @@ impl<S, R, F, E> ResponseFuture<S, R, F, E> {
                 response: Some(render(shared, reason, request_id)),
             },
             cancel_on_drop: None,
+            lease_wait: None,
+        }
+    }
+
+    /// A request refused for a lease shortage that waits for its lease with
+    /// `service`, a clone of its own, before admission is tried again.
+    pub(super) fn waiting_for_lease(wait: LeaseWait, service: S, request: R) -> Self {
+        Self {
+            future: None,
+            waiting: Some((service, request)),
+            failed: None,
+            charge: Charge::WaitingForLease,
+            cancel_on_drop: None,
+            lease_wait: Some(wait),
         }
     }
 
@@ -184,18 +221,53 @@ impl<S, R, F, E> ResponseFuture<S, R, F, E> {
             failed,
             charge,
             cancel_on_drop,
+            lease_wait: None,
         }
     }
 }
 
-impl<S, R, B> Future for ResponseFuture<S, R, S::Future, S::Error>
+impl<S, ReqBody, B> ResponseFuture<S, Request<ReqBody>, S::Future, S::Error>
 where
-    S: Service<R, Response = Response<B>>,
+    S: Service<Request<ReqBody>, Response = Response<B>> + Clone,
+    B: http_body::Body,
+{
+    /// Waits out a lease wait, if the request is in one, and turns this
+    /// future into the admitted or refused request's.
+    fn poll_lease_wait(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        let this = self.as_mut().project();
+        let Some(wait) = this.lease_wait.as_mut() else {
+            return Poll::Ready(());
+        };
+        let (shared, span, outcome) = ready!(wait.as_mut().poll(cx));
+        let (mut service, request) = this
+            .waiting
+            .take()
+            .expect("a request waiting for its lease holds its service");
+        let _entered = span.enter();
+        let next = match outcome {
+            // Handed over on the clone it waited with: a readiness failure
+            // there is this request's answer, as for any request that
+            // waits for its service.
+            Ok(context) => admit(&shared, &mut service, &mut false, request, context, &span),
+            Err(reason) => {
+                shared.handle.engine().counters().denied(reason);
+                deny(&shared, reason, &span)
+            }
+        };
+        self.set(next);
+        Poll::Ready(())
+    }
+}
+
+impl<S, ReqBody, B> Future for ResponseFuture<S, Request<ReqBody>, S::Future, S::Error>
+where
+    S: Service<Request<ReqBody>, Response = Response<B>> + Clone,
     B: http_body::Body,
 {
     type Output = Result<Response<TollgateBody<B>>, S::Error>;
 
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        ready!(self.as_mut().poll_lease_wait(cx));
         let mut this = self.project();
         if let Charge::Denied { response } = this.charge {
             let response = response
@@ -267,7 +339,9 @@ where
             Charge::AtHandOver { request_id, .. } | Charge::Deferred { request_id, .. } => {
                 *request_id
             }
-            Charge::Denied { .. } => unreachable!("a denied request has no inner future"),
+            Charge::Denied { .. } | Charge::WaitingForLease => {
+                unreachable!("a denied or waiting request has no inner future")
+            }
         };
         insert_request_id(&mut response, request_id);
         Poll::Ready(Ok(response.map(|body| match streaming {
@@ -441,6 +515,7 @@ impl<S, R, F, E> fmt::Debug for ResponseFuture<S, R, F, E> {
                 .debug_struct("ResponseFuture::Denied")
                 .field("status", &response.as_ref().map(Response::status))
                 .finish(),
+            Charge::WaitingForLease => f.write_str("ResponseFuture::WaitingForLease"),
         }
     }
 }

@@ -81,6 +81,15 @@
 //! queues between the layer and the handler; use the deferred mode when
 //! something must.
 //!
+//! # Waiting for a lease
+//!
+//! A request refused because its account's lease is missing, drained or
+//! closed is refused for a shortage the lease manager is already curing.
+//! With [`TollgateBuilder::wait_for_lease`] it waits, bounded, in its
+//! response future for the manager to change the account's slot, and tries
+//! admission again at each change (I36). It holds nothing meanwhile: a
+//! client that leaves pays nothing.
+//!
 //! Time comes from the runtime's clock
 //! ([`RuntimeHandle::clock`](crate::runtime::RuntimeHandle::clock)), read once
 //! at admission and once at commit (wherever the commit point is).

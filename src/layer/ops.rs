@@ -101,6 +101,7 @@ where
 /// | `tollgate_ready`, `tollgate_admitting`, `tollgate_faulted` | gauge 0/1 | |
 /// | `tollgate_accounts` | gauge | |
 /// | `tollgate_admitted_total`, `tollgate_admitted_overage_total`, `tollgate_released_total` (admitted, then released for zero: ended before the handler started or, committing in the handler, answered without reaching its commit point) | counter | |
+/// | `tollgate_lease_waits_total` (requests held for a lease by [`wait_for_lease`](crate::layer::TollgateBuilder::wait_for_lease), counted as each wait begins) | counter | |
 /// | `tollgate_denied_total` | counter | `code` ([`DenyReason::code`]) |
 /// | `tollgate_writer_{accepted,duplicate,rejected,lost,batches,retries,ingest_timeouts,storage_errors}_total` | counter | |
 /// | `tollgate_writer_queued`, `tollgate_writer_in_flight` | gauge | |
@@ -250,6 +251,7 @@ fn publish_admission(report: &RuntimeReport) {
     metrics::counter!("tollgate_admitted_total").absolute(admission.admitted);
     metrics::counter!("tollgate_admitted_overage_total").absolute(admission.admitted_overage);
     metrics::counter!("tollgate_released_total").absolute(admission.released);
+    metrics::counter!("tollgate_lease_waits_total").absolute(admission.lease_waits);
     for reason in DenyReason::ALL {
         metrics::counter!("tollgate_denied_total", "code" => reason.code())
             .absolute(admission.denied_for(reason));

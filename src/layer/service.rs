@@ -9,12 +9,13 @@ use tokio_util::sync::CancellationToken;
 use tower_service::Service;
 
 use super::body::TollgateBody;
-use super::config::Shared;
+use super::config::{Price, Shared};
 use super::deferred::{ChargeCell, PendingCharge};
-use super::future::{CancelOnDrop, HandOver, ResponseFuture};
+use super::future::{CancelOnDrop, HandOver, LeaseWait, ResponseFuture};
 use super::key_memo;
+use crate::admission::{LeaseSlot, RequestContext};
 use crate::store::ApiKey;
-use crate::{AccountId, CostUnits, DenyReason, KeyId, RequestId};
+use crate::{AccountId, CostUnits, DenyReason, KeyHash, KeyId, RequestId};
 
 /// The header that carries a request's id, the idempotency key of its
 /// usage event (I8).
@@ -126,7 +127,7 @@ where
     }
 
     fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
-        let (mut parts, body) = request.into_parts();
+        let (parts, body) = request.into_parts();
         let shared = &self.shared;
         // One span per admission, built only when a subscriber wants it: a
         // disabled span still costs a call per field recorded (more with
@@ -175,71 +176,187 @@ where
             span.record("units", price.units.get());
         }
         let now = shared.handle.clock().now();
-        match shared
-            .handle
-            .begin_by_key(&key, price.required, price.units, now)
-        {
-            Ok(mut context) => {
-                if let Some(revision) = shared.policy_revision {
-                    context.set_policy_revision(revision);
-                }
-                // Opt-in: the token allocates, beside the `Admitted`
-                // extension and the request-id header every admitted
-                // request costs (see the README).
-                let cancellation = shared.track_cancellation.then(CancellationToken::new);
-                let cancel_on_drop = cancellation
-                    .clone()
-                    .map(|token| CancelOnDrop::new(token, &parts.method));
-                let admitted = Admitted {
-                    units: context.units(),
-                    account_id: context.account_id(),
-                    key_id: context.key_id(),
-                    request_id: context.request_id(),
-                    cancellation,
-                };
-                if traced {
-                    span.record("account", admitted.account_id.get());
-                    span.record("request_id", tracing::field::display(admitted.request_id));
-                    span.record("outcome", "admitted");
-                }
-                tracing::debug!("tollgate admission admitted");
-                parts.extensions.insert(admitted);
-                if shared.deferred {
-                    let request_id = context.request_id();
-                    let cell = Arc::new(ChargeCell::new(context, Arc::clone(shared)));
-                    parts.extensions.insert(PendingCharge(Arc::clone(&cell)));
-                    return ResponseFuture::deferred(cell, request_id, cancel_on_drop, || {
-                        hand_over(
-                            &mut self.inner,
-                            &mut self.failed,
-                            Request::from_parts(parts, body),
-                        )
-                    });
-                }
-                ResponseFuture::admitted(context, Arc::clone(shared), cancel_on_drop, || {
-                    hand_over(
-                        &mut self.inner,
-                        &mut self.failed,
-                        Request::from_parts(parts, body),
-                    )
-                })
+        let waits = !shared.lease_wait.is_zero();
+        let admission = if waits {
+            // The last answer is counted, after any wait.
+            shared
+                .handle
+                .begin_by_key_uncounted(&key, price.required, price.units, now)
+        } else {
+            shared
+                .handle
+                .begin_by_key(&key, price.required, price.units, now)
+        };
+        match admission {
+            Ok(context) => admit(
+                shared,
+                &mut self.inner,
+                &mut self.failed,
+                Request::from_parts(parts, body),
+                context,
+                &span,
+            ),
+            Err(reason) if waits && waits_out(reason) && lease_coming(shared, &key).is_some() => {
+                shared.handle.engine().counters().lease_wait();
+                tracing::debug!(
+                    outcome = reason.code(),
+                    "tollgate admission waits for a lease"
+                );
+                let wait = lease_wait(Arc::clone(shared), key, price, reason, span.clone());
+                // A clone of its own, as a request waiting for the inner
+                // service's readiness has: `self.inner` serves the next
+                // request meanwhile.
+                ResponseFuture::waiting_for_lease(
+                    wait,
+                    self.inner.clone(),
+                    Request::from_parts(parts, body),
+                )
             }
             Err(reason) => {
-                // A caller the runtime identified gets a request id to quote
-                // (it keys no usage event: nothing was charged); one that
-                // presented no usable key gets none.
-                let request_id = identified(reason).then(|| shared.denial_ids.next());
-                if traced {
-                    if let Some(request_id) = request_id {
-                        span.record("request_id", tracing::field::display(request_id));
-                    }
-                    span.record("outcome", reason.code());
+                if waits {
+                    shared.handle.engine().counters().denied(reason);
                 }
-                tracing::debug!("tollgate admission denied");
-                ResponseFuture::denied(shared, reason, request_id)
+                deny(shared, reason, &span)
             }
         }
     }
+}
+
+/// Hands an admitted request on: records what admission decided in its
+/// extensions and hands it to `inner` (see [`hand_over`]), or, committing
+/// in the handler, gives it its pending charge. In `call`, and for a
+/// request admitted after waiting for a lease, on the clone it waited with.
+pub(super) fn admit<S, ReqBody, ResBody>(
+    shared: &Arc<Shared>,
+    inner: &mut S,
+    failed: &mut bool,
+    request: Request<ReqBody>,
+    mut context: RequestContext,
+    span: &tracing::Span,
+) -> ResponseFuture<S, Request<ReqBody>, S::Future, S::Error>
+where
+    S: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone,
+    ResBody: http_body::Body,
+{
+    let (mut parts, body) = request.into_parts();
+    if let Some(revision) = shared.policy_revision {
+        context.set_policy_revision(revision);
+    }
+    // Opt-in: the token allocates, beside the `Admitted` extension and the
+    // request-id header every admitted request costs (see the README).
+    let cancellation = shared.track_cancellation.then(CancellationToken::new);
+    let cancel_on_drop = cancellation
+        .clone()
+        .map(|token| CancelOnDrop::new(token, &parts.method));
+    let admitted = Admitted {
+        units: context.units(),
+        account_id: context.account_id(),
+        key_id: context.key_id(),
+        request_id: context.request_id(),
+        cancellation,
+    };
+    if !span.is_none() {
+        span.record("account", admitted.account_id.get());
+        span.record("request_id", tracing::field::display(admitted.request_id));
+        span.record("outcome", "admitted");
+    }
+    tracing::debug!("tollgate admission admitted");
+    parts.extensions.insert(admitted);
+    if shared.deferred {
+        let request_id = context.request_id();
+        let cell = Arc::new(ChargeCell::new(context, Arc::clone(shared)));
+        parts.extensions.insert(PendingCharge(Arc::clone(&cell)));
+        return ResponseFuture::deferred(cell, request_id, cancel_on_drop, || {
+            hand_over(inner, failed, Request::from_parts(parts, body))
+        });
+    }
+    ResponseFuture::admitted(context, Arc::clone(shared), cancel_on_drop, || {
+        hand_over(inner, failed, Request::from_parts(parts, body))
+    })
+}
+
+/// Answers a request refused at admission (after any wait).
+pub(super) fn deny<S, R, F, E>(
+    shared: &Shared,
+    reason: DenyReason,
+    span: &tracing::Span,
+) -> ResponseFuture<S, R, F, E> {
+    // A caller the runtime identified gets a request id to quote (it keys
+    // no usage event: nothing was charged); one that presented no usable
+    // key gets none.
+    let request_id = identified(reason).then(|| shared.denial_ids.next());
+    if !span.is_none() {
+        if let Some(request_id) = request_id {
+            span.record("request_id", tracing::field::display(request_id));
+        }
+        span.record("outcome", reason.code());
+    }
+    tracing::debug!("tollgate admission denied");
+    ResponseFuture::denied(shared, reason, request_id)
+}
+
+/// Whether `reason` is a shortage the account's lease manager is already
+/// curing, so a request may wait for it (I36; see
+/// [`TollgateBuilder::wait_for_lease`](super::TollgateBuilder::wait_for_lease)).
+fn waits_out(reason: DenyReason) -> bool {
+    matches!(
+        reason,
+        DenyReason::LeaseUnavailable | DenyReason::LeaseExhausted | DenyReason::LeaseExpired
+    )
+}
+
+/// The slot of the account the key pays from, unless its store left the
+/// lease manager's last call unanswered: then no lease is coming within a
+/// wait, and a request is answered at once (I36).
+fn lease_coming(shared: &Shared, key: &KeyHash) -> Option<Arc<LeaseSlot>> {
+    let handle = &shared.handle;
+    handle
+        .engine()
+        .slot_by_key(key, handle.clock().now())
+        .filter(|slot| !slot.allocator_unreachable())
+}
+
+/// Waits up to the layer's lease wait for admission to stop refusing for a
+/// lease shortage, trying it again at each change the account's lease
+/// manager makes to its slot; yields what the wait ended with, and what
+/// the response future needs to go on. Nothing is reserved until a try
+/// admits, so dropping the wait holds and charges nothing (I36).
+fn lease_wait(
+    shared: Arc<Shared>,
+    key: KeyHash,
+    price: Price,
+    first: DenyReason,
+    span: tracing::Span,
+) -> LeaseWait {
+    Box::pin(async move {
+        let deadline = tokio::time::Instant::now() + shared.lease_wait;
+        let mut last = first;
+        let outcome = loop {
+            let handle = &shared.handle;
+            let Some(slot) = lease_coming(&shared, &key) else {
+                break Err(last);
+            };
+            // Enabled before admission is tried, so a change made in
+            // between wakes this wait rather than being missed.
+            let changed = std::pin::pin!(Arc::clone(slot.changes()).notified_owned());
+            let mut changed = changed;
+            changed.as_mut().enable();
+            match handle.begin_by_key_uncounted(
+                &key,
+                price.required,
+                price.units,
+                handle.clock().now(),
+            ) {
+                Ok(context) => break Ok(context),
+                Err(reason) if waits_out(reason) => last = reason,
+                Err(reason) => break Err(reason),
+            }
+            if tokio::time::timeout_at(deadline, changed).await.is_err() {
+                break Err(last);
+            }
+        };
+        (shared, span, outcome)
+    })
 }
 
 /// Hands an admitted request to `inner` if it is ready now, as it is

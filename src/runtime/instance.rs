@@ -829,6 +829,23 @@ impl RuntimeHandle {
         self.shared.engine.begin_by_key(key, required, quote, now)
     }
 
+    /// [`begin_by_key`](Self::begin_by_key) leaving a denial uncounted:
+    /// the caller tries again, and counts only its last answer.
+    pub(crate) fn begin_by_key_uncounted(
+        &self,
+        key: &KeyHash,
+        required: PermissionBits,
+        quote: CostUnits,
+        now: Timestamp,
+    ) -> Result<RequestContext, DenyReason> {
+        if !self.shared.admitting.load(Ordering::Acquire) {
+            return Err(DenyReason::ShuttingDown);
+        }
+        self.shared
+            .engine
+            .begin_by_key_uncounted(key, required, quote, now)
+    }
+
     /// A refusal decided before the engine runs, counted with the engine's
     /// so that it shows under its code in the metrics.
     #[cold]
