@@ -414,15 +414,23 @@ impl SlotRegistry {
             return slot;
         }
         let mut created = None;
+        let mut added = false;
         self.slots.rcu(|slots| {
             let mut slots = HashMap::clone(slots);
+            // The update may run again after losing a race; what counts is
+            // its last run, the one stored.
+            added = !slots.contains_key(&account);
             let slot = slots
                 .entry(account)
                 .or_insert_with(|| Arc::new(LeaseSlot::new(account, self.sharding)));
             created = Some(Arc::clone(slot));
             slots
         });
-        self.changes.send_modify(|version| *version += 1);
+        // Another caller may have added it first: subscribers hear only of
+        // slots added.
+        if added {
+            self.changes.send_modify(|version| *version += 1);
+        }
         created.expect("rcu runs its update at least once")
     }
 
@@ -440,10 +448,13 @@ impl SlotRegistry {
         }
         drop(current);
         let mut ensured: HashMap<AccountId, Arc<LeaseSlot>, FxBuildHasher> = HashMap::default();
+        let mut added = false;
         self.slots.rcu(|slots| {
             let mut slots = HashMap::clone(slots);
             ensured.clear();
+            added = false;
             for &account in accounts {
+                added |= !slots.contains_key(&account);
                 let slot = slots
                     .entry(account)
                     .or_insert_with(|| Arc::new(LeaseSlot::new(account, self.sharding)));
@@ -451,7 +462,9 @@ impl SlotRegistry {
             }
             slots
         });
-        self.changes.send_modify(|version| *version += 1);
+        if added {
+            self.changes.send_modify(|version| *version += 1);
+        }
         accounts
             .iter()
             .filter_map(|account| ensured.get(account).cloned())
@@ -641,5 +654,33 @@ mod tests {
         assert!(registry.retain(|_| true).is_empty());
         assert!(!changes.has_changed().unwrap(), "keeping everything is not");
         assert_eq!(registry.accounts(), vec![ACCOUNT]);
+    }
+
+    /// Callers racing to add the same slot all get it, and it is announced
+    /// once: a caller whose update found it added says nothing.
+    #[test]
+    fn racing_callers_add_and_announce_a_slot_once() {
+        for _ in 0..500 {
+            let registry = SlotRegistry::new(LocalSharding::Single);
+            let start = std::sync::Barrier::new(4);
+            let slots: Vec<Arc<LeaseSlot>> = std::thread::scope(|scope| {
+                let callers: Vec<_> = (0..4)
+                    .map(|caller| {
+                        let (registry, start) = (&registry, &start);
+                        scope.spawn(move || {
+                            start.wait();
+                            if caller % 2 == 0 {
+                                registry.ensure(ACCOUNT)
+                            } else {
+                                registry.ensure_many(&[ACCOUNT]).remove(0)
+                            }
+                        })
+                    })
+                    .collect();
+                callers.into_iter().map(|c| c.join().unwrap()).collect()
+            });
+            assert!(slots.iter().all(|slot| Arc::ptr_eq(slot, &slots[0])));
+            assert_eq!(*registry.subscribe().borrow(), 1, "announced once");
+        }
     }
 }

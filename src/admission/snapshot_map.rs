@@ -165,6 +165,13 @@ pub struct ArcSwapSnapshotMap {
     /// nanoseconds since the epoch; `i64::MIN` before the first time.
     verified_at: AtomicI64,
     lookups: ArrayQueue<Principal>,
+    /// Principals queued for lookup and not yet drained, one per cell by
+    /// a hash of the principal, each as its id plus one (zero is empty): a
+    /// principal asked for again is not queued again, so one hot unknown
+    /// principal cannot fill the queue and crowd out the others. Cells
+    /// collide, and two requests may queue one principal at once; either
+    /// costs a duplicate the snapshot manager drops, never a lost lookup.
+    queued: Box<[AtomicU64]>,
     writer: Mutex<Writer>,
 }
 
@@ -458,6 +465,9 @@ impl ArcSwapSnapshotMap {
             registry,
             verified_at: AtomicI64::new(i64::MIN),
             lookups: ArrayQueue::new(config.lookup_queue_capacity),
+            queued: (0..config.lookup_queue_capacity.next_power_of_two())
+                .map(|_| AtomicU64::new(0))
+                .collect(),
             writer: Mutex::new(Writer::default()),
         })
     }
@@ -484,10 +494,23 @@ impl ArcSwapSnapshotMap {
         }
         // Not loaded, or the source's word that it does not exist is too
         // old to stand: the source may have created it since (I24). A hint
-        // for the snapshot manager; a full queue just means it already has
-        // plenty to look up.
-        let _ = self.lookups.push(principal);
+        // for the snapshot manager, queued once until it drains it; a full
+        // queue holds that many other principals to look up first.
+        let (cell, tag) = self.queued_cell(principal);
+        if cell.load(Ordering::Acquire) != tag && self.lookups.push(principal).is_ok() {
+            cell.store(tag, Ordering::Release);
+        }
         DenyReason::SnapshotUnavailable
+    }
+
+    /// The cell of `queued` that records `principal`, and the value that
+    /// records it there.
+    fn queued_cell(&self, principal: Principal) -> (&AtomicU64, u64) {
+        // A multiplicative hash's high bits, masked to the power-of-two
+        // table.
+        let mixed = principal.0.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 32;
+        let index = usize::try_from(mixed).unwrap_or(0) & (self.queued.len() - 1);
+        (&self.queued[index], principal.0.wrapping_add(1))
     }
 
     /// Why a key no published principal has is refused (see
@@ -852,6 +875,10 @@ impl ArcSwapSnapshotMap {
     /// Moves the principals requests asked about into `out`.
     pub fn drain_lookups(&self, out: &mut Vec<Principal>) {
         while let Some(principal) = self.lookups.pop() {
+            // Drained, so a request may queue it again: the lookup about to
+            // run may miss what the source does after it.
+            let (cell, tag) = self.queued_cell(principal);
+            let _ = cell.compare_exchange(tag, 0, Ordering::AcqRel, Ordering::Relaxed);
             out.push(principal);
         }
     }
@@ -1194,6 +1221,24 @@ mod tests {
         let mut asked = Vec::new();
         map.drain_lookups(&mut asked);
         assert_eq!(asked, vec![Principal(10), Principal(11)]);
+    }
+
+    /// A principal asked for again before the snapshot manager drains the
+    /// queue is queued once, so a hot one leaves room for the others; once
+    /// drained, it is queued again when asked for.
+    #[test]
+    fn a_principal_asked_for_again_is_queued_once_until_drained() {
+        let map = map(2, 2);
+        for principal in [10, 10, 10, 11, 10] {
+            assert_eq!(entry(&map, principal), Err(DenyReason::SnapshotUnavailable));
+        }
+        let mut asked = Vec::new();
+        map.drain_lookups(&mut asked);
+        assert_eq!(asked, vec![Principal(10), Principal(11)]);
+        asked.clear();
+        assert_eq!(entry(&map, 10), Err(DenyReason::SnapshotUnavailable));
+        map.drain_lookups(&mut asked);
+        assert_eq!(asked, vec![Principal(10)], "queued again once drained");
     }
 
     /// I24: history keeps the newest snapshots, up to its depth.
