@@ -356,6 +356,28 @@ async fn requests_do_not_wait_on_a_store_that_does_not_answer() {
     assert_eq!(w.shutdown_and_billed().await, Vec::<u64>::new());
 }
 
+/// I36, I25: a request waiting for a lease when shutdown begins is refused
+/// at once, not at the end of its wait, and charged nothing.
+#[tokio::test(start_paused = true)]
+async fn a_request_waiting_when_shutdown_begins_is_refused_at_once() {
+    let mut w = world(20, ms(150)).await;
+    w.lapse().await;
+    let layer = w.layer(3, ms(1_000));
+    let handle = w.handle.clone();
+    tokio::spawn(async move {
+        tokio::time::sleep(ms(10)).await;
+        handle.request_shutdown();
+    });
+    let (status, code, took) = w.send(&layer).await;
+    assert_eq!(
+        (status, code.as_str()),
+        (StatusCode::SERVICE_UNAVAILABLE, "shutting_down")
+    );
+    assert_eq!(took, ms(10), "answered as the shutdown began");
+    assert_eq!(w.denied(DenyReason::ShuttingDown), 1);
+    assert_eq!(w.shutdown_and_billed().await, Vec::<u64>::new());
+}
+
 /// I36, I4: a client that leaves while its request waits holds nothing and
 /// pays nothing: the handler never runs, and the lease that comes serves
 /// others whole.

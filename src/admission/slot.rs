@@ -397,6 +397,15 @@ impl SlotRegistry {
         }
     }
 
+    /// Wakes every request waiting for a lease (I36) to try admission
+    /// again: the instance has stopped admitting, and a waiting request is
+    /// answered now rather than at the end of its wait.
+    pub(crate) fn wake_lease_waits(&self) {
+        for slot in self.slots.load().values() {
+            slot.changes.notify_waiters();
+        }
+    }
+
     /// The slot of `account`, if it has one.
     #[must_use]
     pub fn get(&self, account: AccountId) -> Option<Arc<LeaseSlot>> {

@@ -229,7 +229,8 @@ impl TollgateBuilder {
     /// lease manager changes the account's lease or evidence, and is
     /// answered with the last refusal once `wait` is over. It does not wait
     /// while the store is unreachable (the lease manager's last call went
-    /// unanswered): that refusal is not going to end within a wait.
+    /// unanswered): that refusal is not going to end within a wait; and a
+    /// shutdown refuses every waiting request at once.
     ///
     /// Waiting uses tokio's timer, so the layer must then run inside a
     /// tokio runtime with time enabled, as servers built on hyper do.

@@ -1086,6 +1086,9 @@ impl Shared {
         // cut it off after charging.
         self.admitting.store(false, Ordering::Release);
         self.engine.recorder().queue().stop_commits();
+        // I36: a request waiting for a lease is refused now, not at the end
+        // of its wait.
+        self.registry.wake_lease_waits();
         self.shutdown.send_replace(true);
         // Requests still in flight hold their reservations; no new lease is
         // needed, and one being acquired when the release phase stops its
