@@ -4,7 +4,8 @@
 //! key each, printed at start with ready-to-paste `curl` lines. The routes
 //! are priced: a cheap read, an expensive write that needs the write
 //! permission, and a slow route behind a concurrency limit, where a request
-//! admitted and waiting its turn pays nothing if its client leaves. A second
+//! admitted and waiting its turn pays nothing if its client leaves (eight
+//! may wait; more are turned away at once, unpaid). A second
 //! listener, for operators only, serves `/admin/accounts`, which shows the
 //! money move, and the ops endpoints `/livez`, `/readyz` and `/metrics`.
 //! Ctrl-C shuts down in order (stop admitting, drain usage, return leases)
@@ -25,8 +26,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
+use axum::error_handling::HandleErrorLayer;
 use axum::extract::State;
-use axum::http::{Method, request::Parts};
+use axum::http::{Method, StatusCode, request::Parts};
 use axum::routing::{get, post};
 use clap::Parser;
 use hyper::server::conn::http1;
@@ -47,6 +49,8 @@ use tollgate::{
     AccountId, AccountStatus, CostUnits, EnforcementMode, LocalSharding, PermissionBits,
 };
 use tower::limit::GlobalConcurrencyLimitLayer;
+use tower::load_shed::LoadShedLayer;
+use tower::{BoxError, ServiceBuilder};
 
 /// The permission a key needs to read.
 const READ: PermissionBits = PermissionBits::bit(0);
@@ -206,6 +210,10 @@ async fn read(admitted: Admitted) -> String {
 async fn write(admitted: Admitted) -> String {
     format!("write ok: charged {}\n", admitted.units)
 }
+
+/// Requests that may wait for `/v1/slow` at once: at two seconds each, the
+/// last waits well within a lease's window.
+const SLOW_WAITING: usize = 8;
 
 async fn slow(admitted: Admitted) -> String {
     tokio::time::sleep(Duration::from_secs(2)).await;
@@ -480,7 +488,11 @@ async fn run() -> Result<(), Box<dyn std::error::Error>> {
     };
     // `route_layer` wraps only a matched method's handler, so a 404 or a
     // 405 reaches no commit point. On the slow route the limit sits between
-    // tollgate and the commit; later layers are outer.
+    // tollgate and the commit; later layers are outer. Each request waiting
+    // its turn holds a place in the usage queue, which every account
+    // shares, so at most `SLOW_WAITING` may wait: past that a request is
+    // answered 503 at once (its commit point not reached, it pays
+    // nothing), and one client cannot fill the queue for everyone.
     let metered = Router::new()
         .route("/v1/read", get(read).route_layer(CommitMarkerLayer::new()))
         .route(
@@ -491,7 +503,18 @@ async fn run() -> Result<(), Box<dyn std::error::Error>> {
             "/v1/slow",
             get(slow)
                 .route_layer(CommitMarkerLayer::new())
-                .route_layer(GlobalConcurrencyLimitLayer::new(1)),
+                .route_layer(GlobalConcurrencyLimitLayer::new(1))
+                .route_layer(
+                    ServiceBuilder::new()
+                        .layer(HandleErrorLayer::new(|_: BoxError| async {
+                            (
+                                StatusCode::SERVICE_UNAVAILABLE,
+                                "too many requests wait for /v1/slow; try again\n",
+                            )
+                        }))
+                        .layer(LoadShedLayer::new())
+                        .layer(GlobalConcurrencyLimitLayer::new(SLOW_WAITING)),
+                ),
         )
         .layer(tollgate);
     let ops = Router::new()
