@@ -17,7 +17,9 @@ use http::{Request, Response, StatusCode};
 use http_body_util::BodyExt;
 use jiff::{SignedDuration, Timestamp};
 use tokio::time::Instant;
-use tollgate::layer::{Admitted, LayerConfigError, Price, TollgateBuilder, TollgateLayer};
+use tollgate::layer::{
+    Admitted, CommitMarkerLayer, LayerConfigError, Price, TollgateBuilder, TollgateLayer,
+};
 use tollgate::runtime::{InstanceRuntime, RuntimeHandle};
 use tollgate::store::{
     AccountSpec, AllocateError, Allocation, Clock, GrantPolicy, LeaseAllocator, ManualClock,
@@ -375,6 +377,12 @@ async fn a_request_waiting_when_shutdown_begins_is_refused_at_once() {
     );
     assert_eq!(took, ms(10), "answered as the shutdown began");
     assert_eq!(w.denied(DenyReason::ShuttingDown), 1);
+    assert_eq!(w.handle.counters().lease_waits, 1);
+    assert_eq!(
+        w.denied(DenyReason::LeaseUnavailable),
+        0,
+        "the refusal it waited on is not counted"
+    );
     assert_eq!(w.shutdown_and_billed().await, Vec::<u64>::new());
 }
 
@@ -447,6 +455,99 @@ async fn a_request_refused_by_a_drained_lease_waits_for_its_fold() {
     assert_eq!(counters.denied_for(DenyReason::LeaseExhausted), 1);
     assert_eq!(counters.admitted, 11);
     assert_eq!(w.shutdown_and_billed().await, vec![price; 11]);
+}
+
+/// I36: a request waiting on a drained lease whose replacement the store
+/// does not answer is answered once the call is cut off (at the store call
+/// timeout, 200 ms), with what a request arriving then is answered, not
+/// with the refusal it waited on. While it waits it holds nothing: the
+/// lease keeps its units and the usage queue its places.
+#[tokio::test(start_paused = true)]
+async fn a_wait_ends_with_a_fresh_answer_when_the_store_stops_answering() {
+    let price = config(Pace::Paused).leases.target_grant.get() - 50;
+    let mut w = world(100_000, ms(20)).await;
+    w.allocator.delay_ms.store(60_000, Ordering::SeqCst);
+    // Drains the lease below the mark: its replacement is asked for now,
+    // and cut off 200 ms on.
+    let asked_at = Instant::now();
+    let (status, _, _) = w.send(&w.layer(price, Duration::ZERO)).await;
+    assert_eq!(status, StatusCode::OK);
+    // Its event written, every usage place is free.
+    tokio::time::sleep(ms(100)).await;
+    let places = w.handle.recorder().capacity();
+    assert_eq!(w.handle.recorder().available(), places);
+    let left = w.handle.account_reports()[0].remaining;
+    let waiting = {
+        let service = w
+            .layer(price, ms(5_000))
+            .layer(service_fn(|_: Request<String>| async {
+                Ok::<_, Infallible>(Response::new(String::new()))
+            }));
+        let request = Request::builder()
+            .uri("/")
+            .header(AUTHORIZATION, format!("Bearer {}", w.key))
+            .body(String::new())
+            .unwrap();
+        tokio::spawn(service.oneshot(request))
+    };
+    tokio::time::sleep(ms(5)).await;
+    assert_eq!(w.handle.counters().lease_waits, 1, "it waits");
+    assert_eq!(w.handle.recorder().available(), places, "no place held");
+    assert_eq!(
+        w.handle.account_reports()[0].remaining,
+        left,
+        "no units held"
+    );
+    let response = waiting.await.unwrap().unwrap();
+    let answered_after = asked_at.elapsed();
+    assert!(
+        answered_after >= ms(200) && answered_after < ms(210),
+        "answered as the call was cut off: {answered_after:?}"
+    );
+    let body = response.into_body().collect().await.unwrap().to_bytes();
+    let problem: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    let (status, code, _) = w.send(&w.layer(price, Duration::ZERO)).await;
+    assert_eq!(
+        (status, code.as_str()),
+        (StatusCode::SERVICE_UNAVAILABLE, "lease_unavailable"),
+        "a request arriving then"
+    );
+    assert_eq!(problem["code"], "lease_unavailable", "the waiter's answer");
+    assert_eq!(w.shutdown_and_billed().await, [price]);
+}
+
+/// I36, I3: committing in the handler, a request admitted after its wait
+/// carries its pending charge to the commit point and pays once there.
+#[tokio::test(start_paused = true)]
+async fn a_request_admitted_after_a_wait_commits_in_its_handler() {
+    let mut w = world(20, ms(30)).await;
+    w.lapse().await;
+    let layer = TollgateLayer::builder(w.handle.clone())
+        .price(|_: &http::request::Parts| Price {
+            units: CostUnits(3),
+            required: READ,
+        })
+        .commit_in_handler()
+        .wait_for_lease(ms(1_000))
+        .build()
+        .unwrap();
+    let service = layer.layer(CommitMarkerLayer::new().layer(service_fn(
+        |request: Request<String>| async move {
+            let units = request.extensions().get::<Admitted>().unwrap().units;
+            Ok::<_, Infallible>(Response::new(format!("units {}", units.get())))
+        },
+    )));
+    let request = Request::builder()
+        .uri("/")
+        .header(AUTHORIZATION, format!("Bearer {}", w.key))
+        .body(String::new())
+        .unwrap();
+    let response = service.oneshot(request).await.unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    let body = response.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(&body[..], b"units 3");
+    assert_eq!(w.handle.counters().lease_waits, 1);
+    assert_eq!(w.shutdown_and_billed().await, [3]);
 }
 
 /// I17: a lease wait longer than the bound is refused by name; the bound

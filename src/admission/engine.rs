@@ -682,7 +682,8 @@ pub struct AdmissionStats {
     /// (see
     /// [`TollgateBuilder::wait_for_lease`](crate::layer::TollgateBuilder::wait_for_lease)),
     /// counted as each wait begins: each is also counted once, when the
-    /// wait ends, as admitted or under its denial.
+    /// wait ends, as admitted or under its denial (unless its client left
+    /// first, when it is counted only here).
     pub lease_waits: u64,
     /// Denials, indexed by [`DenyReason::index`].
     pub denied: [u64; REASONS],

@@ -53,7 +53,7 @@ struct Idle {
 }
 
 /// Funding evidence as published, and whether admission may answer on it.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Shown {
     shortfall: BalanceShortfall,
     settled: bool,
@@ -139,9 +139,14 @@ impl LeaseSlot {
         let Some(idle) = idle.as_ref() else {
             return false;
         };
-        // Set before the ring, so the woken manager finds it.
-        idle.asked.store(true, Ordering::Release);
-        idle.bell.request_refill();
+        // Set before the ring, so the woken manager finds it. Rung once
+        // per spell of idleness: the manager reads the mark at every poll,
+        // and one holding off for another instance (I28) would otherwise
+        // be woken by every request, and a request waiting for its lease
+        // (I36) would ring it again at each wake.
+        if !idle.asked.swap(true, Ordering::AcqRel) {
+            idle.bell.request_refill();
+        }
         true
     }
 
@@ -251,14 +256,17 @@ impl LeaseSlot {
 
     fn publish(&self, evidence: Option<BalanceShortfall>, settled: bool) {
         let serving = self.serving();
-        self.evidence.store(evidence.map(|shortfall| {
-            Arc::new(Shown {
-                shortfall,
-                settled,
-                serving,
-            })
-        }));
-        self.changes.notify_waiters();
+        let shown = evidence.map(|shortfall| Shown {
+            shortfall,
+            settled,
+            serving,
+        });
+        let previous = self.evidence.swap(shown.map(Arc::new));
+        // The lease manager shows its evidence at every inspection; only a
+        // change can change an answer (I36).
+        if previous.as_deref().copied() != shown {
+            self.changes.notify_waiters();
+        }
     }
 
     /// The id of the lease the slot serves, if any.
@@ -277,9 +285,12 @@ impl LeaseSlot {
     /// grant call: `false` after a storage error or a timeout, `true` after
     /// any answer, a refusal included.
     pub fn publish_allocator_reachable(&self, reachable: bool) {
-        self.allocator_unreachable
-            .store(!reachable, Ordering::Relaxed);
-        self.changes.notify_waiters();
+        let was_unreachable = self
+            .allocator_unreachable
+            .swap(!reachable, Ordering::Relaxed);
+        if was_unreachable == reachable {
+            self.changes.notify_waiters();
+        }
     }
 
     /// Whether the lease manager's last grant call went unanswered, so a
@@ -548,6 +559,69 @@ mod tests {
             },
             CostUnits::ZERO,
         ))
+    }
+
+    /// Counts the rings it gets.
+    #[derive(Default)]
+    struct Bell(AtomicU64);
+
+    impl RefillSignal for Bell {
+        fn request_refill(&self) {
+            self.0.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// I28, I36: requests finding an idle slot all ask for a lease, and
+    /// the lease manager is rung once per spell of idleness: it reads the
+    /// mark at every poll, and requests waiting for their lease ask again
+    /// at every wake.
+    #[test]
+    fn an_idle_slot_rings_its_manager_once_however_often_it_is_asked() {
+        let slot = LeaseSlot::new(ACCOUNT, LocalSharding::Single);
+        let bell = Arc::new(Bell::default());
+        assert!(!slot.ask_for_lease(), "not idle: nothing to ask");
+        slot.idle_until_asked(Arc::clone(&bell) as Arc<dyn RefillSignal>);
+        for _ in 0..5 {
+            assert!(slot.ask_for_lease());
+        }
+        assert!(slot.lease_asked_for());
+        assert_eq!(bell.0.load(Ordering::Relaxed), 1);
+        // A new spell rings again.
+        slot.end_idle();
+        slot.idle_until_asked(Arc::clone(&bell) as Arc<dyn RefillSignal>);
+        assert!(slot.ask_for_lease());
+        assert_eq!(bell.0.load(Ordering::Relaxed), 2);
+    }
+
+    /// I36: requests waiting for a lease are woken by what can change their
+    /// answer (a lease installed, different evidence, the store's
+    /// reachability changing) and not by the same evidence shown again,
+    /// which the lease manager does at every inspection.
+    #[test]
+    fn waiting_requests_are_woken_only_by_changes() {
+        let slot = LeaseSlot::new(ACCOUNT, LocalSharding::Single);
+        let woken = |change: &dyn Fn()| {
+            let notified = Arc::clone(slot.changes()).notified_owned();
+            let mut notified = std::pin::pin!(notified);
+            notified.as_mut().enable();
+            change();
+            let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+            notified.as_mut().poll(&mut cx).is_ready()
+        };
+        let short = BalanceShortfall {
+            remaining: CostUnits(3),
+            period_end: None,
+        };
+        assert!(woken(&|| slot.publish_funding(Some(short))));
+        assert!(!woken(&|| slot.publish_funding(Some(short))), "shown again");
+        assert!(woken(&|| slot.publish_unsettled_funding(Some(short))));
+        assert!(woken(&|| slot.publish_funding(None)));
+        assert!(!woken(&|| slot.publish_allocator_reachable(true)), "as was");
+        assert!(woken(&|| slot.publish_allocator_reachable(false)));
+        assert!(!woken(&|| slot.publish_allocator_reachable(false)));
+        assert!(woken(&|| {
+            slot.replace(lease(1));
+        }));
     }
 
     /// Many accounts are ensured in one registry update, in the order

@@ -226,11 +226,11 @@ impl TollgateBuilder {
     /// replacement is on its way (I7). The request holds nothing while it
     /// waits, no units and no usage place, so a client that leaves pays
     /// nothing and costs nothing; it tries admission again each time the
-    /// lease manager changes the account's lease or evidence, and is
-    /// answered with the last refusal once `wait` is over. It does not wait
-    /// while the store is unreachable (the lease manager's last call went
-    /// unanswered): that refusal is not going to end within a wait; and a
-    /// shutdown refuses every waiting request at once.
+    /// lease manager changes the account's lease or evidence, and once more
+    /// when `wait` is over, answering with what that last try says. It does
+    /// not wait while the store is unreachable (the lease manager's last
+    /// grant call went unanswered): that refusal is not going to end within
+    /// a wait; and a shutdown refuses every waiting request at once.
     ///
     /// Waiting uses tokio's timer, so the layer must then run inside a
     /// tokio runtime with time enabled, as servers built on hyper do.

@@ -202,7 +202,7 @@ where
                     outcome = reason.code(),
                     "tollgate admission waits for a lease"
                 );
-                let wait = lease_wait(Arc::clone(shared), key, price, reason, span.clone());
+                let wait = lease_wait(Arc::clone(shared), key, price, span.clone());
                 // A clone of its own, as a request waiting for the inner
                 // service's readiness has: `self.inner` serves the next
                 // request meanwhile.
@@ -306,8 +306,8 @@ fn waits_out(reason: DenyReason) -> bool {
 }
 
 /// The slot of the account the key pays from, unless its store left the
-/// lease manager's last call unanswered: then no lease is coming within a
-/// wait, and a request is answered at once (I36).
+/// lease manager's last grant call unanswered: then no lease is coming
+/// within a wait, and a request is answered at once (I36).
 fn lease_coming(shared: &Shared, key: &KeyHash) -> Option<Arc<LeaseSlot>> {
     let handle = &shared.handle;
     handle
@@ -319,40 +319,36 @@ fn lease_coming(shared: &Shared, key: &KeyHash) -> Option<Arc<LeaseSlot>> {
 /// Waits up to the layer's lease wait for admission to stop refusing for a
 /// lease shortage, trying it again at each change the account's lease
 /// manager makes to its slot; yields what the wait ended with, and what
-/// the response future needs to go on. Nothing is reserved until a try
-/// admits, so dropping the wait holds and charges nothing (I36).
-fn lease_wait(
-    shared: Arc<Shared>,
-    key: KeyHash,
-    price: Price,
-    first: DenyReason,
-    span: tracing::Span,
-) -> LeaseWait {
+/// the response future needs to go on. Every way out is a fresh try's
+/// answer: at the deadline, once the store stops answering, or once the key
+/// no longer leads to a slot, admission is tried once more, so the request
+/// gets what one arriving then would (I36). Nothing is reserved until a try
+/// admits, so dropping the wait holds and charges nothing.
+fn lease_wait(shared: Arc<Shared>, key: KeyHash, price: Price, span: tracing::Span) -> LeaseWait {
     Box::pin(async move {
         let deadline = tokio::time::Instant::now() + shared.lease_wait;
-        let mut last = first;
+        let handle = &shared.handle;
+        let admit_once = || {
+            handle.begin_by_key_uncounted(&key, price.required, price.units, handle.clock().now())
+        };
         let outcome = loop {
-            let handle = &shared.handle;
-            let Some(slot) = lease_coming(&shared, &key) else {
-                break Err(last);
+            let Some(slot) = handle.engine().slot_by_key(&key, handle.clock().now()) else {
+                break admit_once();
             };
-            // Enabled before admission is tried, so a change made in
-            // between wakes this wait rather than being missed.
+            // Enabled before the slot is read and admission tried, so a
+            // change made in between wakes this wait rather than being
+            // missed.
             let changed = std::pin::pin!(Arc::clone(slot.changes()).notified_owned());
             let mut changed = changed;
             changed.as_mut().enable();
-            match handle.begin_by_key_uncounted(
-                &key,
-                price.required,
-                price.units,
-                handle.clock().now(),
-            ) {
-                Ok(context) => break Ok(context),
-                Err(reason) if waits_out(reason) => last = reason,
-                Err(reason) => break Err(reason),
+            match admit_once() {
+                // The store did not answer the lease manager's last grant
+                // call: no lease is coming within a wait.
+                Err(reason) if waits_out(reason) && !slot.allocator_unreachable() => {}
+                settled => break settled,
             }
             if tokio::time::timeout_at(deadline, changed).await.is_err() {
-                break Err(last);
+                break admit_once();
             }
         };
         (shared, span, outcome)
