@@ -385,9 +385,15 @@ impl UsagePermit {
             debug_assert!(false, "I20: a permit's place was taken");
         }
         // Once the queue is closed the writer is draining for a deadline,
-        // and waits for every event, not for a batch's worth.
-        if stripe.events.len() >= stripe.wake_at
-            || stripe.available.load(Ordering::Acquire) & CLOSED != 0
+        // and waits for every event, not for a batch's worth. The places in
+        // use (permits, events waiting, events being written) bound the
+        // events waiting from above, so the queue's length, which reads
+        // the writer's end of it, is read only when they could reach a
+        // batch.
+        let available = stripe.available.load(Ordering::Acquire);
+        if available & CLOSED != 0
+            || (stripe.capacity.saturating_sub(available & PLACES) >= stripe.wake_at
+                && stripe.events.len() >= stripe.wake_at)
         {
             stripe.hub.waker.wake();
         }
