@@ -496,9 +496,15 @@ impl ArcSwapSnapshotMap {
         // old to stand: the source may have created it since (I24). A hint
         // for the snapshot manager, queued once until it drains it; a full
         // queue holds that many other principals to look up first.
+        // Marked before it is queued: marked after, a drain in between
+        // would find no mark to clear, and the mark left behind would keep
+        // the principal from being queued again.
         let (cell, tag) = self.queued_cell(principal);
-        if cell.load(Ordering::Acquire) != tag && self.lookups.push(principal).is_ok() {
-            cell.store(tag, Ordering::Release);
+        if cell.load(Ordering::Acquire) != tag
+            && cell.swap(tag, Ordering::AcqRel) != tag
+            && self.lookups.push(principal).is_err()
+        {
+            let _ = cell.compare_exchange(tag, 0, Ordering::AcqRel, Ordering::Relaxed);
         }
         DenyReason::SnapshotUnavailable
     }
@@ -1239,6 +1245,23 @@ mod tests {
         assert_eq!(entry(&map, 10), Err(DenyReason::SnapshotUnavailable));
         map.drain_lookups(&mut asked);
         assert_eq!(asked, vec![Principal(10)], "queued again once drained");
+    }
+
+    /// A principal the full queue refused is not marked as queued: asked
+    /// for once there is room, it is queued.
+    #[test]
+    fn a_principal_refused_by_a_full_queue_is_queued_when_there_is_room() {
+        let map = map(2, 2);
+        for principal in [10, 11, 12] {
+            assert_eq!(entry(&map, principal), Err(DenyReason::SnapshotUnavailable));
+        }
+        let mut asked = Vec::new();
+        map.drain_lookups(&mut asked);
+        assert_eq!(asked, vec![Principal(10), Principal(11)]);
+        asked.clear();
+        assert_eq!(entry(&map, 12), Err(DenyReason::SnapshotUnavailable));
+        map.drain_lookups(&mut asked);
+        assert_eq!(asked, vec![Principal(12)]);
     }
 
     /// I24: history keeps the newest snapshots, up to its depth.
