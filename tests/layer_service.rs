@@ -1096,6 +1096,67 @@ async fn the_api_key_header_is_accepted_when_there_is_no_authorization() {
     assert_eq!(answer.status, StatusCode::OK, "{}", answer.body);
 }
 
+/// A refused HTTP/1 request with a body the layer will not read is told
+/// the connection closes, so a keep-alive client does not write its next
+/// request into a connection the server drops; a request without a body,
+/// an admitted one, or an HTTP/2 one is not.
+#[tokio::test(start_paused = true)]
+async fn a_refused_request_with_an_unread_body_is_told_the_connection_closes() {
+    let w = world(INITIAL).await;
+    let post = |version: http::Version, key: Option<&str>, framing: (&str, &str)| {
+        let mut request = Request::builder()
+            .method("POST")
+            .uri("/write")
+            .version(version)
+            .header(framing.0, framing.1)
+            .body("hello".to_owned())
+            .unwrap();
+        if let Some(key) = key {
+            request.headers_mut().insert(
+                AUTHORIZATION,
+                HeaderValue::from_str(&format!("Bearer {key}")).unwrap(),
+            );
+        }
+        request
+    };
+    let closes = |answer: &Answer| {
+        answer
+            .headers
+            .get(http::header::CONNECTION)
+            .map(|value| value.to_str().unwrap().to_owned())
+    };
+    let close = Some("close".to_owned());
+    let length = ("content-length", "5");
+    let chunked = ("transfer-encoding", "chunked");
+    for version in [http::Version::HTTP_10, http::Version::HTTP_11] {
+        // Refused before the key is looked up, and after (403: `/write`
+        // needs a permission the key lacks).
+        let answer = send(&w, post(version, None, length)).await;
+        check_denial(&answer, StatusCode::UNAUTHORIZED, "missing_credential");
+        assert_eq!(closes(&answer), close, "{version:?}");
+        let answer = send(&w, post(version, Some(&w.key), chunked)).await;
+        check_denial(&answer, StatusCode::FORBIDDEN, "permission_denied");
+        assert_eq!(closes(&answer), close, "{version:?}");
+    }
+    let answer = send(
+        &w,
+        post(http::Version::HTTP_11, None, ("content-length", "0")),
+    )
+    .await;
+    assert_eq!(closes(&answer), None, "no body");
+    let answer = send(&w, request("/read", &[])).await;
+    check_denial(&answer, StatusCode::UNAUTHORIZED, "missing_credential");
+    assert_eq!(closes(&answer), None, "no body");
+    let answer = send(&w, post(http::Version::HTTP_2, None, length)).await;
+    check_denial(&answer, StatusCode::UNAUTHORIZED, "missing_credential");
+    assert_eq!(closes(&answer), None, "HTTP/2 closes no connection");
+    let mut admitted = post(http::Version::HTTP_11, Some(&w.key), length);
+    *admitted.uri_mut() = "/read".parse().unwrap();
+    let answer = send(&w, admitted).await;
+    assert_eq!(answer.status, StatusCode::OK);
+    assert_eq!(closes(&answer), None, "admitted: the handler has the body");
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_key_without_the_route_permission_gets_403_and_pays_nothing() {
     let w = world(INITIAL).await;

@@ -19,7 +19,7 @@ use tower_service::Service;
 use super::body::{DenyBody, TollgateBody};
 use super::config::Shared;
 use super::deferred::{ChargeCell, ReleaseOnDrop};
-use super::service::{REQUEST_ID_HEADER, admit, deny};
+use super::service::{REQUEST_ID_HEADER, admit, deny, leaves_body_unread};
 use crate::admission::RequestContext;
 use crate::{CommitError, CostUnits, DenyReason, RequestId};
 
@@ -175,17 +175,27 @@ impl<S, R, F, E> ResponseFuture<S, R, F, E> {
         Self::started(hand_over(), charge, cancellation)
     }
 
+    /// A request refused at admission. `close_connection` for one whose
+    /// body was sent or announced and will not be read (see
+    /// [`leaves_body_unread`](super::service::leaves_body_unread)).
     pub(super) fn denied(
         shared: &Shared,
         reason: DenyReason,
         request_id: Option<RequestId>,
+        close_connection: bool,
     ) -> Self {
+        let mut response = render(shared, reason, request_id);
+        if close_connection {
+            response
+                .headers_mut()
+                .insert(http::header::CONNECTION, HeaderValue::from_static("close"));
+        }
         Self {
             future: None,
             waiting: None,
             failed: None,
             charge: Charge::Denied {
-                response: Some(render(shared, reason, request_id)),
+                response: Some(response),
             },
             cancel_on_drop: None,
             lease_wait: None,
@@ -251,7 +261,7 @@ where
             Ok(context) => admit(&shared, &mut service, &mut false, request, context, &span),
             Err(reason) => {
                 shared.handle.engine().counters().denied(reason);
-                deny(&shared, reason, &span)
+                deny(&shared, reason, &span, leaves_body_unread(&request))
             }
         };
         self.set(next);

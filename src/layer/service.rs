@@ -168,7 +168,8 @@ where
                 // Counted with the engine's denials, so every refusal shows
                 // under its code in the metrics.
                 shared.handle.engine().counters().denied(reason);
-                return ResponseFuture::denied(shared, reason, None);
+                let close = leaves_body_unread(&parts);
+                return ResponseFuture::denied(shared, reason, None, close);
             }
         };
         let price = (shared.price)(&parts);
@@ -216,7 +217,7 @@ where
                 if waits {
                     shared.handle.engine().counters().denied(reason);
                 }
-                deny(shared, reason, &span)
+                deny(shared, reason, &span, leaves_body_unread(&parts))
             }
         }
     }
@@ -275,11 +276,13 @@ where
     })
 }
 
-/// Answers a request refused at admission (after any wait).
+/// Answers a request refused at admission (after any wait);
+/// `close_connection` as [`leaves_body_unread`] says.
 pub(super) fn deny<S, R, F, E>(
     shared: &Shared,
     reason: DenyReason,
     span: &tracing::Span,
+    close_connection: bool,
 ) -> ResponseFuture<S, R, F, E> {
     // A caller the runtime identified gets a request id to quote (it keys
     // no usage event: nothing was charged); one that presented no usable
@@ -292,7 +295,40 @@ pub(super) fn deny<S, R, F, E>(
         span.record("outcome", reason.code());
     }
     tracing::debug!("tollgate admission denied");
-    ResponseFuture::denied(shared, reason, request_id)
+    ResponseFuture::denied(shared, reason, request_id, close_connection)
+}
+
+/// Whether a refused HTTP/1 request sent or announced a body that nobody
+/// will read: its denial then says `Connection: close`. hyper does not
+/// read an unread body past the response, so it drops such a connection
+/// after answering; said in the response, a keep-alive client opens a new
+/// connection for its next request instead of writing it into a closed
+/// one. (HTTP/2 has streams, not connections, to close, and forbids the
+/// header.)
+pub(super) fn leaves_body_unread<M: RequestHead>(request: &M) -> bool {
+    let (version, headers) = request.head();
+    matches!(version, http::Version::HTTP_10 | http::Version::HTTP_11)
+        && (headers.contains_key(http::header::TRANSFER_ENCODING)
+            || headers
+                .get(http::header::CONTENT_LENGTH)
+                .is_some_and(|length| length.as_bytes() != b"0"))
+}
+
+/// A request's version and headers, from its parts or the whole request.
+pub(super) trait RequestHead {
+    fn head(&self) -> (http::Version, &http::HeaderMap);
+}
+
+impl RequestHead for http::request::Parts {
+    fn head(&self) -> (http::Version, &http::HeaderMap) {
+        (self.version, &self.headers)
+    }
+}
+
+impl<B> RequestHead for Request<B> {
+    fn head(&self) -> (http::Version, &http::HeaderMap) {
+        (self.version(), self.headers())
+    }
 }
 
 /// Whether `reason` is a shortage the account's lease manager is already
