@@ -5,7 +5,8 @@
 //! are priced: a cheap read, an expensive write that needs the write
 //! permission, and a slow route behind a concurrency limit, where a request
 //! admitted and waiting its turn pays nothing if its client leaves (eight
-//! may wait; more are turned away at once, unpaid). A second
+//! at a time in all, one running and seven waiting; more are turned away
+//! at once, unpaid). A second
 //! listener, for operators only, serves `/admin/accounts`, which shows the
 //! money move, and the ops endpoints `/livez`, `/readyz` and `/metrics`.
 //! Ctrl-C shuts down in order (stop admitting, drain usage, return leases)
@@ -211,9 +212,9 @@ async fn write(admitted: Admitted) -> String {
     format!("write ok: charged {}\n", admitted.units)
 }
 
-/// Requests that may wait for `/v1/slow` at once: at two seconds each, the
-/// last waits well within a lease's window.
-const SLOW_WAITING: usize = 8;
+/// Requests that may be in `/v1/slow` at once, running or waiting: at two
+/// seconds each, the last waits well within a lease's window.
+const SLOW_AT_ONCE: usize = 8;
 
 async fn slow(admitted: Admitted) -> String {
     tokio::time::sleep(Duration::from_secs(2)).await;
@@ -490,9 +491,10 @@ async fn run() -> Result<(), Box<dyn std::error::Error>> {
     // 405 reaches no commit point. On the slow route the limit sits between
     // tollgate and the commit; later layers are outer. Each request waiting
     // its turn holds a place in the usage queue, which every account
-    // shares, so at most `SLOW_WAITING` may wait: past that a request is
-    // answered 503 at once (its commit point not reached, it pays
-    // nothing), and one client cannot fill the queue for everyone.
+    // shares, so at most `SLOW_AT_ONCE` may be in the route, running or
+    // waiting: past that a request is answered 503 at once (its commit
+    // point not reached, it pays nothing), and one client cannot fill the
+    // queue for everyone.
     let metered = Router::new()
         .route("/v1/read", get(read).route_layer(CommitMarkerLayer::new()))
         .route(
@@ -513,7 +515,7 @@ async fn run() -> Result<(), Box<dyn std::error::Error>> {
                             )
                         }))
                         .layer(LoadShedLayer::new())
-                        .layer(GlobalConcurrencyLimitLayer::new(SLOW_WAITING)),
+                        .layer(GlobalConcurrencyLimitLayer::new(SLOW_AT_ONCE)),
                 ),
         )
         .layer(tollgate);

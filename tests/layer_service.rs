@@ -19,8 +19,8 @@ use http_body_util::BodyExt;
 use jiff::{SignedDuration, Timestamp};
 use proptest::prelude::*;
 use tollgate::layer::{
-    Admitted, BearerOrApiKey, DenyBody, KeyExtractor, LayerConfigError, MAX_KEY_BYTES, Price,
-    REQUEST_ID_HEADER, TollgateLayer,
+    Admitted, BearerOrApiKey, CommitMarkerLayer, DenyBody, KeyExtractor, LayerConfigError,
+    MAX_KEY_BYTES, Price, REQUEST_ID_HEADER, TollgateLayer,
 };
 use tollgate::runtime::{InstanceRuntime, InstanceRuntimeConfig, RuntimeHandle};
 use tollgate::store::{
@@ -1155,6 +1155,28 @@ async fn a_refused_request_with_an_unread_body_is_told_the_connection_closes() {
     let answer = send(&w, admitted).await;
     assert_eq!(answer.status, StatusCode::OK);
     assert_eq!(closes(&answer), None, "admitted: the handler has the body");
+
+    // A commit refused at the hand-over, and at a deferred commit point:
+    // admitted, then the instance begins to shut down.
+    let mut at_hand_over = w.layer().layer(service_fn(echo_admission));
+    let mut deferred = w
+        .deferred_layer()
+        .layer(CommitMarkerLayer::new().layer(service_fn(echo_admission)));
+    let read = |key: &str| {
+        let mut request = post(http::Version::HTTP_11, Some(key), length);
+        *request.uri_mut() = "/read".parse().unwrap();
+        request
+    };
+    let refused_at_hand_over = at_hand_over.ready().await.unwrap().call(read(&w.key));
+    let refused_in_handler = deferred.ready().await.unwrap().call(read(&w.key));
+    w.handle.request_shutdown();
+    for refused in [
+        crate::answer(refused_at_hand_over.await.unwrap()).await,
+        crate::answer(refused_in_handler.await.unwrap()).await,
+    ] {
+        check_denial(&refused, StatusCode::SERVICE_UNAVAILABLE, "shutting_down");
+        assert_eq!(closes(&refused), close, "a refused commit");
+    }
 }
 
 #[tokio::test(start_paused = true)]

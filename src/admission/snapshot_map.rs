@@ -500,7 +500,11 @@ impl ArcSwapSnapshotMap {
         // would find no mark to clear, and the mark left behind would keep
         // the principal from being queued again.
         let (cell, tag) = self.queued_cell(principal);
-        if cell.load(Ordering::Acquire) != tag
+        if tag == 0 {
+            // `Principal(u64::MAX)`, whose mark would read as none: queued
+            // unmarked, at every ask.
+            let _ = self.lookups.push(principal);
+        } else if cell.load(Ordering::Acquire) != tag
             && cell.swap(tag, Ordering::AcqRel) != tag
             && self.lookups.push(principal).is_err()
         {
@@ -1262,6 +1266,17 @@ mod tests {
         assert_eq!(entry(&map, 12), Err(DenyReason::SnapshotUnavailable));
         map.drain_lookups(&mut asked);
         assert_eq!(asked, vec![Principal(12)]);
+    }
+
+    /// The largest principal, whose mark would read as no mark, is queued
+    /// all the same.
+    #[test]
+    fn the_largest_principal_is_queued_for_lookup() {
+        let map = map(2, 2);
+        assert_eq!(entry(&map, u64::MAX), Err(DenyReason::SnapshotUnavailable));
+        let mut asked = Vec::new();
+        map.drain_lookups(&mut asked);
+        assert_eq!(asked, vec![Principal(u64::MAX)]);
     }
 
     /// I24: history keeps the newest snapshots, up to its depth.

@@ -14,7 +14,7 @@ use tower_service::Service;
 
 use super::body::{DenyBody, TollgateBody};
 use super::config::Shared;
-use super::future::{commit, render};
+use super::future::{closing, commit, render};
 use super::service::Admitted;
 use crate::admission::RequestContext;
 use crate::{DenyReason, RequestId};
@@ -26,6 +26,9 @@ pub(super) struct ChargeCell {
     charge: Mutex<Charge>,
     shared: Arc<Shared>,
     request_id: RequestId,
+    /// Whether a refused commit's denial says `Connection: close` (see
+    /// [`leaves_body_unread`](super::service::leaves_body_unread)).
+    close_connection: bool,
 }
 
 /// Where a deferred charge stands.
@@ -39,12 +42,19 @@ enum Charge {
 }
 
 impl ChargeCell {
-    pub(super) fn new(context: RequestContext, shared: Arc<Shared>) -> Self {
+    /// The pending charge of `context`; `close_connection` for a request
+    /// whose refused commit leaves its body unread.
+    pub(super) fn new(
+        context: RequestContext,
+        shared: Arc<Shared>,
+        close_connection: bool,
+    ) -> Self {
         let request_id = context.request_id();
         Self {
             charge: Mutex::new(Charge::Pending(context)),
             shared,
             request_id,
+            close_connection,
         }
     }
 
@@ -82,7 +92,10 @@ impl ChargeCell {
             Charge::Released => DenyReason::FundingExpiredAtStart,
         };
         drop(charge);
-        Some(render(&self.shared, reason, Some(self.request_id)))
+        Some(closing(
+            render(&self.shared, reason, Some(self.request_id)),
+            self.close_connection,
+        ))
     }
 
     /// Drops the charge if no commit point took it: released for zero (I4).

@@ -88,6 +88,8 @@ enum Charge {
         context: Option<RequestContext>,
         shared: Arc<Shared>,
         request_id: RequestId,
+        // Whether a refused commit's denial says `Connection: close`.
+        close_connection: bool,
     },
     /// A commit point further in takes it.
     Deferred {
@@ -149,6 +151,7 @@ impl<S, R, F, E> ResponseFuture<S, R, F, E> {
         context: RequestContext,
         shared: Arc<Shared>,
         cancellation: Option<CancelOnDrop>,
+        close_connection: bool,
         hand_over: impl FnOnce() -> HandOver<S, R, F, E>,
     ) -> Self {
         let request_id = context.request_id();
@@ -156,6 +159,7 @@ impl<S, R, F, E> ResponseFuture<S, R, F, E> {
             context: Some(context),
             shared,
             request_id,
+            close_connection,
         };
         Self::started(hand_over(), charge, cancellation)
     }
@@ -184,12 +188,7 @@ impl<S, R, F, E> ResponseFuture<S, R, F, E> {
         request_id: Option<RequestId>,
         close_connection: bool,
     ) -> Self {
-        let mut response = render(shared, reason, request_id);
-        if close_connection {
-            response
-                .headers_mut()
-                .insert(http::header::CONNECTION, HeaderValue::from_static("close"));
-        }
+        let response = closing(render(shared, reason, request_id), close_connection);
         Self {
             future: None,
             waiting: None,
@@ -311,6 +310,7 @@ where
             context,
             shared,
             request_id,
+            close_connection,
         } = this.charge
             && let Some(reason) = context
                 .take()
@@ -320,7 +320,7 @@ where
             // its future is dropped here without ever being polled.
             this.future.set(None);
             disarm(this.cancel_on_drop);
-            let response = render(shared, reason, Some(*request_id));
+            let response = closing(render(shared, reason, Some(*request_id)), *close_connection);
             return Poll::Ready(Ok(response.map(TollgateBody::denial)));
         }
         let future = this
@@ -449,6 +449,17 @@ pub(super) fn commit(
             Some(reason)
         }
     }
+}
+
+/// `response`, saying `Connection: close` if `close` (see
+/// [`leaves_body_unread`](super::service::leaves_body_unread)).
+pub(super) fn closing(mut response: Response<DenyBody>, close: bool) -> Response<DenyBody> {
+    if close {
+        response
+            .headers_mut()
+            .insert(http::header::CONNECTION, HeaderValue::from_static("close"));
+    }
+    response
 }
 
 pub(super) fn render(

@@ -240,6 +240,7 @@ where
     ResBody: http_body::Body,
 {
     let (mut parts, body) = request.into_parts();
+    let close_connection = leaves_body_unread(&parts);
     if let Some(revision) = shared.policy_revision {
         context.set_policy_revision(revision);
     }
@@ -265,15 +266,23 @@ where
     parts.extensions.insert(admitted);
     if shared.deferred {
         let request_id = context.request_id();
-        let cell = Arc::new(ChargeCell::new(context, Arc::clone(shared)));
+        let cell = Arc::new(ChargeCell::new(
+            context,
+            Arc::clone(shared),
+            close_connection,
+        ));
         parts.extensions.insert(PendingCharge(Arc::clone(&cell)));
         return ResponseFuture::deferred(cell, request_id, cancel_on_drop, || {
             hand_over(inner, failed, Request::from_parts(parts, body))
         });
     }
-    ResponseFuture::admitted(context, Arc::clone(shared), cancel_on_drop, || {
-        hand_over(inner, failed, Request::from_parts(parts, body))
-    })
+    ResponseFuture::admitted(
+        context,
+        Arc::clone(shared),
+        cancel_on_drop,
+        close_connection,
+        || hand_over(inner, failed, Request::from_parts(parts, body)),
+    )
 }
 
 /// Answers a request refused at admission (after any wait);
@@ -299,19 +308,27 @@ pub(super) fn deny<S, R, F, E>(
 }
 
 /// Whether a refused HTTP/1 request sent or announced a body that nobody
-/// will read: its denial then says `Connection: close`. hyper does not
-/// read an unread body past the response, so it drops such a connection
-/// after answering; said in the response, a keep-alive client opens a new
-/// connection for its next request instead of writing it into a closed
-/// one. (HTTP/2 has streams, not connections, to close, and forbids the
-/// header.)
+/// will read: its denial then says `Connection: close`. After answering,
+/// hyper drains an unread body only as far as it has already arrived, and
+/// otherwise drops the connection without saying so; said in the response,
+/// a keep-alive client opens a new connection for its next request instead
+/// of writing it into a closed one. That costs a reconnection after every
+/// such denial, even where hyper could have drained the body, which is
+/// cheaper than a client's request failing on a closed connection. (HTTP/2
+/// has streams, not connections, to close, and forbids the header.)
 pub(super) fn leaves_body_unread<M: RequestHead>(request: &M) -> bool {
     let (version, headers) = request.head();
     matches!(version, http::Version::HTTP_10 | http::Version::HTTP_11)
         && (headers.contains_key(http::header::TRANSFER_ENCODING)
             || headers
                 .get(http::header::CONTENT_LENGTH)
-                .is_some_and(|length| length.as_bytes() != b"0"))
+                .is_some_and(|length| {
+                    length
+                        .to_str()
+                        .ok()
+                        .and_then(|length| length.trim().parse::<u64>().ok())
+                        != Some(0)
+                }))
 }
 
 /// A request's version and headers, from its parts or the whole request.
