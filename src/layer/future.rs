@@ -260,7 +260,12 @@ where
             Ok(context) => admit(&shared, &mut service, &mut false, request, context, &span),
             Err(reason) => {
                 shared.handle.engine().counters().denied(reason);
-                deny(&shared, reason, &span, leaves_body_unread(&request))
+                deny(
+                    &shared,
+                    reason,
+                    &span,
+                    leaves_body_unread(request.version(), request.headers()),
+                )
             }
         };
         self.set(next);

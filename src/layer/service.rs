@@ -168,7 +168,7 @@ where
                 // Counted with the engine's denials, so every refusal shows
                 // under its code in the metrics.
                 shared.handle.engine().counters().denied(reason);
-                let close = leaves_body_unread(&parts);
+                let close = leaves_body_unread(parts.version, &parts.headers);
                 return ResponseFuture::denied(shared, reason, None, close);
             }
         };
@@ -217,7 +217,12 @@ where
                 if waits {
                     shared.handle.engine().counters().denied(reason);
                 }
-                deny(shared, reason, &span, leaves_body_unread(&parts))
+                deny(
+                    shared,
+                    reason,
+                    &span,
+                    leaves_body_unread(parts.version, &parts.headers),
+                )
             }
         }
     }
@@ -240,7 +245,7 @@ where
     ResBody: http_body::Body,
 {
     let (mut parts, body) = request.into_parts();
-    let close_connection = leaves_body_unread(&parts);
+    let close_connection = leaves_body_unread(parts.version, &parts.headers);
     if let Some(revision) = shared.policy_revision {
         context.set_policy_revision(revision);
     }
@@ -316,8 +321,7 @@ pub(super) fn deny<S, R, F, E>(
 /// such denial, even where hyper could have drained the body, which is
 /// cheaper than a client's request failing on a closed connection. (HTTP/2
 /// has streams, not connections, to close, and forbids the header.)
-pub(super) fn leaves_body_unread<M: RequestHead>(request: &M) -> bool {
-    let (version, headers) = request.head();
+pub(super) fn leaves_body_unread(version: http::Version, headers: &http::HeaderMap) -> bool {
     matches!(version, http::Version::HTTP_10 | http::Version::HTTP_11)
         && (headers.contains_key(http::header::TRANSFER_ENCODING)
             || headers
@@ -329,23 +333,6 @@ pub(super) fn leaves_body_unread<M: RequestHead>(request: &M) -> bool {
                         .and_then(|length| length.trim().parse::<u64>().ok())
                         != Some(0)
                 }))
-}
-
-/// A request's version and headers, from its parts or the whole request.
-pub(super) trait RequestHead {
-    fn head(&self) -> (http::Version, &http::HeaderMap);
-}
-
-impl RequestHead for http::request::Parts {
-    fn head(&self) -> (http::Version, &http::HeaderMap) {
-        (self.version, &self.headers)
-    }
-}
-
-impl<B> RequestHead for Request<B> {
-    fn head(&self) -> (http::Version, &http::HeaderMap) {
-        (self.version(), self.headers())
-    }
 }
 
 /// Whether `reason` is a shortage the account's lease manager is already
@@ -391,8 +378,7 @@ fn lease_wait(shared: Arc<Shared>, key: KeyHash, price: Price, span: tracing::Sp
             // Enabled before the slot is read and admission tried, so a
             // change made in between wakes this wait rather than being
             // missed.
-            let changed = std::pin::pin!(Arc::clone(slot.changes()).notified_owned());
-            let mut changed = changed;
+            let mut changed = std::pin::pin!(Arc::clone(slot.changes()).notified_owned());
             changed.as_mut().enable();
             match admit_once() {
                 // The store did not answer the lease manager's last grant
