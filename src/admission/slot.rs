@@ -40,8 +40,9 @@ pub struct LeaseSlot {
     /// Wakes requests waiting for a lease (see
     /// [`TollgateBuilder::wait_for_lease`](crate::layer::TollgateBuilder::wait_for_lease))
     /// whenever the lease manager changes what admission would answer: a
-    /// lease installed, evidence published, the allocator found reachable
-    /// or not. Only the lease manager notifies, never the request path.
+    /// lease installed, different evidence published, the allocator's
+    /// reachability changed (and at shutdown). Only the runtime notifies,
+    /// never the request path.
     changes: Arc<Notify>,
 }
 
@@ -82,9 +83,8 @@ impl LeaseSlot {
     }
 
     /// What wakes a request waiting for this slot's lease manager to change
-    /// what admission answers (a lease installed, evidence published, the
-    /// allocator's reachability recorded). Enable the notification before
-    /// trying admission again, so a change in between is not missed.
+    /// what admission answers (see the field). Enable the notification
+    /// before trying admission again, so a change in between is not missed.
     pub(crate) fn changes(&self) -> &Arc<Notify> {
         &self.changes
     }
