@@ -160,21 +160,101 @@ fn elastic_overage_admissions_and_lapsed_commits_allocate_nothing() {
     assert_eq!(engine.recorder().queued(), 200);
 }
 
+/// I5, I4: a pending charge dropped before its handler starts allocates
+/// nothing, in either mode and either sharding, and leaves nothing behind:
+/// its units back in the lease, no event, its usage place free again.
 #[test]
 fn begin_and_drop_allocate_nothing() {
-    let (engine, lease) = warm_engine(EnforcementMode::Strict, LocalSharding::Single);
-    let counted = allocations_during(|| {
-        for _ in 0..1_000 {
-            drop(
-                engine
-                    .begin(ALICE, PermissionBits::bit(0), CostUnits(2), at(1))
-                    .unwrap(),
+    for mode in [
+        EnforcementMode::Strict,
+        EnforcementMode::Elastic {
+            overage_cap: CostUnits(10),
+        },
+    ] {
+        for sharding in [LocalSharding::Single, LocalSharding::shards(4).unwrap()] {
+            let (engine, lease) = warm_engine(mode, sharding);
+            let counted = allocations_during(|| {
+                for _ in 0..1_000 {
+                    drop(
+                        engine
+                            .begin(ALICE, PermissionBits::bit(0), CostUnits(2), at(1))
+                            .unwrap(),
+                    );
+                }
+            });
+            assert_eq!(
+                counted, 0,
+                "I5: begin + drop allocated ({mode:?}, {sharding:?})"
+            );
+            assert_eq!(
+                lease.remaining(),
+                CostUnits(1_000_000),
+                "I4, I6: a drop returns its units to the lease ({mode:?}, {sharding:?})"
+            );
+            assert_eq!(
+                engine.recorder().queued(),
+                0,
+                "I8: a released charge yields no event ({mode:?}, {sharding:?})"
+            );
+            assert_eq!(
+                engine.recorder().available(),
+                engine.recorder().capacity(),
+                "I20: a dropped permit frees its place ({mode:?}, {sharding:?})"
             );
         }
-    });
-    assert_eq!(counted, 0, "I5: begin + drop allocated");
-    assert_eq!(lease.remaining(), CostUnits(1_000_000));
-    assert_eq!(engine.recorder().queued(), 0);
+    }
+}
+
+/// I5, I4 on the Elastic overage path: a quote the lease cannot fund,
+/// admitted on overage and dropped before its handler starts, allocates
+/// nothing and hands its overage back. The cap holds exactly one such
+/// quote, so each admission after the first is only possible because the
+/// drop before it returned the overage.
+#[test]
+fn elastic_begin_on_overage_and_drop_allocate_nothing() {
+    let beyond_the_lease = CostUnits(2_000_000);
+    let mode = EnforcementMode::Elastic {
+        overage_cap: beyond_the_lease,
+    };
+    for sharding in [LocalSharding::Single, LocalSharding::shards(4).unwrap()] {
+        let (engine, lease) = warm_engine(mode, sharding);
+        let slot = engine.snapshots().registry().get(ACCOUNT).unwrap();
+        let overage = slot.overage();
+        let counted = allocations_during(|| {
+            for _ in 0..1_000 {
+                let context = engine
+                    .begin(ALICE, PermissionBits::bit(0), beyond_the_lease, at(1))
+                    .unwrap();
+                assert!(context.admitted_as_overage());
+                drop(context);
+            }
+        });
+        assert_eq!(
+            counted, 0,
+            "I5: an overage admission + drop allocated ({sharding:?})"
+        );
+        assert_eq!(engine.counters().read().admitted_overage, 1_000);
+        assert_eq!(
+            (overage.spent(), overage.committed()),
+            (CostUnits::ZERO, CostUnits::ZERO),
+            "I4: a dropped overage charge hands its units back ({sharding:?})"
+        );
+        assert_eq!(
+            lease.remaining(),
+            CostUnits(1_000_000),
+            "I6: the lease funded none ({sharding:?})"
+        );
+        assert_eq!(
+            engine.recorder().queued(),
+            0,
+            "I8: a released charge yields no event ({sharding:?})"
+        );
+        assert_eq!(
+            engine.recorder().available(),
+            engine.recorder().capacity(),
+            "I20: a dropped permit frees its place ({sharding:?})"
+        );
+    }
 }
 
 #[test]

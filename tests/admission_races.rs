@@ -5,12 +5,13 @@ use std::sync::{Arc, Barrier};
 
 use jiff::{SignedDuration, Timestamp};
 use tollgate::admission::{
-    AdmissionEngine, ArcSwapSnapshotMap, RequestIds, SlotRegistry, SnapshotMapConfig, UsageRecorder,
+    AdmissionEngine, ArcSwapSnapshotMap, LeaseSlot, RequestIds, SlotRegistry, SnapshotMapConfig,
+    UsageRecorder,
 };
 use tollgate::{
-    AccountId, AccountStatus, CostUnits, DenyReason, EnforcementMode, FencingToken, KeyId,
-    KeyStatus, LeaseGrant, LeaseId, LocalLease, LocalSharding, PermissionBits, PolicyRevision,
-    Principal, PrincipalSnapshot,
+    AccountId, AccountOverage, AccountStatus, CostUnits, DenyReason, EnforcementMode, FencingToken,
+    KeyId, KeyStatus, LeaseGrant, LeaseId, LocalLease, LocalSharding, PermissionBits,
+    PolicyRevision, Principal, PrincipalSnapshot, UsageSource,
 };
 
 const THREADS: usize = 4;
@@ -23,52 +24,79 @@ fn at(second: i64) -> Timestamp {
     Timestamp::from_second(second).expect("test instants are in range")
 }
 
+/// A fresh engine for one round of a race: one account, [`THREADS`]
+/// principals published on it, and a lease installed in its slot.
+struct Round {
+    engine: AdmissionEngine,
+    recorder: UsageRecorder,
+    lease: Arc<LocalLease>,
+    slot: Arc<LeaseSlot>,
+    principals: Vec<Principal>,
+}
+
+/// A [`Round`] whose principals are published under `mode`, with a lease of
+/// `granted` units.
+fn one_account(sharding: LocalSharding, mode: EnforcementMode, granted: u64) -> Round {
+    let registry = Arc::new(SlotRegistry::new(sharding));
+    let map = Arc::new(
+        ArcSwapSnapshotMap::new(
+            SnapshotMapConfig {
+                max_staleness: SignedDuration::from_secs(3_600),
+                negative_capacity: 4,
+                history_depth: 1,
+                lookup_queue_capacity: 4,
+            },
+            Arc::clone(&registry),
+        )
+        .unwrap(),
+    );
+    let principals: Vec<Principal> = (1..=THREADS as u64).map(Principal).collect();
+    map.publish(principals.iter().map(|principal| PrincipalSnapshot {
+        principal: *principal,
+        account_id: AccountId(1),
+        key_id: Some(KeyId(principal.get())),
+        key_hash: None,
+        permissions: PermissionBits::ALL,
+        key_status: KeyStatus::Active,
+        account_status: AccountStatus::Active,
+        mode,
+        policy_revision: PolicyRevision(1),
+        fetched_at: at(0),
+    }));
+    let lease = Arc::new(LocalLease::with_sharding(
+        LeaseGrant {
+            lease_id: LeaseId(1),
+            account_id: AccountId(1),
+            fencing_token: FencingToken(1),
+            units: CostUnits(granted),
+            expires_at: at(1_000),
+        },
+        CostUnits::ZERO,
+        SignedDuration::ZERO,
+        sharding,
+    ));
+    let slot = registry.get(AccountId(1)).unwrap();
+    slot.replace(Arc::clone(&lease));
+    let recorder = UsageRecorder::with_capacity(100_000, 100_000);
+    let engine = AdmissionEngine::new(map, recorder.clone(), RequestIds::with_prefix(1));
+    Round {
+        engine,
+        recorder,
+        lease,
+        slot,
+        principals,
+    }
+}
+
 fn run(sharding: LocalSharding) {
     for round in 0..50 {
-        let registry = Arc::new(SlotRegistry::new(sharding));
-        let map = Arc::new(
-            ArcSwapSnapshotMap::new(
-                SnapshotMapConfig {
-                    max_staleness: SignedDuration::from_secs(3_600),
-                    negative_capacity: 4,
-                    history_depth: 1,
-                    lookup_queue_capacity: 4,
-                },
-                Arc::clone(&registry),
-            )
-            .unwrap(),
-        );
-        let principals: Vec<Principal> = (1..=THREADS as u64).map(Principal).collect();
-        map.publish(principals.iter().map(|principal| PrincipalSnapshot {
-            principal: *principal,
-            account_id: AccountId(1),
-            key_id: Some(KeyId(principal.get())),
-            key_hash: None,
-            permissions: PermissionBits::ALL,
-            key_status: KeyStatus::Active,
-            account_status: AccountStatus::Active,
-            mode: EnforcementMode::Strict,
-            policy_revision: PolicyRevision(1),
-            fetched_at: at(0),
-        }));
-        let lease = Arc::new(LocalLease::with_sharding(
-            LeaseGrant {
-                lease_id: LeaseId(1),
-                account_id: AccountId(1),
-                fencing_token: FencingToken(1),
-                units: CostUnits(GRANTED),
-                expires_at: at(1_000),
-            },
-            CostUnits::ZERO,
-            SignedDuration::ZERO,
-            sharding,
-        ));
-        registry
-            .get(AccountId(1))
-            .unwrap()
-            .replace(Arc::clone(&lease));
-        let recorder = UsageRecorder::with_capacity(100_000, 100_000);
-        let engine = AdmissionEngine::new(map, recorder.clone(), RequestIds::with_prefix(1));
+        let Round {
+            engine,
+            recorder,
+            lease,
+            principals,
+            ..
+        } = one_account(sharding, EnforcementMode::Strict, GRANTED);
         let start = Barrier::new(THREADS);
         let (committed, commits): (u64, usize) = std::thread::scope(|scope| {
             let workers: Vec<_> = principals
@@ -153,6 +181,252 @@ fn four_threads_on_one_unsharded_account_queue_one_event_per_commit() {
 #[test]
 fn four_threads_on_one_sharded_account_queue_one_event_per_commit() {
     run(LocalSharding::shards(4).unwrap());
+}
+
+/// The Elastic race's lease: small, so most of the demand spills into
+/// overage.
+const ELASTIC_GRANTED: u64 = 300;
+/// The Elastic race's overage cap. The threads' committed demand (about
+/// 4,270 units, as in [`run`]) is well over [`ELASTIC_GRANTED`] plus this,
+/// so the lease runs dry, overage funds the next charges, and the cap then
+/// refuses some in every round.
+const CAP: u64 = 1_000;
+
+/// What the Elastic race's threads saw, one thread's or all together.
+#[derive(Default)]
+struct Tally {
+    lease_units: u64,
+    lease_commits: usize,
+    lease_drops: usize,
+    overage_units: u64,
+    overage_commits: usize,
+    overage_drops: usize,
+    denials: usize,
+}
+
+impl std::ops::Add for Tally {
+    type Output = Self;
+
+    fn add(mut self, other: Self) -> Self {
+        self.lease_units += other.lease_units;
+        self.lease_commits += other.lease_commits;
+        self.lease_drops += other.lease_drops;
+        self.overage_units += other.overage_units;
+        self.overage_commits += other.overage_commits;
+        self.overage_drops += other.overage_drops;
+        self.denials += other.denials;
+        self
+    }
+}
+
+/// One thread of the Elastic race: the operations of [`run`]'s threads,
+/// tallied by what funded each admitted charge and how it ended.
+fn elastic_worker(
+    engine: &AdmissionEngine,
+    overage: &AccountOverage,
+    principal: Principal,
+) -> Tally {
+    let mut tally = Tally::default();
+    for op in 0..400_u64 {
+        let quote = CostUnits(1 + op % MAX_QUOTE);
+        // Committed overage only grows: read before the admission, it
+        // bounds what a refusal saw.
+        let committed_before = overage.committed();
+        let outcome = engine.begin(principal, PermissionBits::NONE, quote, at(1));
+        // I10: however the threads interleave, the cap holds at every
+        // moment, pending units included.
+        assert!(overage.spent().get() <= CAP, "I10: past the cap");
+        let mut context = match outcome {
+            Ok(context) => context,
+            Err(refusal) => {
+                assert_cap_refusal(overage, committed_before, quote, refusal);
+                tally.denials += 1;
+                continue;
+            }
+        };
+        let from_overage = context.admitted_as_overage();
+        if op % 3 == 0 {
+            // Dropped before its handler starts (I4).
+            drop(context);
+            if from_overage {
+                tally.overage_drops += 1;
+            } else {
+                tally.lease_drops += 1;
+            }
+            continue;
+        }
+        // Inside the lease's window: no fallback, so the admission's
+        // funding is what pays (I3).
+        assert_eq!(context.commit(at(2)), Ok(quote));
+        if from_overage {
+            tally.overage_units += quote.get();
+            tally.overage_commits += 1;
+        } else {
+            tally.lease_units += quote.get();
+            tally.lease_commits += 1;
+        }
+    }
+    tally
+}
+
+/// The race of [`run`] against an Elastic account: charges the lease cannot
+/// fund are admitted on overage under the cap, and both kinds are committed
+/// or dropped while the other threads race them.
+fn run_elastic(sharding: LocalSharding) {
+    let mode = EnforcementMode::Elastic {
+        overage_cap: CostUnits(CAP),
+    };
+    for round in 0..50 {
+        let Round {
+            engine,
+            recorder,
+            lease,
+            slot,
+            principals,
+        } = one_account(sharding, mode, ELASTIC_GRANTED);
+        let overage = slot.overage();
+        let start = Barrier::new(THREADS);
+        let tally = std::thread::scope(|scope| {
+            let workers: Vec<_> = principals
+                .iter()
+                .map(|principal| {
+                    let (engine, start) = (&engine, &start);
+                    scope.spawn(move || {
+                        start.wait();
+                        elastic_worker(engine, overage, *principal)
+                    })
+                })
+                .collect();
+            workers
+                .into_iter()
+                .map(|w| w.join().unwrap())
+                .fold(Tally::default(), std::ops::Add::add)
+        });
+        // Both fundings, both endings and the cap's refusals all happened,
+        // so none of the checks below holds vacuously.
+        assert!(tally.lease_commits > 0, "round {round}: no leased commit");
+        assert!(
+            tally.overage_commits > 0,
+            "round {round}: no overage commit"
+        );
+        assert!(tally.lease_drops > 0, "round {round}: no leased drop");
+        assert!(tally.overage_drops > 0, "round {round}: no overage drop");
+        assert!(tally.denials > 0, "round {round}: the cap refused nothing");
+        let stats = engine.counters().read();
+        assert_eq!(
+            stats.admitted_overage,
+            (tally.overage_commits + tally.overage_drops) as u64,
+            "round {round}"
+        );
+        assert_eq!(stats.denied_total(), tally.denials as u64, "round {round}");
+        drop(engine);
+        let commits = tally.lease_commits + tally.overage_commits;
+        // I8, I20: one queued event per commit, no more, no less.
+        assert_eq!(recorder.queued(), commits, "I8: round {round}");
+        // I26: the leased commits' events hold the lease until delivered.
+        assert!(!lease.is_only_local_view(), "I26: round {round}");
+        let mut delivered = Vec::new();
+        assert_eq!(recorder.take_recorded(&mut delivered, usize::MAX), commits);
+        assert!(lease.is_only_local_view(), "I26: round {round}");
+        // I20: every place is free again, whether its charge was dropped
+        // or its event delivered.
+        assert_eq!(
+            recorder.available(),
+            recorder.capacity(),
+            "I20: round {round}"
+        );
+        let (mut leased, mut overage_billed) = ((0_usize, 0_u64), (0_usize, 0_u64));
+        for event in &delivered {
+            let kind = match event.source {
+                UsageSource::Leased { lease_id, .. } => {
+                    assert_eq!(lease_id, LeaseId(1), "round {round}");
+                    &mut leased
+                }
+                UsageSource::Overage => &mut overage_billed,
+            };
+            kind.0 += 1;
+            kind.1 += event.units.get();
+        }
+        // I3, I8: each commit billed what its funding was, once.
+        assert_eq!(
+            leased,
+            (tally.lease_commits, tally.lease_units),
+            "I8: round {round}"
+        );
+        assert_eq!(
+            overage_billed,
+            (tally.overage_commits, tally.overage_units),
+            "I8: round {round}"
+        );
+        // I6: remaining + committed == granted, exactly, with every dropped
+        // leased charge's units back.
+        assert_eq!(
+            lease.remaining().get() + leased.1,
+            ELASTIC_GRANTED,
+            "I6: round {round}"
+        );
+        // I10: the counter's committed overage is exactly what was billed as
+        // overage, and within the cap.
+        assert_eq!(
+            overage.committed().get(),
+            overage_billed.1,
+            "I10: round {round}"
+        );
+        assert!(overage_billed.1 <= CAP, "I10: round {round}");
+        // I4: every dropped overage charge handed its units back, so the
+        // committed units explain all the counter still holds.
+        assert_eq!(overage.spent(), overage.committed(), "I4: round {round}");
+    }
+}
+
+/// A refusal in the Elastic race: the lease could not fund `quote` and nor
+/// could the cap. Which answer it is depends on what filled the cap (I11);
+/// anything else (the lease's own refusals included) is a bug.
+/// `committed_before` is the committed overage read before the admission.
+fn assert_cap_refusal(
+    overage: &AccountOverage,
+    committed_before: CostUnits,
+    quote: CostUnits,
+    refusal: DenyReason,
+) {
+    match refusal {
+        // A cap full of committed units, with no allocator evidence that
+        // rules the quote out: the lease's transient refusal is the
+        // truthful answer, never `OverageCapExhausted` (I11). Committed
+        // overage only grows, so it still leaves no room.
+        DenyReason::LeaseExhausted => assert!(
+            overage.committed().get() + quote.get() > CAP,
+            "I11: {quote:?} refused by the lease with {:?} committed",
+            overage.committed()
+        ),
+        // Pending (refundable) or publishing units fill the cap, but the
+        // committed ones alone left room when the admission began (I11).
+        DenyReason::OverageCapTemporarilyExhausted { spent, overage_cap }
+        | DenyReason::OverageCommitInProgress { spent, overage_cap } => {
+            assert_eq!(overage_cap, CostUnits(CAP), "the cap admission read");
+            assert!(
+                spent.get() <= CAP && spent.get() + quote.get() > CAP,
+                "I10: {quote:?} refused with {spent:?} spent"
+            );
+            assert!(
+                committed_before.get() + quote.get() <= CAP,
+                "I11: {refusal:?} of {quote:?} with {committed_before:?} committed"
+            );
+        }
+        other => panic!("unexpected denial {other:?} of {quote:?}"),
+    }
+}
+
+/// I6, I10, I4, I8 under Elastic funding, on an unsharded lease.
+#[test]
+fn four_threads_on_one_unsharded_elastic_account_conserve_lease_and_overage() {
+    run_elastic(LocalSharding::Single);
+}
+
+/// I6, I10, I4, I8 under Elastic funding, on a sharded lease.
+#[test]
+fn four_threads_on_one_sharded_elastic_account_conserve_lease_and_overage() {
+    run_elastic(LocalSharding::shards(4).unwrap());
 }
 
 /// A warm engine for one account: `principals` published, a lease of
