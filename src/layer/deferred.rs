@@ -4,6 +4,7 @@
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
 
@@ -29,6 +30,11 @@ pub(super) struct ChargeCell {
     /// Whether a refused commit's denial says `Connection: close` (see
     /// [`leaves_body_unread`](super::service::leaves_body_unread)).
     close_connection: bool,
+    /// Whether the outer future has waited with the charge pending: a
+    /// commit point then yields once before it commits, so that the server
+    /// can see whether the client is still there first (see
+    /// [`ResponseFuture`](super::ResponseFuture)'s `Waited`).
+    waited: AtomicBool,
 }
 
 /// Where a deferred charge stands.
@@ -55,7 +61,20 @@ impl ChargeCell {
             shared,
             request_id,
             close_connection,
+            waited: AtomicBool::new(false),
         }
+    }
+
+    /// Notes that the outer future is waiting.
+    pub(super) fn note_wait(&self) {
+        // Relaxed: a hint for the commit point, which reads it in a later
+        // poll; nothing else is published with it.
+        self.waited.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether a commit point should yield once before committing.
+    pub(super) fn waited(&self) -> bool {
+        self.waited.load(Ordering::Relaxed)
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Charge> {
@@ -213,6 +232,7 @@ where
             // the handler would run unmetered, so it does not run at all.
             return CommitMarkerFuture {
                 charge: None,
+                yielded: false,
                 state: MarkerState::Denied {
                     response: Some(not_admitted()),
                 },
@@ -220,11 +240,27 @@ where
         }
         CommitMarkerFuture {
             charge,
+            yielded: false,
             state: MarkerState::Inner {
                 future: self.inner.call(request),
             },
         }
     }
+}
+
+/// Completes at its second poll, having woken its task at the first: the
+/// yield a commit point takes for a request that waited (see
+/// [`ChargeCell::waited`]).
+pub(super) fn yield_once() -> impl Future<Output = ()> {
+    let mut yielded = false;
+    std::future::poll_fn(move |cx| {
+        if yielded {
+            return Poll::Ready(());
+        }
+        yielded = true;
+        cx.waker().wake_by_ref();
+        Poll::Pending
+    })
 }
 
 /// What a commit point answers for a request no tollgate layer admitted:
@@ -249,8 +285,10 @@ pin_project! {
     /// refused commit's denial (or, for a request no tollgate layer
     /// admitted, a 500).
     pub struct CommitMarkerFuture<F> {
-        // The request's pending charge, until the first poll commits it.
+        // The request's pending charge, until a poll commits it.
         charge: Option<Arc<ChargeCell>>,
+        // Whether this marker has yielded once for a request that waited.
+        yielded: bool,
         #[pin]
         state: MarkerState<F>,
     }
@@ -272,6 +310,14 @@ where
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let mut this = self.project();
+        // I4, I37: a request that waited on its way here (for a limit's place,
+        // say) yields once first, so that a server which polls it before
+        // looking for its client's reset can drop it unpaid.
+        if !*this.yielded && this.charge.as_ref().is_some_and(|cell| cell.waited()) {
+            *this.yielded = true;
+            cx.waker().wake_by_ref();
+            return Poll::Pending;
+        }
         // I3: the handler starts now, so the full price is charged now.
         if let Some(denial) = this.charge.take().and_then(|cell| cell.commit()) {
             // I2, I9: refused, so the handler's future is dropped unpolled.

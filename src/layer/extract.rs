@@ -8,7 +8,7 @@ use http::StatusCode;
 use http::request::Parts;
 
 use super::body::DenyBody;
-use super::deferred::{NOT_ADMITTED, PendingCharge};
+use super::deferred::{NOT_ADMITTED, PendingCharge, yield_once};
 use super::service::Admitted;
 
 /// Runs the extractor `T`, then commits the request's deferred charge: the
@@ -73,6 +73,17 @@ where
         let pending = request.extensions().get::<PendingCharge>().cloned();
         if pending.is_none() && request.extensions().get::<Admitted>().is_none() {
             return Err(ChargedRejection::NotAdmitted(MissingAdmission));
+        }
+        // I4, I37: a request that waited on its way here (for a limit's place,
+        // say) yields once first, so that a server which polls it before
+        // looking for its client's reset can drop it unpaid (see
+        // `CommitMarker`). One that leaves while its body is still
+        // arriving fails the extraction, which commits nothing.
+        if pending
+            .as_ref()
+            .is_some_and(|PendingCharge(cell)| cell.waited())
+        {
+            yield_once().await;
         }
         let value = T::from_request(request, state)
             .await

@@ -60,7 +60,30 @@ pin_project! {
         // (`TollgateBuilder::wait_for_lease`); its service and request
         // wait in `waiting`.
         lease_wait: Option<LeaseWait>,
+        // Whether this future waited before its charge committed.
+        waited: Waited,
     }
+}
+
+/// Whether a request waited (for its service, a lease or its body) before
+/// its charge committed, and if so whether it has yielded once since.
+///
+/// I37: a request that waited yields once before it commits, so that the server
+/// can see whether its client is still there (I4). A server may poll a
+/// request before it checks for a reset: hyper's HTTP/2 server polls a
+/// stream's future first and looks for a `RST_STREAM` only when the future
+/// is pending. When a connection drops, its running request is dropped,
+/// which frees a concurrency limit's place, and the next request waiting
+/// for that place is woken. Had it committed in that poll, it would pay
+/// for a handler started for a client already gone, and the next would do
+/// the same in turn.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Waited {
+    No,
+    /// Waited, and not yet yielded.
+    Yes,
+    /// Waited, and yielded once.
+    Yielded,
 }
 
 /// A request's wait for its lease: admission tried again at each change of
@@ -198,6 +221,7 @@ impl<S, R, F, E> ResponseFuture<S, R, F, E> {
             },
             cancel_on_drop: None,
             lease_wait: None,
+            waited: Waited::No,
         }
     }
 
@@ -211,6 +235,7 @@ impl<S, R, F, E> ResponseFuture<S, R, F, E> {
             charge: Charge::WaitingForLease,
             cancel_on_drop: None,
             lease_wait: Some(wait),
+            waited: Waited::No,
         }
     }
 
@@ -231,6 +256,7 @@ impl<S, R, F, E> ResponseFuture<S, R, F, E> {
             charge,
             cancel_on_drop,
             lease_wait: None,
+            waited: Waited::No,
         }
     }
 }
@@ -269,7 +295,27 @@ where
             }
         };
         self.set(next);
+        // A wait's end is a wake like any other: the admitted request
+        // yields once before it commits, as one that waited for its service.
+        self.note_wait();
         Poll::Ready(())
+    }
+
+    /// Notes that this future is about to wait, or has just waited, with
+    /// its charge not committed (see [`Waited`]).
+    fn note_wait(self: Pin<&mut Self>) {
+        let this = self.project();
+        if *this.waited == Waited::No {
+            *this.waited = Waited::Yes;
+        }
+        // A commit point further in yields for it.
+        if let Charge::Deferred {
+            guard: Some(ReleaseOnDrop(cell)),
+            ..
+        } = this.charge
+        {
+            cell.note_wait();
+        }
     }
 }
 
@@ -281,6 +327,23 @@ where
     type Output = Result<Response<TollgateBody<B>>, S::Error>;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let polled = self.as_mut().poll_request(cx);
+        if polled.is_pending() {
+            self.note_wait();
+        }
+        polled
+    }
+}
+
+impl<S, ReqBody, B> ResponseFuture<S, Request<ReqBody>, S::Future, S::Error>
+where
+    S: Service<Request<ReqBody>, Response = Response<B>> + Clone,
+    B: http_body::Body,
+{
+    fn poll_request(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<<Self as Future>::Output> {
         ready!(self.as_mut().poll_lease_wait(cx));
         let mut this = self.project();
         if let Charge::Denied { response } = this.charge {
@@ -310,6 +373,17 @@ where
             }
             let (mut service, request) = this.waiting.take().expect("checked above");
             this.future.set(Some(service.call(request)));
+        }
+        if let Charge::AtHandOver {
+            context: Some(_), ..
+        } = this.charge
+            && *this.waited == Waited::Yes
+        {
+            // Not committed yet: the server gets its look at the client
+            // first, and a client found gone drops this future unpaid.
+            *this.waited = Waited::Yielded;
+            cx.waker().wake_by_ref();
+            return Poll::Pending;
         }
         if let Charge::AtHandOver {
             context,

@@ -179,3 +179,52 @@ pub(crate) async fn eventually(what: &str, mut holds: impl FnMut() -> bool) {
         tokio::time::sleep(ms(5)).await;
     }
 }
+
+impl TestServer {
+    /// As [`serve`](Self::serve), but each connection is served by
+    /// hyper-util's auto builder, which speaks HTTP/2 to a client that opens
+    /// with the HTTP/2 preface (prior-knowledge h2c) and HTTP/1.1 to any
+    /// other, as a server behind an h2c load balancer does. Every
+    /// connection is served on a task of its own: `finish` stops accepting,
+    /// and a connection still open is served until its client leaves.
+    pub(crate) async fn serve_h2c(world: RealTimeWorld, initial: u64, router: Router) -> Self {
+        use hyper_util::rt::{TokioExecutor, TokioIo};
+        use hyper_util::server::conn::auto;
+        use hyper_util::service::TowerToHyperService;
+
+        let RealTimeWorld {
+            clock,
+            store,
+            account,
+            key,
+            runtime,
+            handle,
+        } = world;
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap();
+        let serving = tokio::spawn(async move {
+            loop {
+                let (stream, _) = listener.accept().await.unwrap();
+                let service = TowerToHyperService::new(router.clone());
+                tokio::spawn(async move {
+                    // A connection's end (its client left, or reset it) is
+                    // the test's to see through the server's counts.
+                    let _ = auto::Builder::new(TokioExecutor::new())
+                        .serve_connection(TokioIo::new(stream), service)
+                        .await;
+                });
+            }
+        });
+        Self {
+            clock,
+            store,
+            account,
+            key,
+            runtime,
+            handle,
+            address,
+            serving,
+            initial,
+        }
+    }
+}
