@@ -8,7 +8,7 @@ mod support;
 
 use std::convert::Infallible;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -32,6 +32,7 @@ use tollgate::{
 use tower::{Layer, ServiceExt, service_fn};
 
 use support::runtime::{LEASE_TTL, Pace, config, ms};
+use support::yields::counting_yields;
 
 const READ: PermissionBits = PermissionBits::bit(0);
 
@@ -198,6 +199,16 @@ impl World {
     /// the units it was admitted for; returns the status, the denial's
     /// code or the handler's answer, and how long the answer took.
     async fn send(&self, layer: &TollgateLayer) -> (StatusCode, String, Duration) {
+        let (status, answer, took, _) = self.send_counting_yields(layer).await;
+        (status, answer, took)
+    }
+
+    /// [`send`](Self::send), also counting the yields the request took
+    /// (I37).
+    async fn send_counting_yields(
+        &self,
+        layer: &TollgateLayer,
+    ) -> (StatusCode, String, Duration, usize) {
         let service = layer.layer(service_fn(|request: Request<String>| async move {
             let admitted = request
                 .extensions()
@@ -211,7 +222,10 @@ impl World {
             .body(String::new())
             .unwrap();
         let started = Instant::now();
-        let response = service.oneshot(request).await.unwrap();
+        let yields = Arc::new(AtomicUsize::new(0));
+        let response = counting_yields(service.oneshot(request), Arc::clone(&yields))
+            .await
+            .unwrap();
         let took = started.elapsed();
         let status = response.status();
         let body = response.into_body().collect().await.unwrap().to_bytes();
@@ -222,7 +236,7 @@ impl World {
             let problem: serde_json::Value = serde_json::from_str(&body).unwrap();
             problem["code"].as_str().unwrap().to_owned()
         };
-        (status, answer, took)
+        (status, answer, took, yields.load(Ordering::SeqCst))
     }
 
     /// Advances both clocks by `steps` tenths of a second.
@@ -268,7 +282,11 @@ impl World {
 async fn a_request_that_finds_its_share_lapsed_waits_for_it_and_is_served() {
     let mut w = world(20, ms(30)).await;
     w.lapse().await;
-    let (status, code, took) = w.send(&w.layer(3, Duration::ZERO)).await;
+    let (status, code, took, yields) = w.send_counting_yields(&w.layer(3, Duration::ZERO)).await;
+    assert_eq!(
+        yields, 0,
+        "a denial at admission has no commit to yield before"
+    );
     assert_eq!(
         (status, code.as_str()),
         (StatusCode::SERVICE_UNAVAILABLE, "lease_unavailable")
@@ -279,8 +297,12 @@ async fn a_request_that_finds_its_share_lapsed_waits_for_it_and_is_served() {
     // The lease that request asked for goes unused too, and lapses.
     w.lapse().await;
     let acquires = w.allocator.acquires.load(Ordering::SeqCst);
-    let (status, answer, took) = w.send(&w.layer(3, ms(1_000))).await;
+    let (status, answer, took, yields) = w.send_counting_yields(&w.layer(3, ms(1_000))).await;
     assert_eq!((status, answer.as_str()), (StatusCode::OK, "units 3"));
+    assert_eq!(
+        yields, 1,
+        "I37: having waited, it yields once before its commit"
+    );
     assert!(
         took >= ms(30) && took < ms(40),
         "served once the acquire answered: {took:?}"

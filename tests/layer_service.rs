@@ -845,6 +845,109 @@ async fn under_service_builder_a_limit_inside_the_layer_queues_only_admitted_req
     }
 }
 
+/// I37: a request yields once (pending, having woken its own task) before
+/// its charge commits if it waited (here, for a concurrency limit inside the
+/// layer) or came over HTTP/2, so the server can look at its client first;
+/// one that did neither commits and runs at its first poll. Dropped during
+/// the yield it pays nothing. The same in the default commit mode and with
+/// a commit marker. Polled by hand, to count every pending poll.
+#[tokio::test(start_paused = true)]
+async fn a_request_yields_once_before_its_commit_only_if_it_waited_or_came_over_http2() {
+    use support::yields::poll_by_hand;
+    for deferred in [false, true] {
+        let mut w = world(INITIAL).await;
+        let ran = Arc::new(AtomicUsize::new(0));
+        let (release, released) = tokio::sync::watch::channel(false);
+        let handler = {
+            let ran = Arc::clone(&ran);
+            service_fn(move |request: Request<String>| {
+                let (ran, mut released) = (Arc::clone(&ran), released.clone());
+                async move {
+                    ran.fetch_add(1, Ordering::SeqCst);
+                    if request.uri().path() == "/hold" {
+                        released.wait_for(|go| *go).await.unwrap();
+                    }
+                    echo_admission(request).await
+                }
+            })
+        };
+        let builder = TollgateLayer::builder(w.handle.clone())
+            .price(|_: &http::request::Parts| Price {
+                units: CostUnits(PRICE),
+                required: READ,
+            })
+            .policy_revision(REVISION);
+        let layer = if deferred {
+            builder.commit_in_handler().build().unwrap()
+        } else {
+            builder.build().unwrap()
+        };
+        let service = tower::ServiceBuilder::new()
+            .layer(layer)
+            .layer(tower::limit::ConcurrencyLimitLayer::new(1))
+            .layer(tollgate::layer::CommitMarkerLayer::new())
+            .service(handler);
+        let ran = || ran.load(Ordering::SeqCst);
+
+        // HTTP/1.1, never waiting: committed and run at the first poll.
+        let mut plain = std::pin::pin!(service.clone().oneshot(w.bearer("/read")));
+        let (answered, wakes) = poll_by_hand(plain.as_mut());
+        assert!(answered.is_some(), "deferred: {deferred}: done at once");
+        assert_eq!((wakes, ran()), (0, 1), "deferred: {deferred}: no yield");
+
+        // HTTP/2: one yield first, then the commit and the handler.
+        let mut http2 = w.bearer("/read");
+        *http2.version_mut() = http::Version::HTTP_2;
+        let mut http2 = std::pin::pin!(service.clone().oneshot(http2));
+        let (answered, wakes) = poll_by_hand(http2.as_mut());
+        assert!(answered.is_none(), "deferred: {deferred}: HTTP/2 yields");
+        assert_eq!((wakes, ran()), (1, 1), "deferred: {deferred}: not run yet");
+        let (answered, wakes) = poll_by_hand(http2.as_mut());
+        assert!(answered.is_some());
+        assert_eq!((wakes, ran()), (0, 2), "deferred: {deferred}: then runs");
+
+        // HTTP/1.1 waiting for the limit: no yield while it waits, one
+        // once the limit lets it through, then the commit.
+        let mut holder = std::pin::pin!(service.clone().oneshot(w.bearer("/hold")));
+        assert_eq!(poll_by_hand(holder.as_mut()).1, 0);
+        assert_eq!(ran(), 3, "deferred: {deferred}: the holder runs");
+        let mut waiting = std::pin::pin!(service.clone().oneshot(w.bearer("/read")));
+        let (answered, wakes) = poll_by_hand(waiting.as_mut());
+        assert!(answered.is_none());
+        assert_eq!(
+            (wakes, ran()),
+            (0, 3),
+            "deferred: {deferred}: waits quietly"
+        );
+        release.send(true).unwrap();
+        assert!(poll_by_hand(holder.as_mut()).0.is_some(), "the holder ends");
+        let (answered, wakes) = poll_by_hand(waiting.as_mut());
+        assert!(
+            answered.is_none(),
+            "deferred: {deferred}: it waited, so yields"
+        );
+        assert_eq!((wakes, ran()), (1, 3), "deferred: {deferred}: not run yet");
+        let (answered, wakes) = poll_by_hand(waiting.as_mut());
+        assert!(answered.is_some());
+        assert_eq!((wakes, ran()), (0, 4), "deferred: {deferred}: then runs");
+
+        // Dropped during its yield: released, unpaid, its handler never run.
+        let mut http2 = w.bearer("/read");
+        *http2.version_mut() = http::Version::HTTP_2;
+        let mut dropped = Box::pin(service.clone().oneshot(http2));
+        assert_eq!(poll_by_hand(dropped.as_mut()).1, 1);
+        drop(dropped);
+        assert_eq!(ran(), 4, "deferred: {deferred}: never run");
+        let counters = w.handle.counters();
+        assert_eq!((counters.admitted, counters.released), (5, 1));
+        assert_eq!(
+            w.shutdown_and_usage().await,
+            vec![PRICE; 4],
+            "deferred: {deferred}: the four that ran paid once each"
+        );
+    }
+}
+
 /// I25: once shutdown begins, no handler starts. A request admitted before
 /// it and waiting for a concurrency limit inside the layer is refused where
 /// it would have been charged (the hand-over in the default commit mode,

@@ -30,11 +30,12 @@ pub(super) struct ChargeCell {
     /// Whether a refused commit's denial says `Connection: close` (see
     /// [`leaves_body_unread`](super::service::leaves_body_unread)).
     close_connection: bool,
-    /// Whether the outer future has waited with the charge pending: a
-    /// commit point then yields once before it commits, so that the server
-    /// can see whether the client is still there first (see
-    /// [`ResponseFuture`](super::ResponseFuture)'s `Waited`).
-    waited: AtomicBool,
+    /// Whether a commit point yields once before it commits, so that the
+    /// server can see whether the client is still there first: the request
+    /// came over HTTP/2, or the outer future has waited with the charge
+    /// pending (I37; see [`ResponseFuture`](super::ResponseFuture)'s
+    /// `YieldFirst`).
+    yield_owed: AtomicBool,
 }
 
 /// Where a deferred charge stands.
@@ -61,20 +62,21 @@ impl ChargeCell {
             shared,
             request_id,
             close_connection,
-            waited: AtomicBool::new(false),
+            yield_owed: AtomicBool::new(false),
         }
     }
 
-    /// Notes that the outer future is waiting.
-    pub(super) fn note_wait(&self) {
+    /// Notes that a commit point owes a yield: the request came over
+    /// HTTP/2, or the outer future is waiting.
+    pub(super) fn owe_yield(&self) {
         // Relaxed: a hint for the commit point, which reads it in a later
-        // poll; nothing else is published with it.
-        self.waited.store(true, Ordering::Relaxed);
+        // poll of the same request; nothing else is published with it.
+        self.yield_owed.store(true, Ordering::Relaxed);
     }
 
     /// Whether a commit point should yield once before committing.
-    pub(super) fn waited(&self) -> bool {
-        self.waited.load(Ordering::Relaxed)
+    pub(super) fn yield_owed(&self) -> bool {
+        self.yield_owed.load(Ordering::Relaxed)
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Charge> {
@@ -249,8 +251,8 @@ where
 }
 
 /// Completes at its second poll, having woken its task at the first: the
-/// yield a commit point takes for a request that waited (see
-/// [`ChargeCell::waited`]).
+/// yield a commit point takes for a request that owes one (see
+/// [`ChargeCell::yield_owed`]).
 pub(super) fn yield_once() -> impl Future<Output = ()> {
     let mut yielded = false;
     std::future::poll_fn(move |cx| {
@@ -287,7 +289,7 @@ pin_project! {
     pub struct CommitMarkerFuture<F> {
         // The request's pending charge, until a poll commits it.
         charge: Option<Arc<ChargeCell>>,
-        // Whether this marker has yielded once for a request that waited.
+        // Whether this marker has taken the yield its request owed.
         yielded: bool,
         #[pin]
         state: MarkerState<F>,
@@ -310,10 +312,11 @@ where
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let mut this = self.project();
-        // I4, I37: a request that waited on its way here (for a limit's place,
-        // say) yields once first, so that a server which polls it before
-        // looking for its client's reset can drop it unpaid.
-        if !*this.yielded && this.charge.as_ref().is_some_and(|cell| cell.waited()) {
+        // I4, I37: a request that came over HTTP/2 or waited on its way
+        // here (for a limit's place, say) yields once first, so that a
+        // server which polls it before looking for its client's reset can
+        // drop it unpaid.
+        if !*this.yielded && this.charge.as_ref().is_some_and(|cell| cell.yield_owed()) {
             *this.yielded = true;
             cx.waker().wake_by_ref();
             return Poll::Pending;

@@ -74,14 +74,15 @@ where
         if pending.is_none() && request.extensions().get::<Admitted>().is_none() {
             return Err(ChargedRejection::NotAdmitted(MissingAdmission));
         }
-        // I4, I37: a request that waited on its way here (for a limit's place,
-        // say) yields once first, so that a server which polls it before
-        // looking for its client's reset can drop it unpaid (see
-        // `CommitMarker`). One that leaves while its body is still
-        // arriving fails the extraction, which commits nothing.
+        // I4, I37: a request that came over HTTP/2 or waited on its way
+        // here (for a limit's place, say) yields once first, so that a
+        // server which polls it before looking for its client's reset can
+        // drop it unpaid (see `CommitMarker`). One that leaves while its
+        // body is still arriving fails the extraction, which commits
+        // nothing.
         if pending
             .as_ref()
-            .is_some_and(|PendingCharge(cell)| cell.waited())
+            .is_some_and(|PendingCharge(cell)| cell.yield_owed())
         {
             yield_once().await;
         }

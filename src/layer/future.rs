@@ -60,30 +60,44 @@ pin_project! {
         // (`TollgateBuilder::wait_for_lease`); its service and request
         // wait in `waiting`.
         lease_wait: Option<LeaseWait>,
-        // Whether this future waited before its charge committed.
-        waited: Waited,
+        // Whether this future yields once before its charge commits.
+        yield_first: YieldFirst,
     }
 }
 
-/// Whether a request waited (for its service, a lease or its body) before
-/// its charge committed, and if so whether it has yielded once since.
+/// Whether a request owes one yield before its charge commits, and if so
+/// whether it has taken it (I37).
 ///
-/// I37: a request that waited yields once before it commits, so that the server
-/// can see whether its client is still there (I4). A server may poll a
-/// request before it checks for a reset: hyper's HTTP/2 server polls a
-/// stream's future first and looks for a `RST_STREAM` only when the future
-/// is pending. When a connection drops, its running request is dropped,
-/// which frees a concurrency limit's place, and the next request waiting
-/// for that place is woken. Had it committed in that poll, it would pay
-/// for a handler started for a client already gone, and the next would do
-/// the same in turn.
+/// A request yields once before it commits, so that the server can see
+/// whether its client is still there, if it waited (for its service, a
+/// lease, or its way to a commit point further in) or came over HTTP/2. A
+/// server may poll a woken request before it looks at its client: hyper's
+/// HTTP/2 server polls a stream's future first and looks for a
+/// `RST_STREAM` only when the future is pending. When a connection drops,
+/// its running request is dropped, which frees a concurrency limit's
+/// place, and the next request of the connection waiting for that place is
+/// woken. Had it committed in that poll, it would pay for a handler started
+/// for a client already gone, and the next would do the same in turn. Over
+/// HTTP/2 the layer cannot tell whether a request waited before it reached
+/// the layer (a limit outside the layer, as axum routers need), so every
+/// HTTP/2 request owes the yield.
 #[derive(Clone, Copy, PartialEq, Eq)]
-enum Waited {
-    No,
-    /// Waited, and not yet yielded.
-    Yes,
-    /// Waited, and yielded once.
-    Yielded,
+enum YieldFirst {
+    NotOwed,
+    Owed,
+    Taken,
+}
+
+impl YieldFirst {
+    /// What a request owes from the start: the yield if it came over
+    /// HTTP/2 or later (multiplexed streams), nothing yet otherwise.
+    fn at_admission(version: http::Version) -> Self {
+        if version >= http::Version::HTTP_2 {
+            Self::Owed
+        } else {
+            Self::NotOwed
+        }
+    }
 }
 
 /// A request's wait for its lease: admission tried again at each change of
@@ -166,14 +180,15 @@ pub(super) enum HandOver<S, R, F, E> {
 }
 
 impl<S, R, F, E> ResponseFuture<S, R, F, E> {
-    /// An admitted request committing at the hand-over `hand_over`
-    /// performs. The charge is built first, so if the inner service's
-    /// `poll_ready` or `call` panics in `hand_over`, its drop still
-    /// releases the context and counts the release.
+    /// An admitted request of HTTP `version` committing at the hand-over
+    /// `hand_over` performs. The charge is built first, so if the inner
+    /// service's `poll_ready` or `call` panics in `hand_over`, its drop
+    /// still releases the context and counts the release.
     pub(super) fn admitted(
         context: RequestContext,
         shared: Arc<Shared>,
         cancellation: Option<CancelOnDrop>,
+        version: http::Version,
         close_connection: bool,
         hand_over: impl FnOnce() -> HandOver<S, R, F, E>,
     ) -> Self {
@@ -184,7 +199,8 @@ impl<S, R, F, E> ResponseFuture<S, R, F, E> {
             request_id,
             close_connection,
         };
-        Self::started(hand_over(), charge, cancellation)
+        let yield_first = YieldFirst::at_admission(version);
+        Self::started(hand_over(), charge, cancellation, yield_first)
     }
 
     /// An admitted request a commit point further in commits, as for
@@ -193,13 +209,18 @@ impl<S, R, F, E> ResponseFuture<S, R, F, E> {
         cell: Arc<ChargeCell>,
         request_id: RequestId,
         cancellation: Option<CancelOnDrop>,
+        version: http::Version,
         hand_over: impl FnOnce() -> HandOver<S, R, F, E>,
     ) -> Self {
+        let yield_first = YieldFirst::at_admission(version);
+        if yield_first == YieldFirst::Owed {
+            cell.owe_yield();
+        }
         let charge = Charge::Deferred {
             guard: Some(ReleaseOnDrop(cell)),
             request_id,
         };
-        Self::started(hand_over(), charge, cancellation)
+        Self::started(hand_over(), charge, cancellation, yield_first)
     }
 
     /// A request refused at admission. `close_connection` for one whose
@@ -221,7 +242,7 @@ impl<S, R, F, E> ResponseFuture<S, R, F, E> {
             },
             cancel_on_drop: None,
             lease_wait: None,
-            waited: Waited::No,
+            yield_first: YieldFirst::NotOwed,
         }
     }
 
@@ -235,7 +256,7 @@ impl<S, R, F, E> ResponseFuture<S, R, F, E> {
             charge: Charge::WaitingForLease,
             cancel_on_drop: None,
             lease_wait: Some(wait),
-            waited: Waited::No,
+            yield_first: YieldFirst::NotOwed,
         }
     }
 
@@ -243,6 +264,7 @@ impl<S, R, F, E> ResponseFuture<S, R, F, E> {
         hand_over: HandOver<S, R, F, E>,
         charge: Charge,
         cancel_on_drop: Option<CancelOnDrop>,
+        yield_first: YieldFirst,
     ) -> Self {
         let (future, waiting, failed) = match hand_over {
             HandOver::Done(future) => (Some(future), None, None),
@@ -256,7 +278,7 @@ impl<S, R, F, E> ResponseFuture<S, R, F, E> {
             charge,
             cancel_on_drop,
             lease_wait: None,
-            waited: Waited::No,
+            yield_first,
         }
     }
 }
@@ -305,8 +327,8 @@ where
     /// its charge not committed (see [`Waited`]).
     fn note_wait(self: Pin<&mut Self>) {
         let this = self.project();
-        if *this.waited == Waited::No {
-            *this.waited = Waited::Yes;
+        if *this.yield_first == YieldFirst::NotOwed {
+            *this.yield_first = YieldFirst::Owed;
         }
         // A commit point further in yields for it.
         if let Charge::Deferred {
@@ -314,7 +336,7 @@ where
             ..
         } = this.charge
         {
-            cell.note_wait();
+            cell.owe_yield();
         }
     }
 }
@@ -377,11 +399,11 @@ where
         if let Charge::AtHandOver {
             context: Some(_), ..
         } = this.charge
-            && *this.waited == Waited::Yes
+            && *this.yield_first == YieldFirst::Owed
         {
             // Not committed yet: the server gets its look at the client
             // first, and a client found gone drops this future unpaid.
-            *this.waited = Waited::Yielded;
+            *this.yield_first = YieldFirst::Taken;
             cx.waker().wake_by_ref();
             return Poll::Pending;
         }

@@ -277,7 +277,8 @@ where
             close_connection,
         ));
         parts.extensions.insert(PendingCharge(Arc::clone(&cell)));
-        return ResponseFuture::deferred(cell, request_id, cancel_on_drop, || {
+        let version = parts.version;
+        return ResponseFuture::deferred(cell, request_id, cancel_on_drop, version, || {
             hand_over(inner, failed, Request::from_parts(parts, body))
         });
     }
@@ -285,6 +286,7 @@ where
         context,
         Arc::clone(shared),
         cancel_on_drop,
+        parts.version,
         close_connection,
         || hand_over(inner, failed, Request::from_parts(parts, body)),
     )

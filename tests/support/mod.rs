@@ -11,3 +11,4 @@ pub(crate) mod logs;
 pub(crate) mod postgres;
 pub(crate) mod runtime;
 pub(crate) mod stores;
+pub(crate) mod yields;
