@@ -948,6 +948,78 @@ async fn a_request_yields_once_before_its_commit_only_if_it_waited_or_came_over_
     }
 }
 
+/// An extractor that waits for a permit from its gate before it succeeds:
+/// a per-route limit taken as an extractor.
+struct GatedExtractor;
+
+/// [`GatedExtractor`]'s gate; each test that uses it adds exactly the permits it
+/// takes.
+static GATE: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(0);
+
+impl<S: Send + Sync> axum::extract::FromRequest<S> for GatedExtractor {
+    type Rejection = StatusCode;
+
+    async fn from_request(_: axum::extract::Request, _: &S) -> Result<Self, StatusCode> {
+        GATE.acquire().await.unwrap().forget();
+        Ok(Self)
+    }
+}
+
+/// I37 at a `Charged` extractor: a request whose wrapped extractor waits
+/// (for a gate here) yields once after the extractor succeeds and before the
+/// charge commits, over HTTP/1.1 as over HTTP/2; the handler runs, and the
+/// request pays, only at the poll after the yield. Polled by hand.
+#[tokio::test(start_paused = true)]
+async fn a_charged_extractor_that_waited_yields_once_before_its_commit() {
+    use support::yields::poll_by_hand;
+    use tollgate::layer::Charged;
+    for version in [http::Version::HTTP_11, http::Version::HTTP_2] {
+        let mut w = world(INITIAL).await;
+        let ran = Arc::new(AtomicUsize::new(0));
+        let layer = TollgateLayer::builder(w.handle.clone())
+            .price(|_: &http::request::Parts| Price {
+                units: CostUnits(PRICE),
+                required: READ,
+            })
+            .policy_revision(REVISION)
+            .commit_in_handler()
+            .build()
+            .unwrap();
+        let app = axum::Router::new()
+            .route(
+                "/read",
+                axum::routing::get({
+                    let ran = Arc::clone(&ran);
+                    move |Charged(GatedExtractor): Charged<GatedExtractor>| async move {
+                        ran.fetch_add(1, Ordering::SeqCst);
+                        "ran"
+                    }
+                }),
+            )
+            .layer(layer);
+        let mut request = w.bearer("/read").map(axum::body::Body::from);
+        *request.version_mut() = version;
+        let mut future = Box::pin(app.oneshot(request));
+        let ran = || ran.load(Ordering::SeqCst);
+
+        let (answered, wakes) = poll_by_hand(future.as_mut());
+        assert!(answered.is_none(), "{version:?}: the extractor waits");
+        assert_eq!(wakes, 0, "{version:?}: no yield before the extractor");
+        GATE.add_permits(1);
+        let (answered, wakes) = poll_by_hand(future.as_mut());
+        assert!(answered.is_none(), "{version:?}: it waited, so it yields");
+        assert_eq!((wakes, ran()), (1, 0), "{version:?}: not committed yet");
+        let (answered, wakes) = poll_by_hand(future.as_mut());
+        assert_eq!(answered.unwrap().unwrap().status(), StatusCode::OK);
+        assert_eq!((wakes, ran()), (0, 1), "{version:?}: then it runs");
+        assert_eq!(
+            w.shutdown_and_usage().await,
+            vec![PRICE],
+            "{version:?}: and pays once"
+        );
+    }
+}
+
 /// I25: once shutdown begins, no handler starts. A request admitted before
 /// it and waiting for a concurrency limit inside the layer is refused where
 /// it would have been charged (the hand-over in the default commit mode,

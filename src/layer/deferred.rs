@@ -74,9 +74,11 @@ impl ChargeCell {
         self.yield_owed.store(true, Ordering::Relaxed);
     }
 
-    /// Whether a commit point should yield once before committing.
+    /// Whether a commit point should yield once before committing: one is
+    /// owed and the charge is still pending (a commit point reached after
+    /// another committed has nothing to commit, so nothing to yield for).
     pub(super) fn yield_owed(&self) -> bool {
-        self.yield_owed.load(Ordering::Relaxed)
+        self.yield_owed.load(Ordering::Relaxed) && matches!(*self.lock(), Charge::Pending(_))
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Charge> {
@@ -189,7 +191,8 @@ impl<S> Layer<S> for CommitMarkerLayer {
 }
 
 /// The service [`CommitMarkerLayer`] builds: it commits the request's
-/// pending charge when its future is first polled, after the inner service
+/// pending charge when its future is first polled (the next poll for a
+/// request that waited or came over HTTP/2, I37), after the inner service
 /// has built its future and before that future runs, and on a refused
 /// commit answers with the layer's denial without ever polling the inner
 /// future (I2, I9).

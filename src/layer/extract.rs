@@ -18,7 +18,8 @@ use super::service::Admitted;
 /// With [`TollgateBuilder::commit_in_handler`](super::TollgateBuilder::commit_in_handler),
 /// a request whose `T` rejects never starts its handler, so its charge is
 /// released for zero when the request ends (I4); a request whose `T`
-/// succeeds is charged in full before the handler body runs (I3). If the
+/// succeeds is charged in full before the handler body runs (I3), after one
+/// yield if it came over HTTP/2 or waited (I37). If the
 /// commit is refused the rejection renders the layer's denial. Without a
 /// pending charge (the layer commits at the hand-over, or a
 /// [`CommitMarkerLayer`](super::CommitMarkerLayer) already committed) it
@@ -62,10 +63,12 @@ impl<R: IntoResponse> IntoResponse for ChargedRejection<R> {
     }
 }
 
+/// `T: Send` because the extracted value is held across the yield a request
+/// may owe before its commit (I37).
 impl<S, T> FromRequest<S> for Charged<T>
 where
     S: Send + Sync,
-    T: FromRequest<S>,
+    T: FromRequest<S> + Send,
 {
     type Rejection = ChargedRejection<T::Rejection>;
 
@@ -74,21 +77,21 @@ where
         if pending.is_none() && request.extensions().get::<Admitted>().is_none() {
             return Err(ChargedRejection::NotAdmitted(MissingAdmission));
         }
-        // I4, I37: a request that came over HTTP/2 or waited on its way
-        // here (for a limit's place, say) yields once first, so that a
-        // server which polls it before looking for its client's reset can
-        // drop it unpaid (see `CommitMarker`). One that leaves while its
-        // body is still arriving fails the extraction, which commits
-        // nothing.
+        let value = T::from_request(request, state)
+            .await
+            .map_err(ChargedRejection::Inner)?;
+        // I4, I37: a request that came over HTTP/2, or waited on its way
+        // here or in `T` (for a limit's place, say), yields once before it
+        // commits, so that a server which polls it before looking for its
+        // client's reset can drop it unpaid (see `CommitMarker`). After `T`,
+        // so that a wait inside it is covered too; a client that leaves
+        // while its body is still arriving fails the extraction instead.
         if pending
             .as_ref()
             .is_some_and(|PendingCharge(cell)| cell.yield_owed())
         {
             yield_once().await;
         }
-        let value = T::from_request(request, state)
-            .await
-            .map_err(ChargedRejection::Inner)?;
         if let Some(denial) = pending.and_then(|PendingCharge(cell)| cell.commit()) {
             return Err(ChargedRejection::Denied(denial));
         }

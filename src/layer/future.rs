@@ -30,7 +30,8 @@ pin_project! {
     /// service is ready; otherwise it waits here for the service, already
     /// admitted (a concurrency limit inside the layer makes it wait), and
     /// is handed over when it is. By default the charge commits at the
-    /// first poll after the hand-over, just before the inner future is
+    /// first poll after the hand-over (the next one for a request that
+    /// waited or came over HTTP/2, I37), just before the inner future is
     /// polled; dropped before that, the future drops the reservation, which
     /// charges zero (I4). An inner service that fails its readiness is not
     /// polled again: the request gets its error (`E`), and the charge is
@@ -89,13 +90,16 @@ enum YieldFirst {
 }
 
 impl YieldFirst {
-    /// What a request owes from the start: the yield if it came over
-    /// HTTP/2 or later (multiplexed streams), nothing yet otherwise.
+    /// What a request owes from the start: nothing yet over HTTP/1, the
+    /// yield over HTTP/2 and anything later (multiplexed streams).
     fn at_admission(version: http::Version) -> Self {
-        if version >= http::Version::HTTP_2 {
-            Self::Owed
-        } else {
+        if matches!(
+            version,
+            http::Version::HTTP_09 | http::Version::HTTP_10 | http::Version::HTTP_11
+        ) {
             Self::NotOwed
+        } else {
+            Self::Owed
         }
     }
 }
@@ -323,8 +327,10 @@ where
         Poll::Ready(())
     }
 
-    /// Notes that this future is about to wait, or has just waited, with
-    /// its charge not committed (see [`Waited`]).
+    /// Notes that this future is about to wait, or has just waited: a
+    /// charge not committed yet owes a yield (see [`YieldFirst`]). Called
+    /// at every pending poll; once the charge has committed it changes
+    /// nothing that matters.
     fn note_wait(self: Pin<&mut Self>) {
         let this = self.project();
         if *this.yield_first == YieldFirst::NotOwed {

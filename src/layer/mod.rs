@@ -34,7 +34,8 @@
 //! # The default commit point
 //!
 //! The charge is committed at that hand-over, when the inner service's
-//! future is first polled (after `call` has built it, before it runs). That
+//! future is first polled (after `call` has built it, before it runs), or
+//! at the next poll for a request that waited or came over HTTP/2 (I37). That
 //! is exact when nothing queues between the layer and the handler other than
 //! in the inner service's readiness: a limit that waits
 //! in `poll_ready`, like tower's concurrency limit composed directly inside
