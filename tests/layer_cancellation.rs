@@ -15,7 +15,7 @@ use axum::Router;
 use axum::body::{Body, Bytes};
 use axum::routing::{MethodRouter, get};
 use http_body::Frame;
-use support::http::{TestServer, priced_by_path};
+use support::http::{SignalsDrop, TestServer, priced_by_path};
 use support::runtime::ms;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -38,49 +38,6 @@ type Tokens = mpsc::UnboundedReceiver<Option<CancellationToken>>;
 
 /// One message each time the server drops a response body.
 type Drops = mpsc::UnboundedReceiver<()>;
-
-/// Wrapped around each response body outside the layer: says when the
-/// server drops it, after dropping the layer's body inside, so whatever
-/// that drop does has been done when the message arrives.
-struct SignalsDrop {
-    inner: Option<Body>,
-    dropped: mpsc::UnboundedSender<()>,
-}
-
-impl http_body::Body for SignalsDrop {
-    type Data = Bytes;
-    type Error = axum::Error;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
-        match self.inner.as_mut() {
-            Some(inner) => Pin::new(inner).poll_frame(cx),
-            None => Poll::Ready(None),
-        }
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.inner
-            .as_ref()
-            .is_none_or(http_body::Body::is_end_stream)
-    }
-
-    fn size_hint(&self) -> http_body::SizeHint {
-        self.inner.as_ref().map_or_else(
-            || http_body::SizeHint::with_exact(0),
-            http_body::Body::size_hint,
-        )
-    }
-}
-
-impl Drop for SignalsDrop {
-    fn drop(&mut self) {
-        drop(self.inner.take());
-        let _ = self.dropped.send(());
-    }
-}
 
 /// A response body of one-byte chunks: `Some(n)` sends n more and ends;
 /// `None` sends one and then waits forever without ending.

@@ -34,7 +34,7 @@ use http_body_util::{BodyExt as _, Empty, Full};
 use hyper::body::Incoming;
 use hyper::client::conn::http2::SendRequest;
 use hyper_util::rt::{TokioExecutor, TokioIo};
-use support::http::{TestServer, eventually, priced_by_path};
+use support::http::{SignalsDrop, TestServer, eventually, priced_by_path};
 use support::runtime::ms;
 use tokio::sync::{Barrier, Semaphore, mpsc};
 use tokio::task::JoinHandle;
@@ -440,49 +440,6 @@ impl http_body::Body for Trailing {
             }
             _ => None,
         })
-    }
-}
-
-/// Wrapped around a response body outside the layer: says when the server
-/// drops it, after the layer's body inside was dropped (so whatever that
-/// drop does has been done when the message arrives).
-struct SignalsDrop {
-    inner: Option<Body>,
-    dropped: mpsc::UnboundedSender<()>,
-}
-
-impl http_body::Body for SignalsDrop {
-    type Data = Bytes;
-    type Error = axum::Error;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
-        match self.inner.as_mut() {
-            Some(inner) => Pin::new(inner).poll_frame(cx),
-            None => Poll::Ready(None),
-        }
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.inner
-            .as_ref()
-            .is_none_or(http_body::Body::is_end_stream)
-    }
-
-    fn size_hint(&self) -> http_body::SizeHint {
-        self.inner.as_ref().map_or_else(
-            || http_body::SizeHint::with_exact(0),
-            http_body::Body::size_hint,
-        )
-    }
-}
-
-impl Drop for SignalsDrop {
-    fn drop(&mut self) {
-        drop(self.inner.take());
-        let _ = self.dropped.send(());
     }
 }
 

@@ -8,8 +8,14 @@ use std::io::{Read as _, Write as _};
 use std::net::{SocketAddr, TcpStream};
 use std::sync::Arc;
 
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
 use axum::Router;
+use axum::body::{Body, Bytes};
+use http_body::Frame;
 use tokio::net::TcpListener;
+use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tollgate::layer::{Price, TollgateBuilder, TollgateLayer};
 use tollgate::runtime::{InstanceRuntime, RuntimeHandle};
@@ -37,6 +43,18 @@ impl TestServer {
     /// Binds 127.0.0.1:0 and serves `router` over `world`, whose account
     /// was opened with `initial` units.
     pub(crate) async fn serve(world: RealTimeWorld, initial: u64, router: Router) -> Self {
+        Self::listen(world, initial, |listener| async move {
+            axum::serve(listener, router).await.unwrap();
+        })
+        .await
+    }
+
+    /// Binds 127.0.0.1:0 and runs `serve` on the listener, over `world`.
+    async fn listen<F: Future<Output = ()> + Send + 'static>(
+        world: RealTimeWorld,
+        initial: u64,
+        serve: impl FnOnce(TcpListener) -> F,
+    ) -> Self {
         let RealTimeWorld {
             clock,
             store,
@@ -47,9 +65,7 @@ impl TestServer {
         } = world;
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let address = listener.local_addr().unwrap();
-        let serving = tokio::spawn(async move {
-            axum::serve(listener, router).await.unwrap();
-        });
+        let serving = tokio::spawn(serve(listener));
         Self {
             clock,
             store,
@@ -192,17 +208,7 @@ impl TestServer {
         use hyper_util::server::conn::auto;
         use hyper_util::service::TowerToHyperService;
 
-        let RealTimeWorld {
-            clock,
-            store,
-            account,
-            key,
-            runtime,
-            handle,
-        } = world;
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let address = listener.local_addr().unwrap();
-        let serving = tokio::spawn(async move {
+        Self::listen(world, initial, |listener| async move {
             loop {
                 let (stream, _) = listener.accept().await.unwrap();
                 let service = TowerToHyperService::new(router.clone());
@@ -214,17 +220,50 @@ impl TestServer {
                         .await;
                 });
             }
-        });
-        Self {
-            clock,
-            store,
-            account,
-            key,
-            runtime,
-            handle,
-            address,
-            serving,
-            initial,
+        })
+        .await
+    }
+}
+
+/// Wrapped around each response body outside the layer: says when the
+/// server drops it, after dropping the layer's body inside, so whatever
+/// that drop does has been done when the message arrives.
+pub(crate) struct SignalsDrop {
+    pub(crate) inner: Option<Body>,
+    pub(crate) dropped: mpsc::UnboundedSender<()>,
+}
+
+impl http_body::Body for SignalsDrop {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        match self.inner.as_mut() {
+            Some(inner) => Pin::new(inner).poll_frame(cx),
+            None => Poll::Ready(None),
         }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner
+            .as_ref()
+            .is_none_or(http_body::Body::is_end_stream)
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.as_ref().map_or_else(
+            || http_body::SizeHint::with_exact(0),
+            http_body::Body::size_hint,
+        )
+    }
+}
+
+impl Drop for SignalsDrop {
+    fn drop(&mut self) {
+        drop(self.inner.take());
+        let _ = self.dropped.send(());
     }
 }
