@@ -768,16 +768,10 @@ async fn under_service_builder_a_limit_inside_the_layer_queues_only_admitted_req
                 echo_admission(request).await
             }
         });
-        let builder = TollgateLayer::builder(w.handle.clone())
-            .price(|_: &http::request::Parts| Price {
-                units: CostUnits(PRICE),
-                required: READ,
-            })
-            .policy_revision(REVISION);
         let layer = if deferred {
-            builder.commit_in_handler().build().unwrap()
+            w.deferred_layer()
         } else {
-            builder.build().unwrap()
+            w.layer()
         };
         let service = tower::ServiceBuilder::new()
             .layer(layer)
@@ -871,16 +865,10 @@ async fn a_request_yields_once_before_its_commit_only_if_it_waited_or_came_over_
                 }
             })
         };
-        let builder = TollgateLayer::builder(w.handle.clone())
-            .price(|_: &http::request::Parts| Price {
-                units: CostUnits(PRICE),
-                required: READ,
-            })
-            .policy_revision(REVISION);
         let layer = if deferred {
-            builder.commit_in_handler().build().unwrap()
+            w.deferred_layer()
         } else {
-            builder.build().unwrap()
+            w.layer()
         };
         let service = tower::ServiceBuilder::new()
             .layer(layer)
@@ -976,15 +964,7 @@ async fn a_charged_extractor_that_waited_yields_once_before_its_commit() {
     for version in [http::Version::HTTP_11, http::Version::HTTP_2] {
         let mut w = world(INITIAL).await;
         let ran = Arc::new(AtomicUsize::new(0));
-        let layer = TollgateLayer::builder(w.handle.clone())
-            .price(|_: &http::request::Parts| Price {
-                units: CostUnits(PRICE),
-                required: READ,
-            })
-            .policy_revision(REVISION)
-            .commit_in_handler()
-            .build()
-            .unwrap();
+        let layer = w.deferred_layer();
         let app = axum::Router::new()
             .route(
                 "/read",
