@@ -596,18 +596,108 @@ fn a_cached_generation_never_keeps_a_superseded_lease_busy() {
         }
         admitted.wait();
         let old = slot.replace(Arc::new(lease(2))).unwrap();
-        assert!(!old.is_only_local_view(), "undelivered events hold it");
+        let held_by_events = !old.is_only_local_view();
         let mut delivered = Vec::new();
         engine.recorder().take_recorded(&mut delivered, usize::MAX);
-        assert_eq!(delivered.len(), 100 * THREADS);
-        assert_eq!(Arc::strong_count(&old), 1, "no thread holds the lease");
-        assert!(old.is_only_local_view(), "I26: quiescent");
-        assert_eq!(
+        // Read while the threads are alive and their caches warm; asserted
+        // once they are let go, so a failure fails rather than hangs.
+        let observed = (
+            delivered.len(),
+            Arc::strong_count(&old),
+            old.is_only_local_view(),
             old.remaining().get(),
-            GRANTED * 1_000 - 100 * THREADS as u64
         );
         checked.wait();
+        assert!(held_by_events, "undelivered events hold it");
+        let (delivered, references, quiescent, remaining) = observed;
+        assert_eq!(delivered, 100 * THREADS);
+        assert_eq!(references, 1, "no thread holds the lease");
+        assert!(quiescent, "I26: quiescent");
+        assert_eq!(remaining, GRANTED * 1_000 - 100 * THREADS as u64);
     });
+}
+
+/// I26 under rotation: while threads admit, commit and drop on one account,
+/// the lease manager's part replaces the serving lease again and again.
+/// A request racing a replacement lands on a lease, the one it read or the
+/// new one (none is refused for want of one), and each superseded lease,
+/// once its events are delivered, is quiescent with exactly its grant less
+/// the charges committed against it (I6), one event per commit (I8).
+#[test]
+fn requests_racing_lease_replacements_are_funded_and_every_lease_balances() {
+    /// Per thread: half commit, so the events stay within the queue.
+    const REQUESTS: u64 = 40_000;
+    let (engine, _map, registry) = warm(THREADS as u64);
+    let slot = registry.get(AccountId(1)).unwrap();
+    let start = Barrier::new(THREADS + 1);
+    let mut superseded = Vec::new();
+    let admitted = std::thread::scope(|scope| {
+        let workers: Vec<_> = (1..=THREADS as u64)
+            .map(|principal| {
+                let (engine, start) = (&engine, &start);
+                scope.spawn(move || {
+                    start.wait();
+                    let mut count = 0_u64;
+                    while count < REQUESTS {
+                        let mut context = engine
+                            .begin(
+                                Principal(principal),
+                                PermissionBits::NONE,
+                                CostUnits(1),
+                                at(1),
+                            )
+                            .expect("I26: a lease serves throughout");
+                        // Every other request ends before its handler.
+                        if count.is_multiple_of(2) {
+                            context.commit(at(2)).unwrap();
+                        }
+                        count += 1;
+                    }
+                    count
+                })
+            })
+            .collect();
+        start.wait();
+        let mut id = 1;
+        while !workers
+            .iter()
+            .all(std::thread::ScopedJoinHandle::is_finished)
+        {
+            id += 1;
+            superseded.push(slot.replace(Arc::new(lease(id))).unwrap());
+            std::thread::yield_now();
+        }
+        assert!(id > 2, "the leases were replaced while requests ran");
+        workers
+            .into_iter()
+            .map(|worker| worker.join().unwrap())
+            .collect::<Vec<_>>()
+    });
+    let commits: u64 = admitted.iter().map(|count| count.div_ceil(2)).sum();
+    let mut delivered = Vec::new();
+    engine.recorder().take_recorded(&mut delivered, usize::MAX);
+    assert_eq!(delivered.len() as u64, commits, "I8: one event per commit");
+    let serving = slot.take().unwrap();
+    superseded.push(serving);
+    for lease in &superseded {
+        assert_eq!(Arc::strong_count(lease), 1, "I26: no thread holds it");
+        assert!(lease.is_only_local_view(), "I26");
+        let charged = delivered
+            .iter()
+            .filter(|event| event.source.lease_id() == Some(lease.grant().lease_id))
+            .map(|event| event.units.get())
+            .sum::<u64>();
+        assert_eq!(
+            lease.remaining().get() + charged,
+            GRANTED * 1_000,
+            "I6: lease {:?}",
+            lease.grant().lease_id
+        );
+    }
+    assert_eq!(
+        delivered.iter().map(|event| event.units.get()).sum::<u64>(),
+        commits
+    );
 }
 
 /// Admission counts are exact however many threads admit: the first
