@@ -9,6 +9,9 @@
 //! into admission and commit + hand-off, and one uncontended atomic
 //! read-modify-write is the unit the design states the hot path's budget in.
 //!
+//! The `many_accounts` group spreads the same requests over 32 and 256
+//! accounts, against governor over as many keys.
+//!
 //! The `anatomy` group takes the end-to-end figure apart. It writes the
 //! request path's essential work out by hand, with none of tollgate's engine
 //! types in the way, in four steps: all in one call; split at the handler's
@@ -66,10 +69,14 @@ fn now() -> Timestamp {
 }
 
 fn lease(sharding: LocalSharding) -> Arc<LocalLease> {
+    lease_of(AccountId(1), sharding)
+}
+
+fn lease_of(account_id: AccountId, sharding: LocalSharding) -> Arc<LocalLease> {
     Arc::new(LocalLease::with_sharding(
         LeaseGrant {
-            lease_id: LeaseId(1),
-            account_id: AccountId(1),
+            lease_id: LeaseId(account_id.0),
+            account_id,
             fencing_token: FencingToken(1),
             units: CostUnits(u64::MAX / 4),
             expires_at: now() + SignedDuration::from_hours(24),
@@ -84,6 +91,16 @@ fn lease(sharding: LocalSharding) -> Arc<LocalLease> {
 /// installed, and a usage queue with room for `queue_capacity` events in
 /// every stripe.
 fn engine(sharding: LocalSharding, queue_capacity: u64) -> AdmissionEngine {
+    engine_for(sharding, queue_capacity, &[(0, 1), (1, 1)])
+}
+
+/// An engine for `principals`, each `(principal, account)`, every account
+/// with a warm lease.
+fn engine_for(
+    sharding: LocalSharding,
+    queue_capacity: u64,
+    principals: &[(u64, u64)],
+) -> AdmissionEngine {
     let registry = Arc::new(SlotRegistry::new(sharding));
     let map = Arc::new(
         ArcSwapSnapshotMap::new(
@@ -97,22 +114,28 @@ fn engine(sharding: LocalSharding, queue_capacity: u64) -> AdmissionEngine {
         )
         .expect("valid"),
     );
-    map.publish((0..2).map(|principal| PrincipalSnapshot {
-        principal: Principal(principal),
-        account_id: AccountId(1),
-        key_id: Some(KeyId(principal)),
-        key_hash: None,
-        permissions: PermissionBits::ALL,
-        key_status: KeyStatus::Active,
-        account_status: AccountStatus::Active,
-        mode: EnforcementMode::Strict,
-        policy_revision: PolicyRevision(1),
-        fetched_at: now(),
-    }));
-    registry
-        .get(AccountId(1))
-        .expect("published")
-        .replace(lease(sharding));
+    map.publish(
+        principals
+            .iter()
+            .map(|&(principal, account)| PrincipalSnapshot {
+                principal: Principal(principal),
+                account_id: AccountId(account),
+                key_id: Some(KeyId(principal)),
+                key_hash: None,
+                permissions: PermissionBits::ALL,
+                key_status: KeyStatus::Active,
+                account_status: AccountStatus::Active,
+                mode: EnforcementMode::Strict,
+                policy_revision: PolicyRevision(1),
+                fetched_at: now(),
+            }),
+    );
+    for &(_, account) in principals {
+        let slot = registry.get(AccountId(account)).expect("published");
+        if slot.load_observed().is_none() {
+            slot.replace(lease_of(AccountId(account), sharding));
+        }
+    }
     // The queue is striped per core and each thread records into its own
     // stripe: every stripe gets the room asked for, so no admission probes
     // a full stripe before the drain, whatever the core count.
@@ -233,6 +256,45 @@ fn single(c: &mut Criterion) {
     group.bench_function("governor_check_key_coarse_clock", |b| {
         b.iter(|| black_box(coarse.check_key(black_box(&1_u64))));
     });
+    group.finish();
+}
+
+/// Requests spread round-robin over many accounts, one principal each, on
+/// one thread, against governor's keyed check over as many keys: what the
+/// single-account figure leaves out is that each request reads another
+/// account's entry, slot and lease, which fall out of the CPU's caches as
+/// their number grows.
+fn many_accounts(c: &mut Criterion) {
+    let mut group = c.benchmark_group("many_accounts");
+    for accounts in [32_u64, 256] {
+        let principals: Vec<_> = (0..accounts).map(|p| (p, p + 1)).collect();
+        let warm = engine_for(LocalSharding::Single, CHUNK, &principals);
+        let mut next = 0;
+        let mut drained = Vec::with_capacity(usize::try_from(CHUNK).expect("fits"));
+        group.bench_function(format!("begin_commit_handoff_{accounts}"), |b| {
+            b.iter_custom(|iters| {
+                timed_in_chunks(
+                    iters,
+                    || {
+                        next = (next + 1) % accounts;
+                        admit(&warm, Principal(next));
+                    },
+                    || {
+                        drained.clear();
+                        warm.recorder().take_recorded(&mut drained, usize::MAX);
+                    },
+                )
+            });
+        });
+        let limiter = RateLimiter::keyed(Quota::per_second(NonZeroU32::MAX));
+        let mut key = 0;
+        group.bench_function(format!("governor_check_key_{accounts}"), |b| {
+            b.iter(|| {
+                key = (key + 1) % accounts;
+                black_box(limiter.check_key(black_box(&key)))
+            });
+        });
+    }
     group.finish();
 }
 
@@ -829,6 +891,6 @@ criterion_group! {
     config = Criterion::default()
         .warm_up_time(Duration::from_secs(1))
         .measurement_time(Duration::from_secs(3));
-    targets = single, anatomy, two_threads
+    targets = single, many_accounts, anatomy, two_threads
 }
 criterion_main!(benches);
