@@ -301,6 +301,53 @@ async fn a_partial_batch_waits_for_the_flush_interval_and_no_longer() {
     assert_accounted(&h.stats(), h.recorded);
 }
 
+/// Records `per_thread` events from each of `threads` threads of their
+/// own, which the striped queue spreads over its stripes.
+fn record_from_threads(h: &mut Harness, threads: u128, per_thread: u128) {
+    let recorder = &h.recorder;
+    std::thread::scope(|scope| {
+        for thread in 0..threads {
+            scope.spawn(move || {
+                for id in 0..per_thread {
+                    let permit = recorder.try_permit().expect("the queue has room");
+                    permit.record(event(thread * 1_000 + id));
+                }
+            });
+        }
+    });
+    h.recorded += u64::try_from(threads * per_thread).expect("small");
+}
+
+/// Several batches' worth spread over the stripes goes out by the flush
+/// interval, batch after batch, not one batch per interval. (Where each
+/// thread's events land depends on its number; a stripe that gets a whole
+/// batch wakes the writer sooner. The library's unit tests place events in
+/// chosen stripes.)
+#[tokio::test(start_paused = true)]
+async fn batches_spread_over_stripes_all_go_out_at_the_flush_interval() {
+    let mut h = Harness::with_config(
+        ScriptedSink::new([]),
+        UsageWriterConfig {
+            queue_stripes: LocalSharding::shards(4).expect("four stripes are within the limit"),
+            ..config()
+        },
+    );
+    // Three batches' worth, three events per thread: a thread alone never
+    // fills a batch.
+    record_from_threads(&mut h, 4, 3);
+    sleep(FLUSH + ms(1)).await;
+    let stats = h.stats();
+    assert_eq!(stats.accepted, 12, "all of it at the interval: {stats:?}");
+    assert_eq!(stats.batches, 3, "in whole batches");
+    assert!(
+        h.sink
+            .received()
+            .iter()
+            .all(|batch| batch.len() == MAX_BATCH)
+    );
+    assert_accounted(&stats, h.recorded);
+}
+
 /// I21: an outage of many flush intervals loses nothing; the same batch is
 /// retried until the sink recovers, and everything is accepted in recording
 /// order.

@@ -458,12 +458,18 @@ impl UsageQueue {
     /// Moves up to `max` queued events into `batch`, stripe by stripe, each
     /// stripe's oldest first; returns how many. Their places stay taken until
     /// [`release`](Self::release).
+    ///
+    /// A take that fills up in some stripe leaves the next one to start at
+    /// the stripe after it, so a backlog spread over the stripes goes out in
+    /// one sweep; one that empties the queue leaves the next to start one
+    /// stripe further than it did. Either way, a stripe that refills as fast
+    /// as it is emptied cannot keep the others waiting.
     pub(crate) fn take_into(&self, batch: &mut Vec<UsageEvent>, max: usize) -> usize {
         let mut taken = self.lock_taken();
         let mut total = 0;
         let count = self.stripes.len();
         let start = self.take_from.load(Ordering::Relaxed) % count;
-        self.take_from.store((start + 1) % count, Ordering::Relaxed);
+        let mut next = (start + 1) % count;
         for index in (start..count).chain(0..start) {
             let stripe = &self.stripes[index];
             while total < max {
@@ -474,7 +480,12 @@ impl UsageQueue {
                 taken.push_back((index, hold));
                 total += 1;
             }
+            if total == max {
+                next = (index + 1) % count;
+                break;
+            }
         }
+        self.take_from.store(next, Ordering::Relaxed);
         total
     }
 
@@ -778,6 +789,36 @@ mod tests {
             }
         }
         assert_eq!(taken, vec![0, 10, 1, 11], "the stripes alternate");
+    }
+
+    /// A take that fills up part-way through the stripes leaves the next
+    /// one to start at the stripe after the one it stopped in, so a backlog
+    /// spread over the stripes goes out in one sweep: the stripe the first
+    /// take did not reach comes first in the second.
+    #[test]
+    fn a_take_that_fills_up_leaves_the_next_to_start_past_it() {
+        let recorder = UsageRecorder::striped(12, 12, LocalSharding::shards(3).unwrap());
+        for stripe in 0..3_u128 {
+            for id in 0..3 {
+                let permit = recorder
+                    .try_permit_at(Locality::new(usize::try_from(stripe).unwrap()))
+                    .unwrap();
+                permit.record(event(stripe * 10 + id));
+            }
+        }
+        let queue = recorder.queue();
+        let mut takes = Vec::new();
+        for _ in 0..3 {
+            let mut batch = Vec::new();
+            queue.take_into(&mut batch, 4);
+            queue.release(batch.len());
+            takes.push(batch.iter().map(|e| e.request_id.get()).collect::<Vec<_>>());
+        }
+        assert_eq!(
+            takes,
+            vec![vec![0, 1, 2, 10], vec![20, 21, 22, 11], vec![12]],
+            "the third stripe goes before the rest of the second"
+        );
     }
 
     /// A few events with every place taken make the queue ready to drain;

@@ -11,11 +11,13 @@
 //! # Delivery
 //!
 //! The writer wakes when a batch's worth is queued in one stripe of the
-//! queue (or a stripe is full), when the flush interval passes with at
-//! least one event queued, or when it is told to stop. Events spread thinly
-//! over many stripes can therefore wait up to the flush interval even when
-//! they add up to several batches: with many stripes, size `flush_interval`
-//! for that, or the queue's capacity for what it holds meanwhile. Every
+//! queue (or every place is taken), when the flush interval passes with at
+//! least one event queued, or when it is told to stop. Woken by a stripe,
+//! it delivers batch after batch while a whole batch is queued across all
+//! the stripes; woken by the flush interval, it delivers everything queued,
+//! the partial batch last. Events spread thinly over many stripes, none
+//! holding a batch, can therefore wait up to the flush interval even when
+//! they add up to several batches, and then go out together. Every
 //! ingest call is bounded by `ingest_timeout` (I22). A storage error, a
 //! timeout or an answer with the wrong number of outcomes is a failed attempt:
 //! the writer waits `retry_backoff` and delivers the *same* batch again, in
@@ -606,10 +608,22 @@ struct Task {
 
 /// What the task should do after waiting.
 enum Wait {
-    /// Take a batch and deliver it.
-    Work,
+    /// Take batches and deliver them.
+    Work(Drain),
     /// Stopped, and either drained or out of time.
     Finish,
+}
+
+/// How much a wake-up delivers before the task waits again.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Drain {
+    /// A batch's worth is queued in one stripe: deliver batches while a
+    /// whole one is queued, and leave a partial one for the flush interval.
+    FullBatches,
+    /// The flush interval passed, or the writer is stopping: deliver
+    /// everything queued, partial batch included, since it has waited as
+    /// long as it may.
+    Everything,
 }
 
 /// The stop deadline passed before the awaited work finished.
@@ -628,21 +642,45 @@ impl Task {
         // However the task ends (given up, panicked in the sink, aborted),
         // nothing will write what is recorded from then on (I21).
         let _abandon = AbandonOnExit(Arc::clone(&self.queue));
-        while let Wait::Work = self.wait_for_work().await {
-            self.queue.take_into(&mut self.batch, self.config.max_batch);
-            self.shared
-                .counters
-                .in_flight
-                .store(self.batch.len() as u64, Ordering::Relaxed);
-            debug_assert!(
-                !self.batch.is_empty(),
-                "the task is the queue's only reader, and it was told events are waiting"
-            );
-            if self.deliver().await.is_err() {
+        while let Wait::Work(drain) = self.wait_for_work().await {
+            if self.drain(drain).await.is_err() {
                 break;
             }
         }
         self.give_up();
+    }
+
+    /// Delivers batch after batch until `drain` is done. Batches queued
+    /// over many stripes, none of which holds one alone, go out one after
+    /// another rather than one per flush interval.
+    async fn drain(&mut self, drain: Drain) -> Result<(), DeadlinePassed> {
+        let max = self.config.max_batch;
+        let mut first = true;
+        loop {
+            let taken = self.queue.take_into(&mut self.batch, max);
+            if taken == 0 {
+                debug_assert!(
+                    !first,
+                    "the task is the queue's only reader, and it was told events are waiting"
+                );
+                return Ok(());
+            }
+            first = false;
+            self.shared
+                .counters
+                .in_flight
+                .store(taken as u64, Ordering::Relaxed);
+            self.deliver().await?;
+            // A whole batch queued goes now; after a flush, so does what
+            // was queued at the flush (a full take may have left some).
+            let more = self.queue.len() >= max || (drain == Drain::Everything && taken == max);
+            if !more {
+                return Ok(());
+            }
+            // A sink that answers without waiting, under recordings as fast
+            // as its answers, would otherwise keep the task from yielding.
+            tokio::task::consume_budget().await;
+        }
     }
 
     /// Waits until a batch should be taken, or until the writer should end.
@@ -668,12 +706,12 @@ impl Task {
                     // Stopped, any change is looked at: `next_after_stop`
                     // decides.
                     if deadline.is_none() {
-                        return Wait::Work;
+                        return Wait::Work(Drain::FullBatches);
                     }
                 }
                 () = sleep_until(wake_at) => {
                     if self.queue.len() > 0 {
-                        return Wait::Work;
+                        return Wait::Work(Drain::Everything);
                     }
                     // Counted from now, not from the passed deadline: a
                     // flush interval below the timer's millisecond would
@@ -697,7 +735,7 @@ impl Task {
         if self.queue.in_use() == 0 || Instant::now() >= deadline {
             Some(Wait::Finish)
         } else if self.queue.len() > 0 {
-            Some(Wait::Work)
+            Some(Wait::Work(Drain::Everything))
         } else {
             // Permits are out. Once the queue is closed, recording an event
             // or returning a place wakes the task, so it drains as soon as
@@ -946,5 +984,77 @@ async fn stop_changed(stop: &mut watch::Receiver<Option<Instant>>) {
         // Unreachable: the sender lives in `Shared`, which the task holds.
         // Waiting forever beats spinning on a closed channel.
         std::future::pending::<()>().await;
+    }
+}
+
+#[cfg(all(test, not(tollgate_loom)))]
+mod tests {
+    use async_trait::async_trait;
+
+    use super::*;
+    use crate::model::{AccountId, CostUnits, Locality, PolicyRevision, RequestId, UsageSource};
+    use crate::store::ManualClock;
+
+    /// Accepts everything at once, noting each batch's size.
+    #[derive(Default)]
+    struct Sizes(Mutex<Vec<usize>>);
+
+    fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+        mutex.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    #[async_trait]
+    impl UsageSink for Sizes {
+        async fn ingest(&self, batch: &[UsageEvent]) -> Result<Vec<IngestOutcome>, StoreError> {
+            lock(&self.0).push(batch.len());
+            Ok(vec![IngestOutcome::Accepted; batch.len()])
+        }
+    }
+
+    fn event(id: u128) -> UsageEvent {
+        UsageEvent {
+            request_id: RequestId(id),
+            account_id: AccountId(1),
+            source: UsageSource::Overage,
+            units: CostUnits(1),
+            at: Timestamp::UNIX_EPOCH,
+            policy_revision: PolicyRevision(1),
+            key_id: None,
+        }
+    }
+
+    /// Two and a half batches' worth queued over four stripes, none holding
+    /// a batch: nothing wakes the writer before the flush interval, and the
+    /// flush delivers all of it, whole batches first and the partial one
+    /// after, so nothing recorded before a flush waits for the next.
+    #[tokio::test(start_paused = true)]
+    async fn a_flush_delivers_everything_queued_over_the_stripes() {
+        const FLUSH: Duration = Duration::from_millis(100);
+        let sink = Arc::new(Sizes::default());
+        let (recorder, writer) = UsageWriter::spawn(
+            Arc::clone(&sink) as Arc<dyn UsageSink>,
+            Arc::new(ManualClock::new(Timestamp::UNIX_EPOCH)),
+            UsageWriterConfig {
+                queue_capacity: 64,
+                queue_stripes: LocalSharding::shards(4).expect("within the limit"),
+                max_batch: 4,
+                flush_interval: FLUSH,
+                retry_backoff: Duration::from_millis(50),
+                ingest_timeout: Duration::from_millis(200),
+                shutdown_drain_deadline: Duration::from_secs(1),
+            },
+        )
+        .expect("a valid configuration");
+        for (stripe, events) in [3, 3, 2, 2].into_iter().enumerate() {
+            for id in 0..events {
+                let permit = recorder.try_permit_at(Locality::new(stripe)).expect("room");
+                permit.record(event(id));
+            }
+        }
+        sleep(Duration::from_millis(99)).await;
+        assert!(lock(&sink.0).is_empty(), "no stripe holds a batch");
+        sleep(Duration::from_millis(2)).await;
+        assert_eq!(*lock(&sink.0), [4, 4, 2]);
+        assert_eq!(writer.stats().queued, 0);
     }
 }
