@@ -100,7 +100,7 @@ where
 /// |---|---|---|
 /// | `tollgate_ready`, `tollgate_admitting`, `tollgate_faulted` | gauge 0/1 | |
 /// | `tollgate_accounts` | gauge | |
-/// | `tollgate_admitted_total`, `tollgate_admitted_overage_total`, `tollgate_released_total` (admitted, then released for zero: ended before the handler started or, committing in the handler, answered without reaching its commit point) | counter | |
+/// | `tollgate_admitted_total`, `tollgate_admitted_overage_total`, `tollgate_released_total` (admitted, then released for zero: ended before the handler started or, committing in the handler, answered without reaching its commit point; a commit the instance refused counts under `tollgate_denied_total` with its code instead) | counter | |
 /// | `tollgate_lease_waits_total` (requests held for a lease by [`wait_for_lease`](crate::layer::TollgateBuilder::wait_for_lease), counted as each wait begins) | counter | |
 /// | `tollgate_denied_total` | counter | `code` ([`DenyReason::code`]) |
 /// | `tollgate_writer_{accepted,duplicate,rejected,lost,batches,retries,ingest_timeouts,storage_errors}_total` | counter | |
