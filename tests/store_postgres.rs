@@ -174,6 +174,7 @@ async fn a_bad_schema_name_policy_lock_or_queue_timeout_is_refused_before_connec
         queue_timeout,
     };
     let under_a_milli = Duration::from_micros(999);
+    let part_of_a_milli = Duration::from_micros(1_999);
     let too_long_a_lock = PostgresConfig::LOCK_TIMEOUT_MAX + Duration::from_millis(1);
     let too_long_a_queue = PostgresConfig::QUEUE_TIMEOUT_MAX + Duration::from_millis(1);
     for (config, expected) in [
@@ -196,6 +197,11 @@ async fn a_bad_schema_name_policy_lock_or_queue_timeout_is_refused_before_connec
         (
             config("tollgate", policy(1), too_long_a_lock, LOCK_TIMEOUT),
             Some(PostgresError::InvalidLockTimeout(too_long_a_lock)),
+        ),
+        // PostgreSQL keeps whole milliseconds: refused, not cut to 1ms.
+        (
+            config("tollgate", policy(1), part_of_a_milli, LOCK_TIMEOUT),
+            Some(PostgresError::InvalidLockTimeout(part_of_a_milli)),
         ),
         (
             config("tollgate", policy(1), LOCK_TIMEOUT, under_a_milli),

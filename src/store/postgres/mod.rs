@@ -95,8 +95,9 @@ pub struct PostgresConfig {
     /// any lock it took already, so keep twice this plus `queue_timeout`
     /// within the shortest timeout the store's callers put on a call (the
     /// runtime's `store_call_timeout`, `ingest_timeout`, `fetch_timeout`
-    /// and `enumeration_timeout`). At least a millisecond (`PostgreSQL` keeps
-    /// whole milliseconds) and at most [`PostgresConfig::LOCK_TIMEOUT_MAX`].
+    /// and `enumeration_timeout`). A whole number of milliseconds
+    /// (`PostgreSQL` keeps no less), at least one and at most
+    /// [`PostgresConfig::LOCK_TIMEOUT_MAX`].
     pub lock_timeout: Duration,
     /// How long an allocator, usage or snapshot call waits for its turn at
     /// one of the pool's connections before failing as a storage error
@@ -289,8 +290,9 @@ pub enum PostgresError {
     InvalidSchemaName(String),
     /// The grant policy breaks a rule.
     Policy(GrantPolicyError),
-    /// `lock_timeout` is under a millisecond (`PostgreSQL` counts whole
-    /// milliseconds) or longer than [`PostgresConfig::LOCK_TIMEOUT_MAX`].
+    /// `lock_timeout` is not a whole number of milliseconds (`PostgreSQL`
+    /// counts no less), is under one, or is longer than
+    /// [`PostgresConfig::LOCK_TIMEOUT_MAX`].
     InvalidLockTimeout(Duration),
     /// `queue_timeout` is under a millisecond or longer than
     /// [`PostgresConfig::QUEUE_TIMEOUT_MAX`].
@@ -320,7 +322,7 @@ impl fmt::Display for PostgresError {
             Self::Policy(error) => write!(f, "{error}"),
             Self::InvalidLockTimeout(timeout) => write!(
                 f,
-                "lock_timeout must be at least 1ms and at most {:?}, not {timeout:?}",
+                "lock_timeout must be a whole number of milliseconds, at least 1ms and at most {:?}, not {timeout:?}",
                 PostgresConfig::LOCK_TIMEOUT_MAX
             ),
             Self::InvalidQueueTimeout(timeout) => write!(
@@ -515,8 +517,10 @@ fn validate(config: &PostgresConfig) -> Result<(), PostgresError> {
         return Err(PostgresError::InvalidSchemaName(config.schema.clone()));
     }
     config.policy.validate().map_err(PostgresError::Policy)?;
+    // Refused rather than cut to whole milliseconds as it is set (I17).
     if config.lock_timeout < Duration::from_millis(1)
         || config.lock_timeout > PostgresConfig::LOCK_TIMEOUT_MAX
+        || !config.lock_timeout.subsec_nanos().is_multiple_of(1_000_000)
     {
         return Err(PostgresError::InvalidLockTimeout(config.lock_timeout));
     }
