@@ -416,6 +416,36 @@ fn bad_input_is_named_before_connecting() {
     .fails(1, "must be before --until");
     nowhere(&["account", "create", "--balance", "10", "--mode", "elastic"])
         .fails(1, "--mode elastic needs --overage-cap");
+    // What the ledger cannot hold is refused by the parser, not the store.
+    let too_large = "9223372036854775808";
+    nowhere(&[
+        "account",
+        "create",
+        "--balance",
+        too_large,
+        "--mode",
+        "strict",
+    ])
+    .fails(2, "is not in 0..=9223372036854775807");
+    nowhere(&[
+        "account",
+        "create",
+        "--balance",
+        "10",
+        "--mode",
+        "elastic",
+        "--overage-cap",
+        too_large,
+    ])
+    .fails(2, "is not in 0..=9223372036854775807");
+    nowhere(&[
+        "refill", "set", "acct_1", "--amount", too_large, "--every", "1d",
+    ])
+    .fails(2, "is not in 0..=9223372036854775807");
+    nowhere(&[
+        "refill", "set", "acct_1", "--amount", "10", "--every", "1ns",
+    ])
+    .fails(2, "a whole number of microseconds");
     let other_database = Cli::bare()
         .args([
             "--database-url",
@@ -490,7 +520,7 @@ fn refills_are_set_and_cleared() {
     cli.run(&[
         "refill", "set", &id, "--amount", &too_much, "--every", "30d",
     ])
-    .fails(1, "an amount of at most 9223372036854775807 units");
+    .fails(2, "is not in 0..=9223372036854775807");
     // Stored, not only printed, and the refused change left it alone.
     let shown = cli.run(&["account", "show", &id]).ok();
     assert_eq!(refill_field(&shown), Some("500/720h"), "{shown}");
@@ -756,5 +786,28 @@ fn settings_come_from_a_file_then_the_environment_then_flags() {
         .arg("audit"))
     .fails(1, "no configuration file");
     run(Cli::bare().arg("audit")).fails(1, "no database");
+
+    // Variables are text: a schema may be named `true`.
+    run(Cli::bare()
+        .current_dir(&dir)
+        .env("TOLLGATE_SCHEMA", "true")
+        .arg("check-schema"))
+    .fails(3, "schema true");
+    // An empty variable is unset: it hides nothing the file says.
+    let empty = run(Cli::bare()
+        .current_dir(&dir)
+        .env("DATABASE_URL", "")
+        .env("TOLLGATE_DATABASE_URL", "")
+        .arg("check-schema"))
+    .ok();
+    assert!(empty.contains("is current"), "{empty}");
+    // The wrong file, too large to be a configuration, is not read.
+    let large = dir.join("large.toml");
+    std::fs::File::create(&large)
+        .unwrap()
+        .set_len(2 << 20)
+        .unwrap();
+    run(Cli::bare().arg("--config").arg(&large).arg("audit"))
+        .fails(1, "a configuration is at most 1048576");
     std::fs::remove_dir_all(&dir).unwrap();
 }

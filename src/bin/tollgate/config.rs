@@ -3,7 +3,7 @@
 use std::path::Path;
 
 use figment::Figment;
-use figment::providers::{Env, Format, Toml};
+use figment::providers::{Format, Toml};
 use jiff::SignedDuration;
 use serde::Deserialize;
 use tollgate::CostUnits;
@@ -13,6 +13,11 @@ use crate::parse::duration;
 
 /// The file read when `--config` is not given, if it exists.
 const DEFAULT_FILE: &str = "tollgate.toml";
+
+/// The largest configuration file read: a few settings take a few hundred
+/// bytes, so anything near this is the wrong file, refused before it is
+/// read rather than parsed whole.
+const MAX_FILE_BYTES: u64 = 1 << 20;
 
 /// How long an operator's command waits for a row a gateway holds before it
 /// fails: longer than a gateway's own calls wait, since nobody gives up on
@@ -68,28 +73,47 @@ impl Settings {
         schema: Option<&str>,
     ) -> Result<Self, String> {
         let mut figment = Figment::new();
-        match file {
-            Some(path) => {
-                if !path.is_file() {
-                    return Err(format!("no configuration file at {}", path.display()));
-                }
-                figment = figment.merge(Toml::file_exact(path));
+        let file = match file {
+            Some(path) if !path.is_file() => {
+                return Err(format!("no configuration file at {}", path.display()));
             }
-            None => {
-                if Path::new(DEFAULT_FILE).is_file() {
-                    figment = figment.merge(Toml::file_exact(DEFAULT_FILE));
+            Some(path) => Some(path),
+            None => Some(Path::new(DEFAULT_FILE)).filter(|path| path.is_file()),
+        };
+        if let Some(path) = file {
+            let size = std::fs::metadata(path)
+                .map_err(|error| format!("configuration file {}: {error}", path.display()))?
+                .len();
+            if size > MAX_FILE_BYTES {
+                return Err(format!(
+                    "configuration file {} is {size} bytes; a configuration is at most {MAX_FILE_BYTES}",
+                    path.display()
+                ));
+            }
+            figment = figment.merge(Toml::file_exact(path));
+        }
+        let mut layered: Layered = figment
+            .extract()
+            .map_err(|error| format!("configuration: {}", without_source(&error.to_string())))?;
+        // Each variable is read as the text it is (a schema named `true` is
+        // a name, not a boolean), and an empty one counts as unset.
+        for (variable, setting) in [
+            ("TOLLGATE_DATABASE_URL", &mut layered.database_url),
+            ("TOLLGATE_SCHEMA", &mut layered.schema),
+            ("TOLLGATE_RECLAIM_GRACE", &mut layered.reclaim_grace),
+        ] {
+            match std::env::var(variable) {
+                Ok(value) if !value.is_empty() => *setting = Some(value),
+                Ok(_) | Err(std::env::VarError::NotPresent) => {}
+                Err(std::env::VarError::NotUnicode(_)) => {
+                    return Err(format!("{variable} is not UTF-8"));
                 }
             }
         }
-        figment = figment.merge(Env::prefixed("TOLLGATE_").only(&[
-            "database_url",
-            "schema",
-            "reclaim_grace",
-        ]));
-        let layered: Layered = figment
-            .extract()
-            .map_err(|error| format!("configuration: {}", without_source(&error.to_string())))?;
+        // An empty `DATABASE_URL` (or flag) is unset, as an empty variable
+        // of the file's is: it does not hide the file's URL.
         let database_url = database_url
+            .filter(|url| !url.is_empty())
             .map(str::to_owned)
             .or(layered.database_url)
             .ok_or_else(|| {

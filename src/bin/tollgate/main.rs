@@ -33,7 +33,9 @@ use tollgate::store::{
 use tollgate::{AccountId, AccountStatus, CostUnits, EnforcementMode, KeyId, PermissionBits};
 
 use crate::config::Settings;
-use crate::parse::{Mode, account_id, duration, key_id, permissions, positive_count, timestamp};
+use crate::parse::{
+    Mode, account_id, duration, key_id, period, permissions, positive_count, timestamp,
+};
 
 /// Operate a tollgate deployment's PostgreSQL store.
 #[derive(Debug, Parser)]
@@ -105,8 +107,9 @@ enum Command {
 enum AccountCommand {
     /// Opens an account; prints its id.
     Create {
-        /// The opening balance, in cost units.
-        #[arg(long)]
+        /// The opening balance, in cost units: at most the ledger's largest
+        /// balance (2^63 - 1).
+        #[arg(long, value_parser = clap::value_parser!(u64).range(0..=i64::MAX.unsigned_abs()))]
         balance: u64,
         #[command(flatten)]
         mode: ModeArgs,
@@ -151,7 +154,8 @@ struct ModeArgs {
     #[arg(long, value_enum)]
     mode: Mode,
     /// The overage cap per instance; required for, and only for, `elastic`.
-    #[arg(long)]
+    /// At most 2^63 - 1.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(0..=i64::MAX.unsigned_abs()))]
     overage_cap: Option<u64>,
 }
 
@@ -210,11 +214,13 @@ enum RefillCommand {
         account: AccountId,
         /// The balance each period starts with. Units out on leases at the
         /// reset come back on top of it as the leases settle, so a period
-        /// can fund up to this plus what was leased at its start.
-        #[arg(long)]
+        /// can fund up to this plus what was leased at its start. At most
+        /// 2^63 - 1.
+        #[arg(long, value_parser = clap::value_parser!(u64).range(0..=i64::MAX.unsigned_abs()))]
         amount: u64,
-        /// The period, e.g. `30d` or `1h`.
-        #[arg(long, value_parser = duration)]
+        /// The period, e.g. `30d` or `1h`: a whole number of microseconds,
+        /// the most `PostgreSQL` keeps.
+        #[arg(long, value_parser = period)]
         every: jiff::SignedDuration,
     },
     /// Removes an account's refill.

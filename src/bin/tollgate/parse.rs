@@ -69,6 +69,20 @@ pub(crate) fn duration(text: &str) -> Result<SignedDuration, String> {
     }
 }
 
+/// A refill period: a [`duration`] that is a whole number of microseconds,
+/// since the store keeps period ends to the microsecond and refuses one
+/// that would be rounded.
+pub(crate) fn period(text: &str) -> Result<SignedDuration, String> {
+    let parsed = duration(text)?;
+    if parsed.subsec_nanos() % 1_000 == 0 {
+        Ok(parsed)
+    } else {
+        Err(format!(
+            "expected a whole number of microseconds, got {text:?}"
+        ))
+    }
+}
+
 /// A count of at least one.
 pub(crate) fn positive_count(text: &str) -> Result<usize, String> {
     match text.parse::<usize>() {
@@ -90,6 +104,18 @@ pub(crate) fn timestamp(text: &str) -> Result<Timestamp, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_refill_period_is_a_whole_number_of_microseconds() {
+        assert_eq!(period("1d"), Ok(SignedDuration::from_hours(24)));
+        assert_eq!(period("1500us"), Ok(SignedDuration::from_micros(1_500)));
+        assert!(
+            period("1ns")
+                .unwrap_err()
+                .contains("whole number of microseconds")
+        );
+        assert!(period("0s").unwrap_err().contains("positive"));
+    }
 
     #[test]
     fn a_count_is_a_whole_number_of_at_least_one() {
