@@ -11,8 +11,8 @@ use std::process::{Command, Output};
 use jiff::{SignedDuration, Timestamp};
 use support::postgres::{database_url, unique_schema};
 use tollgate::store::{
-    GrantPolicy, IngestOutcome, LeaseAllocator, PostgresConfig, PostgresStore, TailSharing,
-    UsageSink,
+    GrantPolicy, IngestOutcome, LeaseAllocator, Movement, PostgresConfig, PostgresStore,
+    TailSharing, UsageSink,
 };
 use tollgate::{AccountId, CostUnits, PolicyRevision, RequestId, UsageEvent, UsageSource};
 
@@ -591,6 +591,76 @@ fn keys_are_issued_once_listed_by_prefix_and_revoked() {
     let full = finish(&command.output().expect("the tollgate binary runs"));
     let full = full.fails(1, "cannot write the output");
     assert!(!full.stderr.contains("panicked"), "{}", full.stderr);
+}
+
+/// Usage and the balance history are read a page at a time and printed as
+/// they come: a listing longer than a page is whole and in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_listing_longer_than_a_page_is_printed_whole_and_in_order() {
+    const EVENTS: u128 = 2_501;
+    let Some(cli) = Cli::new("cli_pages") else {
+        return;
+    };
+    cli.run(&["migrate"]).ok();
+    let account = cli.strict_account("5000");
+    let store = cli.store().await;
+    let now = Timestamp::from_second(1_700_000_000).unwrap();
+    let allocation = store
+        .acquire(
+            account,
+            CostUnits(3_000),
+            SignedDuration::from_secs(30),
+            now,
+        )
+        .await
+        .unwrap();
+    let events: Vec<_> = (1..=EVENTS)
+        .map(|request| UsageEvent {
+            request_id: RequestId(request),
+            account_id: account,
+            source: UsageSource::Leased {
+                lease_id: allocation.grant.lease_id,
+                fencing_token: allocation.grant.fencing_token,
+            },
+            units: CostUnits(1),
+            at: now,
+            policy_revision: PolicyRevision(1),
+            key_id: None,
+        })
+        .collect();
+    for chunk in events.chunks(500) {
+        store.ingest(chunk).await.unwrap();
+    }
+    let listed = cli.run(&["usage", &account.to_string()]).ok();
+    let ids: Vec<_> = listed
+        .lines()
+        .map(|line| {
+            line.split_whitespace()
+                .next()
+                .unwrap_or_default()
+                .to_owned()
+        })
+        .collect();
+    let expected: Vec<_> = (1..=EVENTS)
+        .map(|request| RequestId(request).to_string())
+        .collect();
+    assert_eq!(ids.len(), expected.len(), "every event, once");
+    let misplaced = ids.iter().zip(&expected).position(|(id, want)| id != want);
+    assert_eq!(misplaced, None, "in the order they arrived");
+    for top_up in 1..=1_001 {
+        let key = format!("page-{top_up}");
+        let movement = Movement {
+            idempotency_key: &key,
+            reason: "pages",
+        };
+        store
+            .top_up(account, CostUnits(1), &movement, now)
+            .await
+            .unwrap();
+    }
+    let history = cli.run(&["balance", "history", &account.to_string()]).ok();
+    // Opened, granted, and 1,001 top-ups.
+    assert_eq!(history.lines().count(), 1_003, "{}", &history[..200]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -574,6 +574,75 @@ async fn every_movement_is_journalled_with_its_delta() {
     audited(&store).await;
 }
 
+/// Usage and the journal read a page at a time give the same rows, in the
+/// same order, as the whole listing: each page at most the size asked,
+/// the last one ending the listing, also when the rows fill it exactly.
+#[tokio::test]
+async fn usage_and_the_journal_read_by_page_are_the_whole_listing() {
+    let Some(store) = store("pages", 4).await else {
+        return;
+    };
+    let acct = account(&store, 200).await;
+    let allocation = store
+        .acquire(acct, CostUnits(100), TTL, at(0))
+        .await
+        .unwrap();
+    let events: Vec<_> = (1..=5).map(|id| leased(id, acct, &allocation, 1)).collect();
+    assert_eq!(
+        store.ingest(&events).await.unwrap(),
+        [IngestOutcome::Accepted; 5]
+    );
+    let whole = store.usage(acct, None, None).await.unwrap();
+    assert_eq!(whole.len(), 5);
+    let history = store.history(acct).await.unwrap();
+    assert_eq!(history.len(), 2, "opened, then granted");
+    for limit in [1, 2, 5, 6] {
+        let (mut read, mut from, mut pages) = (Vec::new(), None, 0);
+        loop {
+            let page = store
+                .usage_page(acct, None, None, from, limit)
+                .await
+                .unwrap();
+            assert!(page.items.len() <= limit);
+            read.extend(page.items);
+            pages += 1;
+            match page.next {
+                Some(next) => from = Some(next),
+                None => break,
+            }
+        }
+        assert_eq!(read, whole, "pages of {limit}");
+        // A page that fills up cannot know it is the last: one more, empty.
+        assert_eq!(pages, 5 / limit + 1, "pages of {limit}");
+    }
+    // A window applies to every page: the events are at 1.
+    let windowed = store
+        .usage_page(acct, Some(at(1)), Some(at(2)), None, 2)
+        .await
+        .unwrap();
+    assert_eq!(windowed.items, whole[..2]);
+    let next = store
+        .usage_page(acct, Some(at(1)), Some(at(2)), windowed.next, 10)
+        .await
+        .unwrap();
+    assert_eq!(next.items, whole[2..]);
+    assert_eq!(next.next, None);
+    let outside = store
+        .usage_page(acct, Some(at(2)), None, None, 10)
+        .await
+        .unwrap();
+    assert_eq!((outside.items.len(), outside.next), (0, None));
+    let first = store.history_page(acct, None, 1).await.unwrap();
+    let rest = store.history_page(acct, first.next, 1).await.unwrap();
+    let last = store.history_page(acct, rest.next, 1).await.unwrap();
+    assert_eq!([first.items, rest.items].concat(), history);
+    assert_eq!((last.items.len(), last.next), (0, None));
+    assert_eq!(
+        store.usage_page(AccountId(999), None, None, None, 1).await,
+        Err(AdminError::UnknownAccount)
+    );
+}
+
 #[tokio::test]
 async fn ids_past_the_largest_bigint_are_unknown_never_an_error() {
     let Some(store) = store("far_ids", 1).await else {

@@ -60,8 +60,8 @@ pub use memory::{
 pub use policy::{GrantPolicy, GrantPolicyError, TailSharing};
 #[cfg(feature = "postgres")]
 pub use postgres::{
-    BalanceChange, JournalEntry, JournalKind, MigrationReport, Movement, PostgresConfig,
-    PostgresError, PostgresStore, SchemaStatus,
+    BalanceChange, JournalEntry, JournalKind, MigrationReport, Movement, Page, PageCursor,
+    PostgresConfig, PostgresError, PostgresStore, SchemaStatus,
 };
 
 /// Moves units between account balances and leases.

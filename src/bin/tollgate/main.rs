@@ -37,6 +37,9 @@ use crate::parse::{
     Mode, account_id, duration, key_id, period, permissions, positive_count, timestamp,
 };
 
+/// Rows a listing (`usage`, `balance history`) reads at a time.
+const PAGE: usize = 1_000;
+
 /// Operate a tollgate deployment's PostgreSQL store.
 #[derive(Debug, Parser)]
 #[command(name = "tollgate", version, about, long_about = None)]
@@ -410,12 +413,21 @@ async fn run(cli: Cli) -> Result<(), Failure> {
             since,
             until,
         } => {
-            for event in store
-                .usage(account, since, until)
-                .await
-                .map_err(about(account))?
-            {
-                say!("{}", render::usage_event(&event));
+            // A page at a time, printed as it comes: an account's usage
+            // grows with its traffic, and need not fit in memory.
+            let mut from = None;
+            loop {
+                let page = store
+                    .usage_page(account, since, until, from, PAGE)
+                    .await
+                    .map_err(about(account))?;
+                for event in &page.items {
+                    say!("{}", render::usage_event(event));
+                }
+                match page.next {
+                    Some(next) => from = Some(next),
+                    None => break,
+                }
             }
         }
         Command::Reclaim { batch, .. } => reclaim(&store, batch, now).await?,
@@ -524,8 +536,20 @@ async fn balance(
             say!("{}", render::balance_change(account, &change));
         }
         BalanceCommand::History { account } => {
-            for entry in store.history(account).await.map_err(about(account))? {
-                say!("{}", render::journal_entry(&entry));
+            // A page at a time, as `usage` lists.
+            let mut from = None;
+            loop {
+                let page = store
+                    .history_page(account, from, PAGE)
+                    .await
+                    .map_err(about(account))?;
+                for entry in &page.items {
+                    say!("{}", render::journal_entry(entry));
+                }
+                match page.next {
+                    Some(next) => from = Some(next),
+                    None => break,
+                }
             }
         }
     }

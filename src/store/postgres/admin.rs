@@ -18,7 +18,9 @@ use crate::store::postgres::snapshots::{
     key_status, permissions_from, permissions_to, principal_of,
 };
 use crate::store::postgres::tx::{Caller, begin, finish};
-use crate::store::postgres::{BalanceChange, JournalEntry, JournalKind, Movement, PostgresStore};
+use crate::store::postgres::{
+    BalanceChange, JournalEntry, JournalKind, Movement, Page, PageCursor, PostgresStore,
+};
 use crate::store::rules;
 use crate::store::{
     AccountSpec, AccountView, AdminError, ApiKey, IssuedKey, KeyInfo, KeyPrefix, RefillSchedule,
@@ -30,6 +32,24 @@ const MOVEMENT_TEXT_LEN_MAX: usize = 200;
 
 fn admin_storage(error: &AdminError) -> bool {
     matches!(error, AdminError::Storage(_))
+}
+
+/// The page size of [`PostgresStore::usage`] and [`PostgresStore::history`].
+const LISTING_PAGE: usize = 10_000;
+
+/// A page size as `LIMIT` takes it: at least one row, so a listing always
+/// moves on.
+fn page_limit(limit: usize) -> i64 {
+    i64::try_from(limit.max(1)).unwrap_or(i64::MAX)
+}
+
+/// Where the page after `rows` starts: after the last row's `seq`, unless
+/// the page came back short and so ended the listing.
+fn next_page(rows: &[PgRow], limit: usize) -> Result<Option<PageCursor>, StoreError> {
+    match rows.last() {
+        Some(last) if rows.len() >= limit.max(1) => Ok(Some(PageCursor(get(last, "seq")?))),
+        _ => Ok(None),
+    }
 }
 
 fn first_period_end(schedule: RefillSchedule, now: Timestamp) -> Result<Timestamp, AdminError> {
@@ -680,7 +700,9 @@ impl PostgresStore {
     }
 
     /// The usage events recorded for an account, in the order they arrived;
-    /// only those at or after `since` and before `until`, when given.
+    /// only those at or after `since` and before `until`, when given. All
+    /// of them in memory at once: a long-lived account's are better read
+    /// a page at a time ([`usage_page`](Self::usage_page)).
     ///
     /// # Errors
     ///
@@ -691,20 +713,53 @@ impl PostgresStore {
         since: Option<Timestamp>,
         until: Option<Timestamp>,
     ) -> Result<Vec<UsageEvent>, AdminError> {
+        let mut events = Vec::new();
+        let mut from = None;
+        loop {
+            let page = self
+                .usage_page(account, since, until, from, LISTING_PAGE)
+                .await?;
+            events.extend(page.items);
+            match page.next {
+                Some(next) => from = Some(next),
+                None => return Ok(events),
+            }
+        }
+    }
+
+    /// At most `limit` of [`usage`](Self::usage)'s events, from `from` (the
+    /// previous page's `next`; `None` for the first page). Each page is a
+    /// query of its own, using the account's index, so a listing holds no
+    /// transaction and at most a page in memory.
+    ///
+    /// # Errors
+    ///
+    /// [`AdminError::UnknownAccount`].
+    pub async fn usage_page(
+        &self,
+        account: AccountId,
+        since: Option<Timestamp>,
+        until: Option<Timestamp>,
+        from: Option<PageCursor>,
+        limit: usize,
+    ) -> Result<Page<UsageEvent>, AdminError> {
         let account_id = self.known_account(account).await?;
         let bound = |at: Option<Timestamp>| at.map(|at| to_pg(micros(at))).transpose();
         let sql = self.sql(
-            "SELECT request_id::text AS request_id, account_id, lease_id, fencing_token, units, \
-             occurred_at, policy_revision, key_id FROM {schema}.usage_events \
+            "SELECT seq, request_id::text AS request_id, account_id, lease_id, fencing_token, \
+             units, occurred_at, policy_revision, key_id FROM {schema}.usage_events \
              WHERE account_id = $1 \
              AND ($2::timestamptz IS NULL OR occurred_at >= $2) \
              AND ($3::timestamptz IS NULL OR occurred_at < $3) \
-             ORDER BY seq",
+             AND ($4::bigint IS NULL OR seq > $4) \
+             ORDER BY seq LIMIT $5",
         );
         let rows = sqlx::query(&sql)
             .bind(account_id)
             .bind(bound(since)?)
             .bind(bound(until)?)
+            .bind(from.map(|cursor| cursor.0))
+            .bind(page_limit(limit))
             .fetch_all(&self.pool)
             .await
             .map_err(|error| storage("reading usage", &error))?;
@@ -736,22 +791,55 @@ impl PostgresStore {
                     .transpose()?,
             });
         }
-        Ok(events)
+        Ok(Page {
+            next: next_page(&rows, limit)?,
+            items: events,
+        })
     }
 
-    /// Every movement of an account's balance, in order.
+    /// Every movement of an account's balance, in order. All of them in
+    /// memory at once: a long-lived account's are better read a page at a
+    /// time ([`history_page`](Self::history_page)).
     ///
     /// # Errors
     ///
     /// [`AdminError::UnknownAccount`].
     pub async fn history(&self, account: AccountId) -> Result<Vec<JournalEntry>, AdminError> {
+        let mut entries = Vec::new();
+        let mut from = None;
+        loop {
+            let page = self.history_page(account, from, LISTING_PAGE).await?;
+            entries.extend(page.items);
+            match page.next {
+                Some(next) => from = Some(next),
+                None => return Ok(entries),
+            }
+        }
+    }
+
+    /// At most `limit` of [`history`](Self::history)'s movements, from
+    /// `from` (the previous page's `next`; `None` for the first page), as
+    /// [`usage_page`](Self::usage_page) pages usage.
+    ///
+    /// # Errors
+    ///
+    /// [`AdminError::UnknownAccount`].
+    pub async fn history_page(
+        &self,
+        account: AccountId,
+        from: Option<PageCursor>,
+        limit: usize,
+    ) -> Result<Page<JournalEntry>, AdminError> {
         let account_id = self.known_account(account).await?;
         let sql = self.sql(
             "SELECT seq, account_id, kind, delta, balance_after, lease_id, occurred_at, reason, \
-             idempotency_key FROM {schema}.journal WHERE account_id = $1 ORDER BY seq",
+             idempotency_key FROM {schema}.journal WHERE account_id = $1 \
+             AND ($2::bigint IS NULL OR seq > $2) ORDER BY seq LIMIT $3",
         );
         let rows = sqlx::query(&sql)
             .bind(account_id)
+            .bind(from.map(|cursor| cursor.0))
+            .bind(page_limit(limit))
             .fetch_all(&self.pool)
             .await
             .map_err(|error| storage("reading the journal", &error))?;
@@ -775,7 +863,10 @@ impl PostgresStore {
                 idempotency_key: get(row, "idempotency_key")?,
             });
         }
-        Ok(entries)
+        Ok(Page {
+            next: next_page(&rows, limit)?,
+            items: entries,
+        })
     }
 
     /// The account's id as a bigint, when the account exists.

@@ -196,6 +196,20 @@ pub struct BalanceChange {
     pub applied: bool,
 }
 
+/// Where the next page of a listing starts
+/// ([`PostgresStore::usage_page`], [`PostgresStore::history_page`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PageCursor(pub(crate) i64);
+
+/// Part of a listing, in its order, and where the rest starts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Page<T> {
+    /// At most the page size asked for.
+    pub items: Vec<T>,
+    /// Where the next page starts; `None` once this page ends the listing.
+    pub next: Option<PageCursor>,
+}
+
 /// One balance movement, as the journal recorded it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct JournalEntry {
