@@ -43,6 +43,13 @@ fn page_limit(limit: usize) -> i64 {
     i64::try_from(limit.max(1)).unwrap_or(i64::MAX)
 }
 
+/// The `seq` a page starts after: numbers start at one, so the first page
+/// starts after zero. A plain bound, so that each page is a range scan of
+/// the account's `(account_id, seq)` index, not a scan from its start.
+fn after(from: Option<PageCursor>) -> i64 {
+    from.map_or(0, |cursor| cursor.0)
+}
+
 /// Where the page after `rows` starts: after the last row's `seq`, unless
 /// the page came back short and so ended the listing.
 fn next_page(rows: &[PgRow], limit: usize) -> Result<Option<PageCursor>, StoreError> {
@@ -751,14 +758,14 @@ impl PostgresStore {
              WHERE account_id = $1 \
              AND ($2::timestamptz IS NULL OR occurred_at >= $2) \
              AND ($3::timestamptz IS NULL OR occurred_at < $3) \
-             AND ($4::bigint IS NULL OR seq > $4) \
+             AND seq > $4 \
              ORDER BY seq LIMIT $5",
         );
         let rows = sqlx::query(&sql)
             .bind(account_id)
             .bind(bound(since)?)
             .bind(bound(until)?)
-            .bind(from.map(|cursor| cursor.0))
+            .bind(after(from))
             .bind(page_limit(limit))
             .fetch_all(&self.pool)
             .await
@@ -834,11 +841,11 @@ impl PostgresStore {
         let sql = self.sql(
             "SELECT seq, account_id, kind, delta, balance_after, lease_id, occurred_at, reason, \
              idempotency_key FROM {schema}.journal WHERE account_id = $1 \
-             AND ($2::bigint IS NULL OR seq > $2) ORDER BY seq LIMIT $3",
+             AND seq > $2 ORDER BY seq LIMIT $3",
         );
         let rows = sqlx::query(&sql)
             .bind(account_id)
-            .bind(from.map(|cursor| cursor.0))
+            .bind(after(from))
             .bind(page_limit(limit))
             .fetch_all(&self.pool)
             .await
