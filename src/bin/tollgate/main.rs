@@ -27,8 +27,8 @@ use std::process::ExitCode;
 use clap::{Args, Parser, Subcommand};
 use jiff::Timestamp;
 use tollgate::store::{
-    AccountSpec, AdminError, LeaseAllocator as _, Movement, PostgresStore, RefillSchedule,
-    SchemaStatus,
+    AccountSpec, AdminError, LeaseAllocator as _, Movement, Page, PageCursor, PostgresStore,
+    RefillSchedule, SchemaStatus,
 };
 use tollgate::{AccountId, AccountStatus, CostUnits, EnforcementMode, KeyId, PermissionBits};
 
@@ -283,6 +283,25 @@ macro_rules! say {
     };
 }
 
+/// Prints a listing a page at a time, each as it comes: an account's usage
+/// and journal grow with its traffic, and need not fit in memory.
+async fn print_pages<T>(
+    mut page: impl AsyncFnMut(Option<PageCursor>) -> Result<Page<T>, Failure>,
+    render: impl Fn(&T) -> String,
+) -> Result<(), Failure> {
+    let mut from = None;
+    loop {
+        let read = page(from).await?;
+        for item in &read.items {
+            say!("{}", render(item));
+        }
+        match read.next {
+            Some(next) => from = Some(next),
+            None => return Ok(()),
+        }
+    }
+}
+
 /// Writes a line to stderr. A failure to write it is ignored: there is
 /// nowhere left to report it, and the exit code still tells.
 fn complain(line: std::fmt::Arguments<'_>) {
@@ -413,22 +432,14 @@ async fn run(cli: Cli) -> Result<(), Failure> {
             since,
             until,
         } => {
-            // A page at a time, printed as it comes: an account's usage
-            // grows with its traffic, and need not fit in memory.
-            let mut from = None;
-            loop {
-                let page = store
-                    .usage_page(account, since, until, from, PAGE)
-                    .await
-                    .map_err(about(account))?;
-                for event in &page.items {
-                    say!("{}", render::usage_event(event));
-                }
-                match page.next {
-                    Some(next) => from = Some(next),
-                    None => break,
-                }
-            }
+            print_pages(
+                async |from| {
+                    (store.usage_page(account, since, until, from, PAGE).await)
+                        .map_err(about(account))
+                },
+                render::usage_event,
+            )
+            .await?;
         }
         Command::Reclaim { batch, .. } => reclaim(&store, batch, now).await?,
         Command::Audit => {
@@ -536,21 +547,13 @@ async fn balance(
             say!("{}", render::balance_change(account, &change));
         }
         BalanceCommand::History { account } => {
-            // A page at a time, as `usage` lists.
-            let mut from = None;
-            loop {
-                let page = store
-                    .history_page(account, from, PAGE)
-                    .await
-                    .map_err(about(account))?;
-                for entry in &page.items {
-                    say!("{}", render::journal_entry(entry));
-                }
-                match page.next {
-                    Some(next) => from = Some(next),
-                    None => break,
-                }
-            }
+            print_pages(
+                async |from| {
+                    (store.history_page(account, from, PAGE).await).map_err(about(account))
+                },
+                render::journal_entry,
+            )
+            .await?;
         }
     }
     Ok(())
