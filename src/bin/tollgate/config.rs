@@ -110,8 +110,8 @@ impl Settings {
                 }
             }
         }
-        // An empty `DATABASE_URL` (or flag) is unset, as an empty variable
-        // of the file's is: it does not hide the file's URL.
+        // An empty `DATABASE_URL` (or flag) counts as unset, as an empty
+        // `TOLLGATE_*` variable does: it does not hide the file's URL.
         let database_url = database_url
             .filter(|url| !url.is_empty())
             .map(str::to_owned)
