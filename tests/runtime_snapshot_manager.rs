@@ -101,6 +101,13 @@ enum Page {
     /// That page, after which the directory changes: a change that lands
     /// between two pages of one enumeration.
     ThenSet(Box<Page>, Box<PrincipalSnapshot>),
+    /// These snapshots as they are, whatever the directory holds: a page
+    /// built from a change log, which may carry one principal twice.
+    Exactly {
+        snapshots: Vec<PrincipalSnapshot>,
+        next: u64,
+        complete: bool,
+    },
     Fail,
     Hang,
 }
@@ -265,6 +272,15 @@ impl SnapshotSource for ScriptedSource {
                     complete,
                 })
             }
+            Page::Exactly {
+                snapshots,
+                next,
+                complete,
+            } => Ok(SnapshotPage {
+                snapshots,
+                next: SnapshotCursor(next),
+                complete,
+            }),
             Page::Fail => Err(StoreError::new("scripted outage")),
             Page::Hang => std::future::pending().await,
             Page::ThenSet(..) => unreachable!("one change per page"),
@@ -779,6 +795,53 @@ async fn a_held_snapshot_superseded_by_a_restriction_in_the_same_enumeration_is_
     assert_eq!(
         h.map.get(p(1)).map(|snapshot| snapshot.policy_revision),
         Some(PolicyRevision(3))
+    );
+    let stats = h.manager.stats();
+    assert_eq!((stats.refreshes, stats.failures), (2, 0), "{stats:?}");
+}
+
+/// I34: a page that carries one principal twice, the later copy a
+/// restriction published at once, does not hold the earlier copy for the
+/// batch, where it would be older than the map's and count the refresh as
+/// gone back: the restriction stands and the refresh succeeds.
+#[tokio::test(start_paused = true)]
+async fn a_page_carrying_a_principal_twice_is_not_a_regression() {
+    let source = ScriptedSource::new([active(1, ALPHA)]);
+    source.plan_pages([Page::Of {
+        principals: vec![1],
+        next: 1,
+        complete: true,
+    }]);
+    let h = Harness::new(
+        source.clone(),
+        PrincipalSelection::All {
+            page_size: PAGE_SIZE,
+        },
+    );
+    settle().await;
+    assert_eq!(h.verdict(p(1)), DenyReason::LeaseUnavailable);
+    // Revision 5 takes nothing away and is held for the batch; revision 7
+    // suspends the account and is published as the page is read.
+    source.plan_pages([Page::Exactly {
+        snapshots: vec![
+            PrincipalSnapshot {
+                policy_revision: PolicyRevision(5),
+                ..active(1, ALPHA)
+            },
+            PrincipalSnapshot {
+                account_status: AccountStatus::Suspended,
+                policy_revision: PolicyRevision(7),
+                ..active(1, ALPHA)
+            },
+        ],
+        next: 7,
+        complete: true,
+    }]);
+    h.run_for(10).await;
+    assert_eq!(h.verdict(p(1)), DenyReason::AccountInactive);
+    assert_eq!(
+        h.map.get(p(1)).map(|snapshot| snapshot.policy_revision),
+        Some(PolicyRevision(7))
     );
     let stats = h.manager.stats();
     assert_eq!((stats.refreshes, stats.failures), (2, 0), "{stats:?}");

@@ -804,9 +804,13 @@ impl Task {
             // The cursor moves only with the batch, so a refresh that fails
             // reads them again.
             trusted_from_the_ask(&mut page.snapshots, now);
-            let (restricting, rest) = split_restrictions(&self.map, page.snapshots);
+            let (restricting, mut rest) = split_restrictions(&self.map, page.snapshots);
             if !restricting.is_empty() {
+                // What a restriction supersedes is dropped wherever it is
+                // held: from earlier pages, or from this one when a source
+                // carries a principal twice in it.
                 drop_superseded(&mut unpublished, &restricting);
+                drop_superseded(&mut rest, &restricting);
                 self.publish(restricting);
             }
             unpublished.extend(rest);
