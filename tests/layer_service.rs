@@ -1709,7 +1709,7 @@ async fn building_a_layer_without_pricing_is_a_named_error() {
         .build()
         .unwrap_err();
     assert_eq!(error, LayerConfigError::MissingPricing);
-    assert_eq!(error.to_string(), "no pricing function was given");
+    assert_eq!(error.to_string(), "layer: no pricing function was given");
 }
 
 /// I4: committing in the handler, a route with no commit point runs free

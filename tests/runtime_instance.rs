@@ -2289,22 +2289,9 @@ fn validate_names_the_first_broken_rule() {
     );
     check(
         reclaiming(701),
-        Some("instance runtime: supervisor_interval must be positive"),
-    );
-    check(
-        |c| c.supervisor_interval = Duration::ZERO,
-        Some("instance runtime: supervisor_interval must be positive"),
-    );
-    check(
-        |c| {
-            c.account_linger = Duration::ZERO;
-            c.manager_restart_backoff = Duration::ZERO;
-        },
-        Some("instance runtime: account_linger must be positive"),
-    );
-    check(
-        |c| c.manager_restart_backoff = Duration::ZERO,
-        Some("instance runtime: manager_restart_backoff must be positive"),
+        Some(
+            "instance runtime: supervisor_interval must be at least one millisecond (the timer's resolution)",
+        ),
     );
     assert!(matches!(
         {
@@ -2314,6 +2301,42 @@ fn validate_names_the_first_broken_rule() {
         },
         Err(InstanceRuntimeConfigError::Leases(_))
     ));
+}
+
+#[test]
+fn the_supervisor_waits_at_least_the_timer_resolution() {
+    // I17: the supervisor's timers keep whole milliseconds; a shorter wait
+    // is refused by name, not run back to back.
+    let under_a_milli = Duration::from_micros(999);
+    check(
+        |c| c.supervisor_interval = under_a_milli,
+        Some(
+            "instance runtime: supervisor_interval must be at least one millisecond (the timer's resolution)",
+        ),
+    );
+    check(
+        |c| {
+            c.account_linger = under_a_milli;
+            c.manager_restart_backoff = Duration::ZERO;
+        },
+        Some(
+            "instance runtime: account_linger must be at least one millisecond (the timer's resolution)",
+        ),
+    );
+    check(
+        |c| c.manager_restart_backoff = under_a_milli,
+        Some(
+            "instance runtime: manager_restart_backoff must be at least one millisecond (the timer's resolution)",
+        ),
+    );
+    check(
+        |c| {
+            c.supervisor_interval = ms(1);
+            c.account_linger = ms(1);
+            c.manager_restart_backoff = ms(1);
+        },
+        None,
+    );
 }
 
 /// A clock that may read up to its bound behind the true time.

@@ -3390,18 +3390,35 @@ fn validate_names_the_first_broken_rule() {
     );
     check(
         |c| c.poll_interval = Duration::ZERO,
-        Err(Broken::PollIntervalZero),
+        Err(Broken::PollIntervalBelowTimerResolution),
+    );
+    // I17: a poll or a call bound under the timer's millisecond would not
+    // be kept (a release pass would end before its first call).
+    check(
+        |c| c.poll_interval = Duration::from_micros(999),
+        Err(Broken::PollIntervalBelowTimerResolution),
+    );
+    check(
+        |c| c.store_call_timeout = Duration::from_micros(999),
+        Err(Broken::StoreCallTimeoutBelowTimerResolution),
+    );
+    check(
+        |c| {
+            c.poll_interval = ms(1);
+            c.store_call_timeout = ms(1);
+        },
+        Ok(()),
     );
     check(
         |c| {
             c.poll_interval = Duration::ZERO;
             c.shutdown_release_deadline = Duration::ZERO;
         },
-        Err(Broken::PollIntervalZero),
+        Err(Broken::PollIntervalBelowTimerResolution),
     );
     check(
         |c| c.store_call_timeout = Duration::ZERO,
-        Err(Broken::StoreCallTimeoutZero),
+        Err(Broken::StoreCallTimeoutBelowTimerResolution),
     );
     // TTL 60 s less a 5 s margin: the poll and one 500 ms call must fit
     // in the 55 s window.
@@ -3465,7 +3482,7 @@ async fn spawn_refuses_an_invalid_config_and_calls_nothing() {
     );
     assert_eq!(
         refused.err(),
-        Some(LeaseManagerConfigError::PollIntervalZero)
+        Some(LeaseManagerConfigError::PollIntervalBelowTimerResolution)
     );
     sleep(POLL).await;
     assert!(allocator.calls().is_empty());

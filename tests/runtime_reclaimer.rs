@@ -839,21 +839,58 @@ fn check(config: ReclaimerConfig, expected: Result<(), ReclaimerConfigError>) {
 async fn every_configuration_rule_is_checked_in_field_order() {
     use ReclaimerConfigError as Broken;
     check(config(1, 1, 1), Ok(()));
-    check(config(0, 0, 0), Err(Broken::IntervalZero));
+    check(config(0, 0, 0), Err(Broken::IntervalBelowTimerResolution));
     check(config(1, 0, 0), Err(Broken::BatchLimitZero));
-    check(config(1, 1, 0), Err(Broken::StoreCallTimeoutZero));
+    check(
+        config(1, 1, 0),
+        Err(Broken::StoreCallTimeoutBelowTimerResolution),
+    );
     check(
         ReclaimerConfig {
             outage_hold: Duration::ZERO,
             ..config(1, 1, 1)
         },
-        Err(Broken::OutageHoldZero),
+        Err(Broken::OutageHoldBelowTimerResolution),
+    );
+    // I17: an interval under the timer's millisecond would run passes back
+    // to back; a call bound or hold that short would not be kept either.
+    let under_a_milli = Duration::from_micros(999);
+    let a_milli = Duration::from_millis(1);
+    check(
+        ReclaimerConfig {
+            interval: under_a_milli,
+            ..config(1, 1, 1)
+        },
+        Err(Broken::IntervalBelowTimerResolution),
+    );
+    check(
+        ReclaimerConfig {
+            store_call_timeout: under_a_milli,
+            ..config(1, 1, 1)
+        },
+        Err(Broken::StoreCallTimeoutBelowTimerResolution),
+    );
+    check(
+        ReclaimerConfig {
+            outage_hold: under_a_milli,
+            ..config(1, 1, 1)
+        },
+        Err(Broken::OutageHoldBelowTimerResolution),
+    );
+    check(
+        ReclaimerConfig {
+            interval: a_milli,
+            batch_limit: 1,
+            store_call_timeout: a_milli,
+            outage_hold: a_milli,
+        },
+        Ok(()),
     );
     for broken in [
-        Broken::IntervalZero,
+        Broken::IntervalBelowTimerResolution,
         Broken::BatchLimitZero,
-        Broken::StoreCallTimeoutZero,
-        Broken::OutageHoldZero,
+        Broken::StoreCallTimeoutBelowTimerResolution,
+        Broken::OutageHoldBelowTimerResolution,
     ] {
         let message = broken.to_string();
         assert!(message.starts_with("reclaimer: "), "{message}");

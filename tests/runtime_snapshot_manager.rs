@@ -1509,7 +1509,7 @@ fn every_configuration_rule_is_checked_in_field_order() {
             retry_backoff: zero,
             ..valid.clone()
         },
-        Err(Broken::RefreshIntervalZero),
+        Err(Broken::RefreshIntervalBelowTimerResolution),
     );
     check(
         &SnapshotManagerConfig {
@@ -1517,7 +1517,7 @@ fn every_configuration_rule_is_checked_in_field_order() {
             fetch_timeout: zero,
             ..valid.clone()
         },
-        Err(Broken::RetryBackoffZero),
+        Err(Broken::RetryBackoffBelowTimerResolution),
     );
     check(
         &SnapshotManagerConfig {
@@ -1525,7 +1525,7 @@ fn every_configuration_rule_is_checked_in_field_order() {
             enumeration_timeout: zero,
             ..all.clone()
         },
-        Err(Broken::FetchTimeoutZero),
+        Err(Broken::FetchTimeoutBelowTimerResolution),
     );
     check(
         &SnapshotManagerConfig {
@@ -1533,7 +1533,49 @@ fn every_configuration_rule_is_checked_in_field_order() {
             max_staleness: SignedDuration::ZERO,
             ..valid.clone()
         },
-        Err(Broken::EnumerationTimeoutZero),
+        Err(Broken::EnumerationTimeoutBelowTimerResolution),
+    );
+    // I17: each interval, backoff and timeout is at least the timer's
+    // millisecond; one is enough.
+    let under_a_milli = Duration::from_micros(999);
+    check(
+        &SnapshotManagerConfig {
+            refresh_interval: under_a_milli,
+            ..valid.clone()
+        },
+        Err(Broken::RefreshIntervalBelowTimerResolution),
+    );
+    check(
+        &SnapshotManagerConfig {
+            retry_backoff: under_a_milli,
+            ..valid.clone()
+        },
+        Err(Broken::RetryBackoffBelowTimerResolution),
+    );
+    check(
+        &SnapshotManagerConfig {
+            fetch_timeout: under_a_milli,
+            ..valid.clone()
+        },
+        Err(Broken::FetchTimeoutBelowTimerResolution),
+    );
+    check(
+        &SnapshotManagerConfig {
+            enumeration_timeout: under_a_milli,
+            ..all.clone()
+        },
+        Err(Broken::EnumerationTimeoutBelowTimerResolution),
+    );
+    let a_milli = Duration::from_millis(1);
+    check(
+        &SnapshotManagerConfig {
+            refresh_interval: a_milli,
+            retry_backoff: a_milli,
+            fetch_timeout: a_milli,
+            enumeration_timeout: a_milli,
+            ..all.clone()
+        },
+        Ok(()),
     );
     check(
         &SnapshotManagerConfig {
@@ -1599,10 +1641,10 @@ fn every_configuration_rule_is_checked_in_field_order() {
     for broken in [
         Broken::FixedPrincipalsEmpty,
         Broken::PageSizeZero,
-        Broken::RefreshIntervalZero,
-        Broken::RetryBackoffZero,
-        Broken::FetchTimeoutZero,
-        Broken::EnumerationTimeoutZero,
+        Broken::RefreshIntervalBelowTimerResolution,
+        Broken::RetryBackoffBelowTimerResolution,
+        Broken::FetchTimeoutBelowTimerResolution,
+        Broken::EnumerationTimeoutBelowTimerResolution,
         Broken::MaxStalenessNotAboveRefreshInterval,
         Broken::MaxStalenessNotAboveRefreshAndCall,
     ] {

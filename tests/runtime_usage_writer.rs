@@ -877,6 +877,19 @@ async fn spawning_with_a_hostile_queue_capacity_is_refused_not_aborted() {
 }
 
 /// I17: `validate` names the first broken rule, in field order.
+/// I17: the timer keeps whole milliseconds; one is enough for each wait.
+#[test]
+fn a_millisecond_is_enough_for_every_wait() {
+    let a_milli = Duration::from_millis(1);
+    let config = UsageWriterConfig {
+        flush_interval: a_milli,
+        retry_backoff: a_milli,
+        ingest_timeout: a_milli,
+        ..config()
+    };
+    assert_eq!(config.validate(), Ok(()));
+}
+
 #[test]
 fn validate_names_the_first_broken_rule_in_field_order() {
     use UsageWriterConfigError as Broken;
@@ -927,24 +940,24 @@ fn validate_names_the_first_broken_rule_in_field_order() {
         )),
     );
     check(
-        |c| c.flush_interval = Duration::ZERO,
+        |c| c.flush_interval = Duration::from_micros(999),
         Some((
-            Broken::FlushIntervalZero,
-            "usage writer: flush_interval must be positive",
+            Broken::FlushIntervalBelowTimerResolution,
+            "usage writer: flush_interval must be at least one millisecond (the timer's resolution)",
         )),
     );
     check(
-        |c| c.retry_backoff = Duration::ZERO,
+        |c| c.retry_backoff = Duration::from_micros(999),
         Some((
-            Broken::RetryBackoffZero,
-            "usage writer: retry_backoff must be positive",
+            Broken::RetryBackoffBelowTimerResolution,
+            "usage writer: retry_backoff must be at least one millisecond (the timer's resolution)",
         )),
     );
     check(
-        |c| c.ingest_timeout = Duration::ZERO,
+        |c| c.ingest_timeout = Duration::from_micros(999),
         Some((
-            Broken::IngestTimeoutZero,
-            "usage writer: ingest_timeout must be positive",
+            Broken::IngestTimeoutBelowTimerResolution,
+            "usage writer: ingest_timeout must be at least one millisecond (the timer's resolution)",
         )),
     );
     check(

@@ -45,14 +45,14 @@ pub enum LayerConfigError {
 impl fmt::Display for LayerConfigError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Self::MissingPricing => f.write_str("no pricing function was given"),
-            Self::Randomness => f.write_str("the operating system supplied no randomness"),
+            Self::MissingPricing => f.write_str("layer: no pricing function was given"),
+            Self::Randomness => f.write_str("layer: the operating system supplied no randomness"),
             Self::PolicyRevisionTooLarge => {
-                f.write_str("the policy revision is above PolicyRevision::MAX (i64::MAX)")
+                f.write_str("layer: the policy revision is above PolicyRevision::MAX (i64::MAX)")
             }
             Self::LeaseWaitTooLong => write!(
                 f,
-                "the lease wait is above {} ms",
+                "layer: the lease wait is above {} ms",
                 TollgateBuilder::MAX_LEASE_WAIT.as_millis()
             ),
         }

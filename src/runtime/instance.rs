@@ -28,6 +28,7 @@ use tokio::sync::watch;
 use tokio::task::{JoinHandle, JoinSet};
 use tokio::time::{Instant, sleep};
 
+use super::TIMER_RESOLUTION;
 use super::{after, bump};
 use crate::admission::{
     AdmissionEngine, AdmissionStats, ArcSwapSnapshotMap, RequestContext, RequestIds, SlotRegistry,
@@ -65,13 +66,15 @@ pub struct InstanceRuntimeConfig {
     pub usage: UsageWriterConfig,
     /// Whether this instance also reclaims expired leases, and how.
     pub reclaimer: Option<ReclaimerConfig>,
-    /// How often the supervisor checks its lease managers.
+    /// How often the supervisor checks its lease managers. At least one
+    /// millisecond, the timer's resolution.
     pub supervisor_interval: Duration,
     /// How long an account with no usable principal keeps its lease before
-    /// the supervisor returns it.
+    /// the supervisor returns it. At least one millisecond, the timer's
+    /// resolution.
     pub account_linger: Duration,
     /// How long the supervisor waits before restarting a lease manager that
-    /// died.
+    /// died. At least one millisecond, the timer's resolution.
     pub manager_restart_backoff: Duration,
     /// The one budget for the whole shutdown; the usage drain and the lease
     /// release budgets must fit inside it together.
@@ -117,12 +120,12 @@ pub enum InstanceRuntimeConfigError {
     /// the same limit: readiness and admission must agree on when policy is
     /// too old.
     StalenessMismatch,
-    /// `supervisor_interval` must be positive.
-    SupervisorIntervalZero,
-    /// `account_linger` must be positive.
-    AccountLingerZero,
-    /// `manager_restart_backoff` must be positive.
-    ManagerRestartBackoffZero,
+    /// `supervisor_interval` must be at least the timer's resolution, one millisecond.
+    SupervisorIntervalBelowTimerResolution,
+    /// `account_linger` must be at least the timer's resolution, one millisecond.
+    AccountLingerBelowTimerResolution,
+    /// `manager_restart_backoff` must be at least the timer's resolution, one millisecond.
+    ManagerRestartBackoffBelowTimerResolution,
     /// `shutdown_deadline` must cover the usage drain plus the lease release.
     PhaseBudgetsExceedShutdownDeadline,
     /// The operating system supplied no randomness for request ids.
@@ -157,12 +160,21 @@ impl fmt::Display for InstanceRuntimeConfigError {
                  plus usage.retry_backoff plus three times usage.ingest_timeout (usage queued \
                  during an outage must be delivered before its leases are reclaimed)",
             ),
-            Self::SupervisorIntervalZero => {
-                f.write_str("instance runtime: supervisor_interval must be positive")
+            Self::SupervisorIntervalBelowTimerResolution => {
+                f.write_str(
+                    "instance runtime: supervisor_interval must be at least one millisecond \
+                     (the timer's resolution)",
+                )
             }
-            Self::AccountLingerZero => f.write_str("instance runtime: account_linger must be positive"),
-            Self::ManagerRestartBackoffZero => {
-                f.write_str("instance runtime: manager_restart_backoff must be positive")
+            Self::AccountLingerBelowTimerResolution => f.write_str(
+                "instance runtime: account_linger must be at least one millisecond (the timer's \
+                 resolution)",
+            ),
+            Self::ManagerRestartBackoffBelowTimerResolution => {
+                f.write_str(
+                    "instance runtime: manager_restart_backoff must be at least one millisecond \
+                     (the timer's resolution)",
+                )
             }
             Self::PhaseBudgetsExceedShutdownDeadline => f.write_str(
                 "instance runtime: shutdown_deadline must cover usage.shutdown_drain_deadline plus leases.shutdown_release_deadline",
@@ -215,14 +227,14 @@ impl InstanceRuntimeConfig {
         {
             return Err(E::OutageHoldWithinUsageDelivery);
         }
-        if self.supervisor_interval.is_zero() {
-            return Err(E::SupervisorIntervalZero);
+        if self.supervisor_interval < TIMER_RESOLUTION {
+            return Err(E::SupervisorIntervalBelowTimerResolution);
         }
-        if self.account_linger.is_zero() {
-            return Err(E::AccountLingerZero);
+        if self.account_linger < TIMER_RESOLUTION {
+            return Err(E::AccountLingerBelowTimerResolution);
         }
-        if self.manager_restart_backoff.is_zero() {
-            return Err(E::ManagerRestartBackoffZero);
+        if self.manager_restart_backoff < TIMER_RESOLUTION {
+            return Err(E::ManagerRestartBackoffBelowTimerResolution);
         }
         let phases = self
             .usage

@@ -162,6 +162,7 @@ use tokio::task::{JoinError, JoinHandle};
 use tokio::time::{Instant, sleep_until, timeout_at};
 use tracing::Instrument as _;
 
+use super::TIMER_RESOLUTION;
 use super::after;
 use crate::admission::LeaseSlot;
 use crate::model::{
@@ -218,11 +219,13 @@ pub struct LeaseManagerConfig {
     /// which must be shorter than that window, and earlier still by up to a
     /// quarter of the rest of the window, spread by lease id (I28). (A
     /// grant the allocator cuts shorter is replaced one store call before
-    /// its window closes, whatever the poll.) Must be positive.
+    /// its window closes, whatever the poll.) At least one millisecond, the
+    /// timer's resolution.
     pub poll_interval: Duration,
     /// The longest any allocator call may take (I22), and the budget of one
     /// release pass over every parked lease. A call cut off by it is treated
-    /// as a storage error: it may have taken effect. Must be positive.
+    /// as a storage error: it may have taken effect. At least one
+    /// millisecond, the timer's resolution.
     pub store_call_timeout: Duration,
     /// How long a shutdown may spend returning leases, waiting for them to
     /// quiesce included. Must be positive.
@@ -244,10 +247,12 @@ pub enum LeaseManagerConfigError {
     ExpirySafetyMarginNegative,
     /// `expiry_safety_margin` is not shorter than `lease_ttl`.
     ExpirySafetyMarginNotBelowLeaseTtl,
-    /// `poll_interval` is zero.
-    PollIntervalZero,
-    /// `store_call_timeout` is zero.
-    StoreCallTimeoutZero,
+    /// `poll_interval` is shorter than the timer's resolution, one millisecond
+    /// (zero included).
+    PollIntervalBelowTimerResolution,
+    /// `store_call_timeout` is shorter than the timer's resolution, one millisecond
+    /// (zero included).
+    StoreCallTimeoutBelowTimerResolution,
     /// `poll_interval + store_call_timeout` is not shorter than a lease's
     /// usable window (`lease_ttl − expiry_safety_margin`): a lease is
     /// replaced that long before its window closes, so every lease would be
@@ -477,10 +482,13 @@ impl LeaseManagerConfig {
                 self.expiry_safety_margin < self.lease_ttl,
                 Broken::ExpirySafetyMarginNotBelowLeaseTtl,
             ),
-            (!self.poll_interval.is_zero(), Broken::PollIntervalZero),
             (
-                !self.store_call_timeout.is_zero(),
-                Broken::StoreCallTimeoutZero,
+                self.poll_interval >= TIMER_RESOLUTION,
+                Broken::PollIntervalBelowTimerResolution,
+            ),
+            (
+                self.store_call_timeout >= TIMER_RESOLUTION,
+                Broken::StoreCallTimeoutBelowTimerResolution,
             ),
             (
                 self.lease_ttl
@@ -514,8 +522,14 @@ impl fmt::Display for LeaseManagerConfigError {
             Self::ExpirySafetyMarginNotBelowLeaseTtl => {
                 "lease manager: expiry_safety_margin must be shorter than lease_ttl"
             }
-            Self::PollIntervalZero => "lease manager: poll_interval must be positive",
-            Self::StoreCallTimeoutZero => "lease manager: store_call_timeout must be positive",
+            Self::PollIntervalBelowTimerResolution => {
+                "lease manager: poll_interval must be at least one millisecond \
+                 (the timer's resolution)"
+            }
+            Self::StoreCallTimeoutBelowTimerResolution => {
+                "lease manager: store_call_timeout must be at least one millisecond \
+                 (the timer's resolution)"
+            }
             Self::ReplacementLeadNotBelowUsableWindow => {
                 "lease manager: poll_interval + store_call_timeout must be shorter than \
                  lease_ttl - expiry_safety_margin (a lease is replaced that long before \

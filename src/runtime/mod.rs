@@ -19,6 +19,14 @@ pub use usage_writer::{
     UsageWriter, UsageWriterConfig, UsageWriterConfigError, WriterHealth, WriterReport, WriterStats,
 };
 
+/// The shortest wait tokio's timer can tell apart from zero: it keeps time in
+/// whole milliseconds, so a sleep, an interval or a timeout shorter than this
+/// ends at the next millisecond, or, for an interval, fires back to back.
+/// Every interval, backoff and call timeout of the planes must be at least
+/// this long (I17): a configuration asking for less is refused rather than
+/// run at a rate it did not ask for.
+pub(crate) const TIMER_RESOLUTION: std::time::Duration = std::time::Duration::from_millis(1);
+
 /// Adds `by` to a shared count, saturating: a count that cannot grow says
 /// "at least this many" rather than wrapping to a small, false number.
 fn bump(counter: &std::sync::atomic::AtomicU64, by: u64) {

@@ -62,6 +62,7 @@ use tokio_util::task::AbortOnDropHandle;
 
 use super::bump;
 
+use super::TIMER_RESOLUTION;
 use crate::model::LeaseId;
 use crate::store::{Clock, LeaseAllocator, ReclaimBatch};
 
@@ -72,7 +73,8 @@ use crate::store::{Clock, LeaseAllocator, ReclaimBatch};
 /// checks them before the task starts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ReclaimerConfig {
-    /// The time between the starts of two passes. Must be positive.
+    /// The time between the starts of two passes. At least one millisecond,
+    /// the timer's resolution.
     ///
     /// The reclaimer learns of a store outage only through its own calls,
     /// so this must be shorter than the allocator's reclaim grace plus the
@@ -89,14 +91,15 @@ pub struct ReclaimerConfig {
     /// batch settled up to this, so a batch too long to settle within
     /// `store_call_timeout` does not stall reclaim for good.
     pub batch_limit: usize,
-    /// The bound on every reclaim call (I22). Must be positive.
+    /// The bound on every reclaim call (I22). At least one millisecond, the
+    /// timer's resolution.
     pub store_call_timeout: Duration,
     /// How long after a failed, cut-off or panicked call the store must
     /// answer again before anything is settled (see the module docs).
     /// Longer than the usage writers take to deliver what queued up during
     /// an outage: an [`InstanceRuntime`](crate::runtime::InstanceRuntime)
     /// refuses one no longer than its writer's delivery time for one batch.
-    /// Must be positive.
+    /// At least one millisecond, the timer's resolution.
     pub outage_hold: Duration,
 }
 
@@ -104,14 +107,17 @@ pub struct ReclaimerConfig {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum ReclaimerConfigError {
-    /// `interval` is zero.
-    IntervalZero,
+    /// `interval` is shorter than the timer's resolution, one millisecond
+    /// (zero included).
+    IntervalBelowTimerResolution,
     /// `batch_limit` is zero.
     BatchLimitZero,
-    /// `store_call_timeout` is zero.
-    StoreCallTimeoutZero,
-    /// `outage_hold` is zero.
-    OutageHoldZero,
+    /// `store_call_timeout` is shorter than the timer's resolution, one millisecond
+    /// (zero included).
+    StoreCallTimeoutBelowTimerResolution,
+    /// `outage_hold` is shorter than the timer's resolution, one millisecond
+    /// (zero included).
+    OutageHoldBelowTimerResolution,
 }
 
 impl ReclaimerConfig {
@@ -123,13 +129,19 @@ impl ReclaimerConfig {
     pub fn validate(&self) -> Result<(), ReclaimerConfigError> {
         use ReclaimerConfigError as Broken;
         let rules = [
-            (!self.interval.is_zero(), Broken::IntervalZero),
+            (
+                self.interval >= TIMER_RESOLUTION,
+                Broken::IntervalBelowTimerResolution,
+            ),
             (self.batch_limit > 0, Broken::BatchLimitZero),
             (
-                !self.store_call_timeout.is_zero(),
-                Broken::StoreCallTimeoutZero,
+                self.store_call_timeout >= TIMER_RESOLUTION,
+                Broken::StoreCallTimeoutBelowTimerResolution,
             ),
-            (!self.outage_hold.is_zero(), Broken::OutageHoldZero),
+            (
+                self.outage_hold >= TIMER_RESOLUTION,
+                Broken::OutageHoldBelowTimerResolution,
+            ),
         ];
         rules
             .into_iter()
@@ -141,10 +153,19 @@ impl ReclaimerConfig {
 impl fmt::Display for ReclaimerConfigError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
-            Self::IntervalZero => "reclaimer: interval must be positive",
+            Self::IntervalBelowTimerResolution => {
+                "reclaimer: interval must be at least one millisecond \
+                 (the timer's resolution)"
+            }
             Self::BatchLimitZero => "reclaimer: batch_limit must be positive",
-            Self::StoreCallTimeoutZero => "reclaimer: store_call_timeout must be positive",
-            Self::OutageHoldZero => "reclaimer: outage_hold must be positive",
+            Self::StoreCallTimeoutBelowTimerResolution => {
+                "reclaimer: store_call_timeout must be at least one millisecond \
+                 (the timer's resolution)"
+            }
+            Self::OutageHoldBelowTimerResolution => {
+                "reclaimer: outage_hold must be at least one millisecond \
+                 (the timer's resolution)"
+            }
         })
     }
 }

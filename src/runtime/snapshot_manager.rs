@@ -100,6 +100,7 @@ use tokio::task::JoinHandle;
 use tokio::time::error::Elapsed;
 use tokio::time::{Instant, sleep_until, timeout};
 
+use super::TIMER_RESOLUTION;
 use super::{after, bump};
 use crate::admission::ArcSwapSnapshotMap;
 use crate::model::{
@@ -143,10 +144,12 @@ pub struct SnapshotManagerConfig {
     pub principals: PrincipalSelection,
     /// The time from the start of one successful refresh to the start of the
     /// next: the longest a change in the source takes to reach admission
-    /// while the source is healthy. Must be positive.
+    /// while the source is healthy. At least one millisecond, the timer's
+    /// resolution.
     pub refresh_interval: Duration,
     /// The pause after a failed or timed-out call before the next attempt.
-    /// Must be positive; it may be longer than `refresh_interval`.
+    /// At least one millisecond, the timer's resolution; it may be longer
+    /// than `refresh_interval`.
     ///
     /// Snapshots age through the pause: for one failed refresh not to
     /// deny requests (`SnapshotStale`, readiness down), `max_staleness`
@@ -156,9 +159,11 @@ pub struct SnapshotManagerConfig {
     /// yet loaded between them. Not enforced, since a deployment may rather
     /// deny than retry sooner.
     pub retry_backoff: Duration,
-    /// The bound on every `fetch` call (I22). Must be positive.
+    /// The bound on every `fetch` call (I22). At least one millisecond, the
+    /// timer's resolution.
     pub fetch_timeout: Duration,
-    /// The bound on every `changed_since` call (I22). Must be positive.
+    /// The bound on every `changed_since` call (I22). At least one
+    /// millisecond, the timer's resolution.
     pub enumeration_timeout: Duration,
     /// How long after the last successful refresh readiness stays true.
     /// Must exceed `refresh_interval` plus the timeout of a refresh's call,
@@ -178,14 +183,18 @@ pub enum SnapshotManagerConfigError {
     FixedPrincipalsEmpty,
     /// `principals` is `All` with a `page_size` of zero.
     PageSizeZero,
-    /// `refresh_interval` is zero.
-    RefreshIntervalZero,
-    /// `retry_backoff` is zero.
-    RetryBackoffZero,
-    /// `fetch_timeout` is zero.
-    FetchTimeoutZero,
-    /// `enumeration_timeout` is zero.
-    EnumerationTimeoutZero,
+    /// `refresh_interval` is shorter than the timer's resolution, one millisecond
+    /// (zero included).
+    RefreshIntervalBelowTimerResolution,
+    /// `retry_backoff` is shorter than the timer's resolution, one millisecond
+    /// (zero included).
+    RetryBackoffBelowTimerResolution,
+    /// `fetch_timeout` is shorter than the timer's resolution, one millisecond
+    /// (zero included).
+    FetchTimeoutBelowTimerResolution,
+    /// `enumeration_timeout` is shorter than the timer's resolution, one millisecond
+    /// (zero included).
+    EnumerationTimeoutBelowTimerResolution,
     /// `max_staleness` is not longer than `refresh_interval`.
     MaxStalenessNotAboveRefreshInterval,
     /// `max_staleness` is not longer than `refresh_interval` plus the
@@ -230,14 +239,20 @@ impl SnapshotManagerConfig {
             (listed, Broken::FixedPrincipalsEmpty),
             (paged, Broken::PageSizeZero),
             (
-                !self.refresh_interval.is_zero(),
-                Broken::RefreshIntervalZero,
+                self.refresh_interval >= TIMER_RESOLUTION,
+                Broken::RefreshIntervalBelowTimerResolution,
             ),
-            (!self.retry_backoff.is_zero(), Broken::RetryBackoffZero),
-            (!self.fetch_timeout.is_zero(), Broken::FetchTimeoutZero),
             (
-                !self.enumeration_timeout.is_zero(),
-                Broken::EnumerationTimeoutZero,
+                self.retry_backoff >= TIMER_RESOLUTION,
+                Broken::RetryBackoffBelowTimerResolution,
+            ),
+            (
+                self.fetch_timeout >= TIMER_RESOLUTION,
+                Broken::FetchTimeoutBelowTimerResolution,
+            ),
+            (
+                self.enumeration_timeout >= TIMER_RESOLUTION,
+                Broken::EnumerationTimeoutBelowTimerResolution,
             ),
             (
                 staleness_covers_a_refresh,
@@ -262,11 +277,21 @@ impl fmt::Display for SnapshotManagerConfigError {
                 "snapshot manager: a fixed principal list must not be empty"
             }
             Self::PageSizeZero => "snapshot manager: page_size must be positive",
-            Self::RefreshIntervalZero => "snapshot manager: refresh_interval must be positive",
-            Self::RetryBackoffZero => "snapshot manager: retry_backoff must be positive",
-            Self::FetchTimeoutZero => "snapshot manager: fetch_timeout must be positive",
-            Self::EnumerationTimeoutZero => {
-                "snapshot manager: enumeration_timeout must be positive"
+            Self::RefreshIntervalBelowTimerResolution => {
+                "snapshot manager: refresh_interval must be at least one millisecond \
+                 (the timer's resolution)"
+            }
+            Self::RetryBackoffBelowTimerResolution => {
+                "snapshot manager: retry_backoff must be at least one millisecond \
+                 (the timer's resolution)"
+            }
+            Self::FetchTimeoutBelowTimerResolution => {
+                "snapshot manager: fetch_timeout must be at least one millisecond \
+                 (the timer's resolution)"
+            }
+            Self::EnumerationTimeoutBelowTimerResolution => {
+                "snapshot manager: enumeration_timeout must be at least one millisecond \
+                 (the timer's resolution)"
             }
             Self::MaxStalenessNotAboveRefreshInterval => {
                 "snapshot manager: max_staleness must exceed refresh_interval"

@@ -51,6 +51,7 @@ use tokio::task::{JoinError, JoinHandle};
 use tokio::time::error::Elapsed;
 use tokio::time::{Instant, sleep, sleep_until, timeout};
 
+use super::TIMER_RESOLUTION;
 use super::{after, bump};
 use crate::admission::{UsageQueue, UsageRecorder};
 use crate::model::{LocalSharding, UsageEvent};
@@ -84,13 +85,14 @@ pub struct UsageWriterConfig {
     /// stripe that wakes the writer before the flush interval (as does a
     /// full stripe). Must be positive and at most `queue_capacity`.
     pub max_batch: usize,
-    /// The longest an idle writer lets a partial batch wait. Must be
-    /// positive.
+    /// The longest an idle writer lets a partial batch wait. At least one
+    /// millisecond, the timer's resolution.
     pub flush_interval: Duration,
     /// The pause after a failed ingest before the same batch is delivered
-    /// again. Must be positive.
+    /// again. At least one millisecond, the timer's resolution.
     pub retry_backoff: Duration,
-    /// The bound on every ingest call (I22). Must be positive.
+    /// The bound on every ingest call (I22). At least one millisecond, the
+    /// timer's resolution.
     pub ingest_timeout: Duration,
     /// How long a shutdown may spend draining the queue. Must be positive.
     pub shutdown_drain_deadline: Duration,
@@ -108,12 +110,15 @@ pub enum UsageWriterConfigError {
     MaxBatchZero,
     /// `max_batch` is larger than `queue_capacity`.
     MaxBatchAboveQueueCapacity,
-    /// `flush_interval` is zero.
-    FlushIntervalZero,
-    /// `retry_backoff` is zero.
-    RetryBackoffZero,
-    /// `ingest_timeout` is zero.
-    IngestTimeoutZero,
+    /// `flush_interval` is shorter than the timer's resolution, one millisecond
+    /// (zero included).
+    FlushIntervalBelowTimerResolution,
+    /// `retry_backoff` is shorter than the timer's resolution, one millisecond
+    /// (zero included).
+    RetryBackoffBelowTimerResolution,
+    /// `ingest_timeout` is shorter than the timer's resolution, one millisecond
+    /// (zero included).
+    IngestTimeoutBelowTimerResolution,
     /// `shutdown_drain_deadline` is zero.
     ShutdownDrainDeadlineZero,
 }
@@ -240,9 +245,18 @@ impl UsageWriterConfig {
                 self.max_batch <= self.queue_capacity,
                 Broken::MaxBatchAboveQueueCapacity,
             ),
-            (!self.flush_interval.is_zero(), Broken::FlushIntervalZero),
-            (!self.retry_backoff.is_zero(), Broken::RetryBackoffZero),
-            (!self.ingest_timeout.is_zero(), Broken::IngestTimeoutZero),
+            (
+                self.flush_interval >= TIMER_RESOLUTION,
+                Broken::FlushIntervalBelowTimerResolution,
+            ),
+            (
+                self.retry_backoff >= TIMER_RESOLUTION,
+                Broken::RetryBackoffBelowTimerResolution,
+            ),
+            (
+                self.ingest_timeout >= TIMER_RESOLUTION,
+                Broken::IngestTimeoutBelowTimerResolution,
+            ),
             (
                 !self.shutdown_drain_deadline.is_zero(),
                 Broken::ShutdownDrainDeadlineZero,
@@ -270,9 +284,18 @@ impl fmt::Display for UsageWriterConfigError {
             Self::MaxBatchAboveQueueCapacity => {
                 "usage writer: max_batch must not exceed queue_capacity"
             }
-            Self::FlushIntervalZero => "usage writer: flush_interval must be positive",
-            Self::RetryBackoffZero => "usage writer: retry_backoff must be positive",
-            Self::IngestTimeoutZero => "usage writer: ingest_timeout must be positive",
+            Self::FlushIntervalBelowTimerResolution => {
+                "usage writer: flush_interval must be at least one millisecond \
+                 (the timer's resolution)"
+            }
+            Self::RetryBackoffBelowTimerResolution => {
+                "usage writer: retry_backoff must be at least one millisecond \
+                 (the timer's resolution)"
+            }
+            Self::IngestTimeoutBelowTimerResolution => {
+                "usage writer: ingest_timeout must be at least one millisecond \
+                 (the timer's resolution)"
+            }
             Self::ShutdownDrainDeadlineZero => {
                 "usage writer: shutdown_drain_deadline must be positive"
             }

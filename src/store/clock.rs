@@ -90,7 +90,7 @@ impl CoarseClock {
         if tick.is_zero() {
             return Err(CoarseClockError::TickZero);
         }
-        if tick < Duration::from_millis(1) {
+        if tick < crate::runtime::TIMER_RESOLUTION {
             return Err(CoarseClockError::TickBelowTimerResolution);
         }
         let nanos = Arc::new(AtomicI64::new(system_nanos()));
