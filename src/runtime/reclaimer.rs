@@ -538,12 +538,17 @@ impl Task {
     /// exposure of the ledger being settled, reported, never silent.
     fn report_reclaimed(&self, batch: &ReclaimBatch) {
         for lease in &batch.reclaimed {
-            tracing::info!(
+            // The crash exposure is reported here, as the most it can be:
+            // the store cannot tell the units the holder never spent from
+            // those of charges it committed and never delivered, so both are
+            // credited back, and the latter go unbilled.
+            tracing::warn!(
                 lease_id = %lease.lease_id,
                 account_id = %lease.account_id,
                 units = lease.credited.get(),
                 "reclaimer: settled an expired lease its holder never released; \
-                 its remainder is credited back"
+                 its remainder is credited back, including the units of any charge \
+                 the holder committed but never delivered, which go unbilled"
             );
             bump(&self.counters.reclaimed_leases, 1);
             bump(&self.counters.reclaimed_units, lease.credited.get());
