@@ -195,6 +195,8 @@ async fn readiness_follows_the_runtime_from_start_through_shutdown() {
     assert_eq!(report["faulted"], false);
     assert_eq!(report["writer"]["health"], "healthy");
     assert_eq!(report["accounts"], 1);
+    assert_eq!(report["unserved_accounts"], 0);
+    assert_eq!(report["first_unserved"], serde_json::json!([]));
     assert_eq!(report["manager_restarts"], 0);
     let last_success: Timestamp = report["snapshots"]["last_success"]
         .as_str()

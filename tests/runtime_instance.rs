@@ -1404,6 +1404,12 @@ async fn a_lease_manager_that_dies_is_restarted_after_the_backoff() {
         "the first manager died"
     );
     assert!(!handle.readiness(), "not ready while a plane is dead");
+    let report = handle.report();
+    assert_eq!(
+        (report.unserved_count, report.unserved_accounts),
+        (1, vec![w.account]),
+        "the report names the account that keeps it unready"
+    );
     // 250 ms: a pass past the one a restart without the backoff would take.
     tokio::time::sleep(ms(100)).await;
     assert_eq!(
@@ -1418,6 +1424,8 @@ async fn a_lease_manager_that_dies_is_restarted_after_the_backoff() {
     tokio::time::sleep(ms(100)).await;
     assert_eq!(w.begin(&handle, 1), Ok(CostUnits(1)));
     assert_eq!(handle.report().manager_restarts, 1);
+    assert_eq!(handle.report().unserved_count, 0);
+    assert!(handle.report().unserved_accounts.is_empty());
     // It died before it was granted anything, so nothing is left to reclaim,
     // but it died inside a grant call, whose outcome is unknown.
     assert_eq!(handle.report().unrecovered_grants, 0);

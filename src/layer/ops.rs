@@ -38,12 +38,15 @@ const PROMETHEUS_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8"
 ///   {"ready":true,"admitting":true,"faulted":false,
 ///    "writer":{"health":"healthy"},
 ///    "snapshots":{"last_success":"2023-11-14T22:13:20Z"},
-///    "accounts":1,"manager_restarts":0}
+///    "accounts":1,"unserved_accounts":0,"first_unserved":[],
+///    "manager_restarts":0}
 ///   ```
 ///
 ///   `writer.health` is `healthy`, `stopped`, or `retrying` with `since`
 ///   and `attempts`; `snapshots.last_success` is `null` until a refresh
-///   completes.
+///   completes; `unserved_accounts` counts the accounts that keep the
+///   instance unready for want of a lease, and `first_unserved` names the
+///   first five of them by id.
 /// - `GET /metrics`: publishes the current report through the [`metrics`]
 ///   facade ([`publish_metrics`]) and answers with `render()`, as
 ///   `text/plain; version=0.0.4`.
@@ -214,9 +217,16 @@ fn readiness_json(report: &RuntimeReport) -> String {
     json_timestamp(&mut out, report.snapshots.last_success);
     let _ = write!(
         out,
-        "}},\"accounts\":{},\"manager_restarts\":{}}}",
-        report.accounts, report.manager_restarts
+        "}},\"accounts\":{},\"unserved_accounts\":{},\"first_unserved\":[",
+        report.accounts, report.unserved_count
     );
+    for (index, account) in report.unserved_accounts.iter().enumerate() {
+        if index > 0 {
+            out.push(',');
+        }
+        json_string(&mut out, &account.to_string());
+    }
+    let _ = write!(out, "],\"manager_restarts\":{}}}", report.manager_restarts);
     out
 }
 
@@ -361,7 +371,45 @@ fn seconds_since_epoch(at: Timestamp) -> f64 {
 
 #[cfg(test)]
 mod tests {
-    use super::json_string;
+    use super::{json_string, readiness_json};
+    use crate::AccountId;
+    use crate::admission::AdmissionStats;
+    use crate::runtime::{RuntimeReport, WriterHealth};
+
+    #[test]
+    fn an_unready_report_names_the_accounts_that_keep_it_so() {
+        let report = RuntimeReport {
+            ready: false,
+            admitting: true,
+            faulted: false,
+            admission: AdmissionStats {
+                admitted: 0,
+                admitted_overage: 0,
+                released: 0,
+                lease_waits: 0,
+                denied: [0; crate::DenyReason::ALL.len()],
+            },
+            writer: crate::runtime::WriterStats::default(),
+            writer_health: WriterHealth::Healthy,
+            snapshots: crate::runtime::SnapshotStats::default(),
+            leases: None,
+            reclaimer: None,
+            accounts: 9,
+            manager_restarts: 0,
+            unrecovered_grants: 0,
+            hottest_accounts: Vec::new(),
+            unserved_count: 7,
+            unserved_accounts: vec![AccountId(2), AccountId(40)],
+            usage_places_reserved: 0,
+        };
+        let json = readiness_json(&report);
+        assert!(
+            json.contains(
+                "\"accounts\":9,\"unserved_accounts\":7,\"first_unserved\":[\"acct_2\",\"acct_40\"],\"manager_restarts\":0}"
+            ),
+            "{json}"
+        );
+    }
 
     #[test]
     fn json_strings_escape_quotes_backslashes_and_control_characters() {

@@ -476,6 +476,14 @@ pub struct RuntimeReport {
     pub unrecovered_grants: u64,
     /// The accounts whose debits contend most, hottest first (at most five).
     pub hottest_accounts: Vec<(AccountId, u64)>,
+    /// How many accounts keep the instance unready: a usable principal is
+    /// bound to each, and neither a lease that serves it nor the
+    /// allocator's word that it has nothing left answers for it (see
+    /// [`RuntimeHandle::readiness`]).
+    pub unserved_count: usize,
+    /// The first of those accounts by id (at most five), so a `/readyz`
+    /// that says no also says where to look.
+    pub unserved_accounts: Vec<AccountId>,
     /// Usage-queue places held by requests admitted and not yet committed
     /// or released: those waiting for their handler to start (queued for a
     /// concurrency limit, or for a deferred commit point). They share the
@@ -1031,7 +1039,18 @@ impl RuntimeHandle {
         // Only accounts a usable principal is bound to: one kept for its
         // linger (its keys revoked, its account suspended) serves nobody,
         // and its lease may be refused for good.
-        let accounts_ready = bound.usable_accounts().all(|account| answers_for(&account));
+        let mut unserved_count = 0;
+        let mut unserved_accounts = Vec::new();
+        for account in bound
+            .usable_accounts()
+            .filter(|account| !answers_for(account))
+        {
+            unserved_count += 1;
+            if unserved_accounts.len() < UNSERVED_REPORTED {
+                unserved_accounts.push(account);
+            }
+        }
+        let accounts_ready = unserved_count == 0;
         // Every place holding an event the writer cannot deliver, its sink
         // failing: each admission is denied (503) until the sink answers.
         // Places merely reserved by requests in flight come back as they
@@ -1077,6 +1096,8 @@ impl RuntimeHandle {
             manager_restarts: shared.restarts.load(Ordering::Relaxed),
             unrecovered_grants: shared.unrecovered.load(Ordering::Relaxed),
             hottest_accounts: hottest,
+            unserved_count,
+            unserved_accounts,
             usage_places_reserved: places_reserved(shared.engine.recorder()),
         }
     }
@@ -1323,6 +1344,9 @@ impl Shared {
 
 /// How many accounts a report ranks by contention.
 const HOTTEST_REPORTED: usize = 5;
+
+/// How many unserved accounts a [`RuntimeReport`] names.
+const UNSERVED_REPORTED: usize = 5;
 
 /// The places permits hold (I20: free places, permits and undelivered
 /// events add up to the capacity), read from the queue itself: a writer
