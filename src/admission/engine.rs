@@ -12,7 +12,7 @@ use crate::model::{
     AccountId, AccountOverage, AccountStatus, BalanceShortfall, CachePadded, CommitError,
     CommitFunding, CostUnits, DenyReason, KeyHash, KeyId, KeyStatus, LeaseId, LocalLease,
     LocalSharding, Locality, PermissionBits, PolicyRevision, Principal, PrincipalSnapshot,
-    RequestId, Reservation, Retry,
+    RequestId, Reservation, Retry, ViewMiss,
 };
 
 /// Admits requests: policy, permissions, funding and a usage place, with no
@@ -298,15 +298,26 @@ fn fund(
     now: Timestamp,
     locality: Locality,
 ) -> Result<Reservation, DenyReason> {
-    let leased = slot.with_lease(|lease| match lease {
-        Some(lease) => Reservation::reserve_unrecorded(lease, quote, now, locality)
-            .map_err(|refusal| refused(slot, lease, refusal, quote, now)),
-        None => Err(Refusal {
-            reason: DenyReason::LeaseUnavailable,
-            held: CostUnits::ZERO,
-            serving: None,
-            evidence: Evidence::Unread,
-        }),
+    // First through the thread's cached view of the lease, which skips
+    // the slot's guard; a lease out of the slot refuses it (I26).
+    let miss = match slot.debit_cached(quote, now) {
+        Ok(debit) => return Ok(Reservation::leased(debit, quote)),
+        Err(miss) => miss,
+    };
+    let leased = slot.with_lease(|lease| {
+        if miss == ViewMiss::Stale {
+            slot.recache(lease, locality);
+        }
+        match lease {
+            Some(lease) => Reservation::reserve_unrecorded(lease, quote, now, locality)
+                .map_err(|refusal| refused(slot, lease, refusal, quote, now)),
+            None => Err(Refusal {
+                reason: DenyReason::LeaseUnavailable,
+                held: CostUnits::ZERO,
+                serving: None,
+                evidence: Evidence::Unread,
+            }),
+        }
     });
     let refusal = match leased {
         Ok(reservation) => return Ok(reservation),
@@ -1672,6 +1683,38 @@ mod tests {
         );
         // The delivered event still holds its place until the writer frees it.
         assert_eq!(f.recorder.available(), 3);
+    }
+
+    /// I26: requests on a thread that cached a view of the serving lease
+    /// (every request after its thread's first) debit it without the
+    /// slot's guard, yet never a lease taken out of the slot: the lease
+    /// manager finds it quiescent with its count final, and once it is put
+    /// back the requests debit it again.
+    #[test]
+    fn a_lease_out_of_its_slot_funds_no_request_that_cached_it() {
+        let f = fixture(8);
+        f.map.publish([snapshot(EnforcementMode::Strict, READ)]);
+        let lease = f.lease(10);
+        for _ in 0..3 {
+            assert_eq!(f.begin(1, 0).unwrap().commit(at(0)), Ok(CostUnits(1)));
+        }
+        assert_eq!(lease.remaining(), CostUnits(7));
+        drop(lease);
+        // The writer takes the events, and with them their holds on the
+        // lease.
+        let mut events = Vec::new();
+        assert_eq!(f.recorder.take_recorded(&mut events, usize::MAX), 3);
+        let (taken, counted) = f.slot().take_counted().expect("serving");
+        denied(f.begin(1, 0), DenyReason::LeaseUnavailable);
+        assert_eq!(Arc::strong_count(&taken), 1);
+        assert!(taken.is_only_local_view(), "quiescent");
+        assert_eq!(taken.remaining(), CostUnits(7), "final");
+        assert!(f.slot().reinstate(taken, counted).is_none());
+        let mut context = f.begin(2, 0).expect("put back");
+        assert_eq!(context.commit(at(0)), Ok(CostUnits(2)));
+        drop(context);
+        let serving = f.slot().load_observed().expect("serving");
+        assert_eq!(serving.remaining(), CostUnits(5));
     }
 
     /// A source that rotates a principal's key (or withdraws it) takes the

@@ -1,5 +1,6 @@
 //! One account's lease slot, and the registry of slots.
 
+use std::cell::RefCell;
 use std::collections::HashMap;
 use std::fmt;
 use std::sync::Arc;
@@ -11,8 +12,57 @@ use rustc_hash::FxBuildHasher;
 use tokio::sync::{Notify, watch};
 
 use crate::model::{
-    AccountId, AccountOverage, BalanceShortfall, LeaseId, LocalLease, LocalSharding, RefillSignal,
+    AccountId, AccountOverage, BalanceShortfall, CostUnits, LeaseDebit, LeaseId, LocalLease,
+    LocalSharding, Locality, RefillSignal, ShardView, ViewMiss,
 };
+
+/// Entries in each thread's cache of shard views: a power of two. Slot
+/// ids are handed out in order, so up to this many slots a thread serves
+/// in turn never share an entry (`benches/admission.rs` round-robins 256).
+const VIEW_CACHE: usize = 256;
+
+/// Misses of another slot's live view an entry takes before it is handed
+/// over: slots sharing an entry in turn would otherwise each pay a
+/// downgrade (two read-modify-writes, with the old view's drop) at every
+/// request.
+const EVICT_AFTER: u8 = 4;
+
+/// Slot ids start at 1: 0 marks an empty cache entry.
+static NEXT_SLOT_ID: AtomicU64 = AtomicU64::new(1);
+
+/// One entry of a thread's view cache.
+struct CachedView {
+    /// The slot the view was taken for; 0 for none.
+    slot: u64,
+    view: Option<ShardView>,
+    /// Misses by other slots since the view was cached.
+    conflicts: u8,
+}
+
+thread_local! {
+    /// Per thread, direct-mapped by slot id: a weak view of this thread's
+    /// first shard of the lease the slot served when the view was taken
+    /// (see [`LeaseSlot::debit_cached`]).
+    static VIEWS: RefCell<[CachedView; VIEW_CACHE]> = const {
+        RefCell::new(
+            [const {
+                CachedView {
+                    slot: 0,
+                    view: None,
+                    conflicts: 0,
+                }
+            }; VIEW_CACHE],
+        )
+    };
+}
+
+/// The cache entry of slot `id`.
+#[inline]
+fn entry_of(id: u64) -> usize {
+    #[allow(clippy::cast_possible_truncation, reason = "masked to the cache size")]
+    let low = id as usize;
+    low & (VIEW_CACHE - 1)
+}
 
 /// The one place per account that holds the lease currently serving
 /// requests, with the account's overage counter and what the instance knows
@@ -20,6 +70,9 @@ use crate::model::{
 ///
 /// Requests read it without locking; the lease manager is its only writer.
 pub struct LeaseSlot {
+    /// Process-unique, never reused (unlike the slot's address): keys the
+    /// per-thread view caches.
+    id: u64,
     account: AccountId,
     lease: ArcSwapOption<LocalLease>,
     overage: Arc<AccountOverage>,
@@ -69,6 +122,7 @@ impl LeaseSlot {
     #[must_use]
     pub fn new(account: AccountId, sharding: LocalSharding) -> Self {
         Self {
+            id: NEXT_SLOT_ID.fetch_add(1, Ordering::Relaxed),
             account,
             lease: ArcSwapOption::empty(),
             overage: Arc::new(AccountOverage::new(account)),
@@ -170,6 +224,93 @@ impl LeaseSlot {
         f(guard.as_deref())
     }
 
+    /// Debits `units` from the serving lease through the calling thread's
+    /// cached view of its first shard, without the arc-swap guard of
+    /// [`with_lease`](Self::with_lease): the request path's first try,
+    /// which saves the guard's two locked instructions.
+    ///
+    /// A view of a lease that left the slot is refused by the retired mark
+    /// [`take_counted`](Self::take_counted) and [`replace`](Self::replace)
+    /// set, so a debit through it cannot land in a lease the lease manager
+    /// found quiescent (I26; see [`ShardView`] for why). Returns
+    /// [`ViewMiss::Stale`] when the thread holds no live view for this
+    /// slot (then [`recache`](Self::recache) after reading the slot), and
+    /// [`ViewMiss::Declined`] when the lease must answer itself (short
+    /// home shard, closed window): either way the caller goes through
+    /// [`with_lease`](Self::with_lease).
+    #[inline]
+    pub(crate) fn debit_cached(
+        &self,
+        units: CostUnits,
+        now: Timestamp,
+    ) -> Result<LeaseDebit, ViewMiss> {
+        let id = self.id;
+        VIEWS
+            .try_with(|views| {
+                // Nothing reached from a debit admits again, so the cache is
+                // never borrowed twice; if it were, the slot answers.
+                let views = views.try_borrow().map_err(|_| ViewMiss::Declined)?;
+                let entry = &views[entry_of(id)];
+                match &entry.view {
+                    Some(view) if entry.slot == id => view.debit(units, now),
+                    _ => Err(ViewMiss::Stale),
+                }
+            })
+            // The thread's cache is gone (a thread-local destructor admits).
+            .unwrap_or(Err(ViewMiss::Declined))
+    }
+
+    /// Caches, for the calling thread, a view of `serving` (the lease a
+    /// request read in the slot after [`debit_cached`](Self::debit_cached)
+    /// found no live view), or forgets this slot's view when the slot is
+    /// empty, so that a view of a lease out of the slot is tried once per
+    /// thread, not at every request: each try takes a strong count the
+    /// lease manager may find while testing the lease for quiescence. Off
+    /// the fast path; allocates nothing (I5).
+    #[cold]
+    pub(crate) fn recache(&self, serving: Option<&LocalLease>, locality: Locality) {
+        let id = self.id;
+        let _ = VIEWS.try_with(|views| {
+            let Ok(mut views) = views.try_borrow_mut() else {
+                return;
+            };
+            let entry = &mut views[entry_of(id)];
+            let Some(serving) = serving else {
+                if entry.slot == id {
+                    *entry = CachedView {
+                        slot: 0,
+                        view: None,
+                        conflicts: 0,
+                    };
+                }
+                return;
+            };
+            if entry.slot == id {
+                if entry
+                    .view
+                    .as_ref()
+                    .is_some_and(|view| view.is_of(serving, locality))
+                {
+                    return;
+                }
+            } else if entry.view.as_ref().is_some_and(ShardView::is_live) {
+                // Another slot's view of a live lease: handed over only
+                // after a few misses (see `EVICT_AFTER`).
+                entry.conflicts = entry.conflicts.saturating_add(1);
+                if entry.conflicts < EVICT_AFTER {
+                    return;
+                }
+            }
+            // The only read-modify-writes here: the downgrade, and the
+            // drop of the view it replaces.
+            *entry = CachedView {
+                slot: id,
+                view: Some(serving.view_at(locality)),
+                conflicts: 0,
+            };
+        });
+    }
+
     /// The serving lease, as an owned reference: the lease manager's read.
     /// Holding it makes the lease look busy, so drop it before testing
     /// quiescence.
@@ -200,8 +341,17 @@ impl LeaseSlot {
             self.account,
             "a slot serves one account"
         );
+        // Live before it is installed: a view of it (it may be coming
+        // back, see `reinstate`) debits again once a request can read it.
+        lease.unretire();
+        let installed = Arc::as_ptr(&lease);
         let previous = self.lease.swap(Some(lease));
-        self.retire(previous.as_deref());
+        // A lease put in again in its own place stays live.
+        self.retire(
+            previous
+                .as_deref()
+                .filter(|previous| !std::ptr::eq(*previous, installed)),
+        );
         self.changes.notify_waiters();
         previous
     }
@@ -362,11 +512,15 @@ impl LeaseSlot {
             .saturating_add(serving)
     }
 
-    /// Counts `lease`'s lost debit races as retired; returns how many.
+    /// Retires `lease`, just taken out of the slot: marks it so that views
+    /// of it cached by request threads debit it no more (I26), before the
+    /// lease manager can test it for quiescence; and counts its lost debit
+    /// races as retired, returning how many.
     fn retire(&self, lease: Option<&LocalLease>) -> u64 {
         let Some(lease) = lease else {
             return 0;
         };
+        lease.retire();
         let counted = lease.contended_debits();
         self.retired_contention
             .fetch_add(counted, Ordering::Relaxed);
@@ -765,5 +919,138 @@ mod tests {
             assert!(slots.iter().all(|slot| Arc::ptr_eq(slot, &slots[0])));
             assert_eq!(*registry.subscribe().borrow(), 1, "announced once");
         }
+    }
+
+    /// The lease manager's quiescence test (`is_quiescent` in
+    /// `runtime/lease_manager.rs`), for a lease the caller took out.
+    fn quiescent(lease: &Arc<LocalLease>) -> bool {
+        Arc::strong_count(lease) == 1 && lease.is_only_local_view()
+    }
+
+    /// What a request does: the cached view first, and on a stale one the
+    /// slot, caching what it serves. Returns the lease debited, if any.
+    fn debit_one(slot: &LeaseSlot) -> Option<LeaseId> {
+        let here = Locality::new(0);
+        match slot.debit_cached(CostUnits(1), at(0)) {
+            Ok(debit) => return Some(debit.grant().lease_id),
+            Err(ViewMiss::Stale) => {}
+            Err(ViewMiss::Declined) => panic!("the test leases are large and open"),
+        }
+        slot.with_lease(|serving| {
+            slot.recache(serving, here);
+            serving.map(|lease| {
+                lease
+                    .try_reserve_at(CostUnits(1), at(0), here)
+                    .unwrap()
+                    .grant()
+                    .lease_id
+            })
+        })
+    }
+
+    /// Whether the calling thread holds a view for `slot`.
+    fn cached(slot: &LeaseSlot) -> bool {
+        VIEWS.with(|views| views.borrow()[entry_of(slot.id)].slot == slot.id)
+    }
+
+    /// I26: a thread's cached view debits the lease its slot serves, and
+    /// never one taken out of it: taken out to be folded, replaced, or
+    /// with the slot emptied, the lease refuses the view, is quiescent
+    /// once its debits are dropped, and keeps its count; put back, it
+    /// debits through the view again.
+    #[test]
+    fn a_cached_view_debits_the_serving_lease_and_never_one_taken_out() {
+        let slot = LeaseSlot::new(ACCOUNT, LocalSharding::Single);
+        assert_eq!(
+            slot.debit_cached(CostUnits(1), at(0)).unwrap_err(),
+            ViewMiss::Stale,
+            "nothing cached yet"
+        );
+        slot.replace(lease(1));
+        assert_eq!(debit_one(&slot), Some(LeaseId(1)), "through the slot");
+        assert!(cached(&slot));
+        let debit = slot.debit_cached(CostUnits(1), at(0)).expect("cached");
+        assert_eq!(debit.grant().lease_id, LeaseId(1));
+        drop(debit);
+
+        let (taken, counted) = slot.take_counted().expect("serving");
+        let held = taken.remaining();
+        assert_eq!(
+            slot.debit_cached(CostUnits(1), at(0)).unwrap_err(),
+            ViewMiss::Stale
+        );
+        assert!(quiescent(&taken), "a cached view keeps no lease busy");
+        assert_eq!(taken.remaining(), held);
+        assert!(slot.reinstate(taken, counted).is_none());
+        slot.debit_cached(CostUnits(1), at(0))
+            .expect("put back, live again");
+
+        let old = slot.replace(lease(2)).expect("the first lease");
+        assert_eq!(
+            slot.debit_cached(CostUnits(1), at(0)).unwrap_err(),
+            ViewMiss::Stale
+        );
+        assert_eq!(debit_one(&slot), Some(LeaseId(2)), "recached");
+        assert_eq!(
+            slot.debit_cached(CostUnits(1), at(0))
+                .unwrap()
+                .grant()
+                .lease_id,
+            LeaseId(2)
+        );
+        assert!(quiescent(&old));
+        let old_held = old.remaining();
+
+        let last = slot.take().expect("the second lease");
+        assert_eq!(debit_one(&slot), None, "the slot is empty");
+        assert!(
+            !cached(&slot),
+            "the view of a lease out of the slot is dropped"
+        );
+        assert!(quiescent(&last) && quiescent(&old));
+        assert_eq!(old.remaining(), old_held, "no view debited it");
+    }
+
+    /// Put in again in its own place, a lease stays live: views of it go on
+    /// debiting it, and its races are not counted as retired.
+    #[test]
+    fn a_lease_installed_over_itself_stays_live() {
+        let slot = LeaseSlot::new(ACCOUNT, LocalSharding::Single);
+        let serving = lease(1);
+        slot.replace(Arc::clone(&serving));
+        debit_one(&slot);
+        let replaced = slot.replace(Arc::clone(&serving)).expect("itself");
+        assert!(Arc::ptr_eq(&replaced, &serving));
+        slot.debit_cached(CostUnits(1), at(0))
+            .expect("still the slot's lease");
+    }
+
+    /// Slots whose ids share a cache entry both admit; a view of a live
+    /// lease is handed over only after a few misses, a dead one at once.
+    #[test]
+    fn slots_sharing_a_cache_entry_take_it_over_sparingly() {
+        let first = LeaseSlot::new(ACCOUNT, LocalSharding::Single);
+        // Other tests create slots meanwhile, so look for a sharer.
+        let second = std::iter::repeat_with(|| LeaseSlot::new(ACCOUNT, LocalSharding::Single))
+            .take(VIEW_CACHE * 64)
+            .find(|slot| entry_of(slot.id) == entry_of(first.id))
+            .expect("ids are handed out in order");
+        first.replace(lease(1));
+        second.replace(lease(2));
+        assert_eq!(debit_one(&first), Some(LeaseId(1)));
+        assert!(cached(&first));
+        for _ in 1..EVICT_AFTER {
+            assert_eq!(debit_one(&second), Some(LeaseId(2)));
+            assert!(cached(&first), "kept");
+        }
+        assert_eq!(debit_one(&second), Some(LeaseId(2)));
+        assert!(cached(&second), "handed over");
+        assert_eq!(debit_one(&first), Some(LeaseId(1)));
+        assert!(cached(&second), "the count starts again");
+        // The second slot's lease goes away: its view is dead, and handed
+        // over at the next miss.
+        drop(second.take());
+        assert_eq!(debit_one(&first), Some(LeaseId(1)));
+        assert!(cached(&first));
     }
 }

@@ -1,7 +1,7 @@
 //! A lease's units on this instance: the counter the request path debits.
 
 use std::fmt;
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 
 use jiff::{SignedDuration, Timestamp};
 
@@ -96,6 +96,15 @@ pub struct LocalLease {
     refill: Option<Arc<dyn RefillSignal>>,
 }
 
+/// The top bit of every shard's `remaining` word: set while the lease is
+/// out of its slot ([`LocalLease::retire`]), so a debit through a cached
+/// [`ShardView`] refuses it (I26). Units never reach it: no store grants
+/// more than `i64::MAX` (see [`LocalLease::with_sharding`]), and units only
+/// move between a lease's shards and its debits. Every reader of a count
+/// masks it off; debits through the slot's guard, credits, spreads and
+/// gathers leave it as they found it.
+const RETIRED: u64 = 1 << 63;
+
 /// One move started: added to [`LocalLease::transit`] as a move begins.
 const MOVE_STARTED: u64 = (1 << 32) + 1;
 
@@ -151,7 +160,6 @@ pub(crate) struct LeaseTerms {
 /// is refused, while the lease as a whole still holds it.
 const GATHER_ATTEMPTS: usize = 2;
 
-#[derive(Debug)]
 struct Shard {
     remaining: AtomicU64,
     /// This shard's place in its lease.
@@ -165,6 +173,94 @@ struct Shard {
     /// The account's overage counter, for an Elastic charge whose window
     /// lapses before it commits; see [`LocalLease::with_overage`].
     overage: Option<Arc<AccountOverage>>,
+    /// The lease's doorbell (see [`LocalLease::with_refill`]), so a debit
+    /// through a [`ShardView`] rings without the lease (I7).
+    refill: Option<Arc<dyn RefillSignal>>,
+}
+
+impl fmt::Debug for Shard {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Shard")
+            .field("remaining", &self.remaining)
+            .field("index", &self.index)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A weak view of one shard of a lease, kept in a per-thread cache so a
+/// request reaches the lease its slot serves without the slot's arc-swap
+/// guard (admission's fast path).
+///
+/// Holding one keeps neither the lease nor its units alive (only the
+/// shard's allocation), and does not count as a view of the shard for
+/// quiescence; a debit through it does, like any debit (I26).
+///
+/// # Why a cached debit cannot slip past a quiescence check (I26)
+///
+/// The debit first upgrades the view, taking a strong count on the shard
+/// (the count [`LeaseDebit`] then keeps, so it costs no extra
+/// read-modify-write), and then takes its units with a compare-exchange on
+/// the shard's `remaining` word that refuses the word while [`RETIRED`] is
+/// set. The lease manager sets that bit with a read-modify-write of the
+/// same word as the lease leaves its slot, before it tests quiescence. The
+/// two read-modify-writes are ordered in the word's modification order:
+///
+/// - the debit first: the retire reads its value (or a later one in its
+///   release sequence, which every read-modify-write continues) and
+///   acquires it, so the manager's later reading of the shard's strong
+///   count sees the upgrade, and the lease is not quiescent while the
+///   debit holds its view;
+/// - the retire first: the debit's exchange sees the bit and the debit
+///   backs out, taking nothing.
+///
+/// Either way no debit lands in a lease found quiescent. Debits through
+/// the slot's guard ignore the bit: they are counted as today, through the
+/// lease's own reference count.
+#[derive(Clone)]
+pub(crate) struct ShardView(Weak<CachePadded<Shard>>);
+
+/// Why a debit through a [`ShardView`] did not take units.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ViewMiss {
+    /// No view, or one of a lease that is gone or out of its slot: the
+    /// caller goes through the slot, and caches a view of what it serves.
+    Stale,
+    /// The view is current, but the shard is short or the window closed:
+    /// the caller goes through the slot, which answers as before.
+    Declined,
+}
+
+impl ShardView {
+    /// Debits `units` from the viewed shard, unless its lease is gone or
+    /// retired ([`ViewMiss::Stale`]), or its window closed or the shard is
+    /// short ([`ViewMiss::Declined`]). Rings at low water as
+    /// [`LocalLease::try_reserve_at`] does (I7).
+    #[allow(clippy::inline_always, reason = "the request path's debit")]
+    #[inline(always)]
+    pub(crate) fn debit(&self, units: CostUnits, now: Timestamp) -> Result<LeaseDebit, ViewMiss> {
+        let shard = self.0.upgrade().ok_or(ViewMiss::Stale)?;
+        if now >= shard.terms.usable_until {
+            return Err(ViewMiss::Declined);
+        }
+        let left = shard.take_live(units.get())?;
+        if !units.is_zero() {
+            shard.ring_if_low(left);
+        }
+        Ok(LeaseDebit { shard, units })
+    }
+
+    /// Whether the viewed shard still belongs to a live lease (a plain
+    /// load: a cache decides on it whether to keep the view).
+    pub(crate) fn is_live(&self) -> bool {
+        self.0.strong_count() > 0
+    }
+
+    /// Whether this is the view [`LocalLease::view_at`] would give for
+    /// `lease` and `locality`, without taking one.
+    pub(crate) fn is_of(&self, lease: &LocalLease, locality: Locality) -> bool {
+        let home = &lease.shards[locality.shard_of(lease.shards.len())];
+        std::ptr::eq(self.0.as_ptr(), Arc::as_ptr(home))
+    }
 }
 
 impl LocalLease {
@@ -195,7 +291,9 @@ impl LocalLease {
     ///
     /// # Panics
     ///
-    /// When `margin` is negative (see [`with_safety_margin`](Self::with_safety_margin)).
+    /// When `margin` is negative (see [`with_safety_margin`](Self::with_safety_margin)),
+    /// or the grant is above `i64::MAX` units, which no store grants: the
+    /// top bit of a shard's count marks a lease out of its slot (I26).
     #[must_use]
     pub fn with_sharding(
         grant: LeaseGrant,
@@ -206,6 +304,10 @@ impl LocalLease {
         assert!(
             !margin.is_negative(),
             "a lease's safety margin must not be negative"
+        );
+        assert!(
+            grant.units.get() & RETIRED == 0,
+            "a lease holds at most i64::MAX units"
         );
         // I2: the window closes `margin` early, so a charge committed inside
         // it is still inside the allocator's view of the lease.
@@ -228,6 +330,7 @@ impl LocalLease {
                     contended: AtomicU64::new(0),
                     terms,
                     overage: None,
+                    refill: None,
                 }))
             })
             .collect();
@@ -244,8 +347,21 @@ impl LocalLease {
     }
 
     /// Installs the doorbell rung at low water and on the first refusal.
+    /// Each shard keeps a copy, so a debit through a per-thread cached
+    /// view of the shard rings without the lease (I7).
+    ///
+    /// # Panics
+    ///
+    /// When the lease has already funded a debit (as
+    /// [`with_overage`](Self::with_overage)).
     #[must_use]
     pub fn with_refill(mut self, signal: Arc<dyn RefillSignal>) -> Self {
+        for shard in &mut self.shards[..] {
+            Arc::get_mut(shard)
+                .expect("a lease gets its doorbell before it funds a debit")
+                .0
+                .refill = Some(Arc::clone(&signal));
+        }
         self.refill = Some(signal);
         self
     }
@@ -471,7 +587,7 @@ impl LocalLease {
         let total = self
             .shards
             .iter()
-            .map(|shard| shard.remaining.load(Ordering::Acquire))
+            .map(|shard| shard.units())
             .fold(0_u64, u64::saturating_add);
         CostUnits(total)
     }
@@ -497,11 +613,11 @@ impl LocalLease {
         }
         let mut first = [0_u64; LocalSharding::MAX_SHARDS];
         for (read, shard) in first.iter_mut().zip(self.shards.iter()) {
-            *read = shard.remaining.load(Ordering::Acquire);
+            *read = shard.units();
         }
         let mut total = 0_u64;
         for (read, shard) in first.iter().zip(self.shards.iter()) {
-            let again = shard.remaining.load(Ordering::Acquire);
+            let again = shard.units();
             if again != *read {
                 return None;
             }
@@ -510,6 +626,32 @@ impl LocalLease {
         // Read after every shard: a move that took from one of them before
         // it was read started before this load, so this load sees it.
         (self.transit.load(Ordering::Acquire) == before).then_some(CostUnits(total))
+    }
+
+    /// A view of the shard a request at `locality` debits first, for a
+    /// per-thread cache (see [`ShardView`]).
+    pub(crate) fn view_at(&self, locality: Locality) -> ShardView {
+        ShardView(Arc::downgrade(
+            &self.shards[locality.shard_of(self.shards.len())],
+        ))
+    }
+
+    /// Marks every shard retired: from now on a debit through a
+    /// [`ShardView`] refuses it (I26). The slot calls it as the lease
+    /// leaves, before the lease manager can test the lease for quiescence;
+    /// see [`ShardView`] for why no such debit can then land unseen.
+    pub(crate) fn retire(&self) {
+        for shard in &self.shards[..] {
+            shard.remaining.fetch_or(RETIRED, Ordering::AcqRel);
+        }
+    }
+
+    /// Undoes [`retire`](Self::retire), as the lease is put (back) in a
+    /// slot: views of it debit again.
+    pub(crate) fn unretire(&self) {
+        for shard in &self.shards[..] {
+            shard.remaining.fetch_and(!RETIRED, Ordering::AcqRel);
+        }
     }
 
     /// Whether no debit holds a view of any shard.
@@ -556,7 +698,7 @@ impl LocalLease {
             views_outstanding: 0,
         };
         for shard in &self.shards[..] {
-            let remaining = CostUnits(shard.remaining.load(Ordering::Acquire));
+            let remaining = CostUnits(shard.units());
             occupancy.remaining_min = occupancy.remaining_min.min(remaining);
             occupancy.remaining_max = occupancy.remaining_max.max(remaining);
             occupancy.below_low_water += usize::from(remaining.get() <= shard.low_water);
@@ -600,7 +742,7 @@ impl LocalLease {
                 && self
                     .shards
                     .iter()
-                    .any(|shard| shard.remaining.load(Ordering::Acquire) < shard.low_water)
+                    .any(|shard| shard.units() < shard.low_water)
             {
                 self.rebalance();
             }
@@ -619,7 +761,7 @@ impl LocalLease {
             let mut settled = 0_u64;
             let mut below_share = false;
             for shard in &self.shards[..] {
-                let left = shard.remaining.fetch_add(0, Ordering::AcqRel);
+                let left = shard.remaining.fetch_add(0, Ordering::AcqRel) & !RETIRED;
                 settled = settled.saturating_add(left);
                 below_share |= left < shard.low_water;
             }
@@ -654,15 +796,12 @@ impl LocalLease {
         let count = self.shards.len();
         let even = |index| split_evenly(total, count, index);
         for (to, short) in self.shards.iter().enumerate() {
-            let mut wanted = even(to).saturating_sub(short.remaining.load(Ordering::Acquire));
+            let mut wanted = even(to).saturating_sub(short.units());
             for (from, rich) in self.shards.iter().enumerate() {
                 if wanted == 0 {
                     break;
                 }
-                let surplus = rich
-                    .remaining
-                    .load(Ordering::Acquire)
-                    .saturating_sub(even(from));
+                let surplus = rich.units().saturating_sub(even(from));
                 let moving = surplus.min(wanted);
                 if moving == 0 {
                     continue;
@@ -689,19 +828,11 @@ impl LocalLease {
         }
     }
 
-    /// I7: rings once when a debit or gather leaves shard `index` holding
-    /// `left`, at or below its share of the mark. The plain load keeps the
-    /// common below-water case off the read-modify-write.
+    /// I7: see [`Shard::ring_if_low`].
     #[allow(clippy::inline_always, reason = "part of the inlined debit fast path")]
     #[inline(always)]
     fn ring_if_low(&self, index: usize, left: u64) {
-        let shard = &self.shards[index];
-        if left <= shard.low_water
-            && !shard.rung.load(Ordering::Acquire)
-            && !shard.rung.swap(true, Ordering::AcqRel)
-        {
-            self.ring();
-        }
+        self.shards[index].ring_if_low(left);
     }
 
     /// Tries the other shards whole, then gathers the quote from all of
@@ -751,7 +882,7 @@ impl LocalLease {
             }
             gathered += taken;
             if gathered == units {
-                return Some(self.shards[home].remaining.load(Ordering::Acquire));
+                return Some(self.shards[home].units());
             }
         }
         if gathered > 0 {
@@ -785,18 +916,71 @@ impl fmt::Debug for LocalLease {
 }
 
 impl Shard {
+    /// The units this shard holds, without the retired mark.
+    #[inline]
+    fn units(&self) -> u64 {
+        self.remaining.load(Ordering::Acquire) & !RETIRED
+    }
+
+    /// I7: rings once when a debit or gather leaves this shard holding
+    /// `left`, at or below its share of the mark. The plain load keeps the
+    /// common below-water case off the read-modify-write.
+    #[allow(clippy::inline_always, reason = "part of the inlined debit fast path")]
+    #[inline(always)]
+    fn ring_if_low(&self, left: u64) {
+        if left <= self.low_water
+            && !self.rung.load(Ordering::Acquire)
+            && !self.rung.swap(true, Ordering::AcqRel)
+            && let Some(signal) = &self.refill
+        {
+            signal.request_refill();
+        }
+    }
+
+    /// [`take`](Self::take) for a debit through a [`ShardView`]: refuses a
+    /// retired shard, whatever it holds. The check is part of the same
+    /// compare-exchange that takes the units, which is what orders the
+    /// debit against the lease manager's retire (I26, see [`ShardView`]).
+    #[allow(clippy::inline_always, reason = "part of the inlined debit fast path")]
+    #[inline(always)]
+    fn take_live(&self, units: u64) -> Result<u64, ViewMiss> {
+        let mut current = self.remaining.load(Ordering::Acquire);
+        loop {
+            if current & RETIRED != 0 {
+                return Err(ViewMiss::Stale);
+            }
+            let left = current.checked_sub(units).ok_or(ViewMiss::Declined)?;
+            match self.remaining.compare_exchange_weak(
+                current,
+                left,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => return Ok(left),
+                Err(actual) => {
+                    if actual != current {
+                        self.contended.fetch_add(1, Ordering::Relaxed);
+                    }
+                    current = actual;
+                }
+            }
+        }
+    }
+
     /// Takes exactly `units` or nothing; returns what is left on success.
+    /// The debit of a request that read the lease in its slot: it ignores
+    /// the retired mark, and keeps it (I26).
     #[allow(clippy::inline_always, reason = "part of the inlined debit fast path")]
     #[inline(always)]
     fn take(&self, units: u64) -> Option<u64> {
         let mut current = self.remaining.load(Ordering::Acquire);
         loop {
-            let left = current.checked_sub(units)?;
+            let left = (current & !RETIRED).checked_sub(units)?;
             // Acquire pairs with the re-arm's read-modify-write in
             // `refill_due_or_rearm` (I7); release publishes the debit.
             match self.remaining.compare_exchange_weak(
                 current,
-                left,
+                left | (current & RETIRED),
                 Ordering::AcqRel,
                 Ordering::Acquire,
             ) {
@@ -815,13 +999,14 @@ impl Shard {
     }
 
     /// Takes as much as it can, up to `units`; returns how much it took
-    /// and what it left.
+    /// and what it left. Keeps the retired mark (I26).
     fn take_up_to(&self, units: u64) -> (u64, u64) {
         let mut current = self.remaining.load(Ordering::Acquire);
         loop {
-            let taken = current.min(units);
+            let held = current & !RETIRED;
+            let taken = held.min(units);
             if taken == 0 {
-                return (0, current);
+                return (0, held);
             }
             match self.remaining.compare_exchange_weak(
                 current,
@@ -829,7 +1014,7 @@ impl Shard {
                 Ordering::AcqRel,
                 Ordering::Acquire,
             ) {
-                Ok(_) => return (taken, current - taken),
+                Ok(_) => return (taken, held - taken),
                 Err(actual) => current = actual,
             }
         }
@@ -1458,5 +1643,174 @@ mod tests {
         });
         // I6: every unit is either back in the lease or kept by a debit.
         assert_eq!(lease.remaining(), CostUnits(1_000_000 - kept));
+    }
+
+    /// The raw word of shard `index`, retired mark included.
+    fn word(lease: &LocalLease, index: usize) -> u64 {
+        lease.shards[index].remaining.load(Ordering::Acquire)
+    }
+
+    /// I26: a view debits the lease while it is live, refuses it once
+    /// retired (taking nothing, whatever it holds), and debits again once
+    /// the lease is put back.
+    #[test]
+    fn a_view_refuses_a_retired_lease_and_debits_it_once_live_again() {
+        let lease = LocalLease::new(grant(10), CostUnits::ZERO);
+        let view = lease.view_at(Locality::new(0));
+        let debit = view.debit(CostUnits(3), at(0)).expect("live");
+        assert_eq!((debit.units(), debit.shard()), (CostUnits(3), 0));
+        assert!(!lease.is_only_local_view(), "a cached debit holds a view");
+        drop(debit);
+        assert!(lease.is_only_local_view(), "a cached view itself does not");
+
+        lease.retire();
+        assert_eq!(
+            view.debit(CostUnits(1), at(0)).unwrap_err(),
+            ViewMiss::Stale
+        );
+        assert!(lease.is_only_local_view(), "the refused debit let go");
+        assert_eq!(lease.remaining(), CostUnits(7), "a refusal takes nothing");
+
+        lease.unretire();
+        assert_eq!(word(&lease, 0), 7, "no mark left");
+        view.debit(CostUnits(7), at(0)).expect("live again");
+        assert_eq!(lease.remaining(), CostUnits::ZERO);
+    }
+
+    /// A view declines what the lease must answer itself (a short home
+    /// shard, a closed window), taking nothing, and a view of a lease that
+    /// is gone is stale.
+    #[test]
+    fn a_view_declines_what_the_lease_answers_and_outlives_its_lease() {
+        let lease = LocalLease::with_sharding(
+            grant(4),
+            CostUnits::ZERO,
+            SignedDuration::ZERO,
+            LocalSharding::shards(2).unwrap(),
+        );
+        let view = lease.view_at(Locality::new(1));
+        assert_eq!(
+            view.debit(CostUnits(3), at(0)).unwrap_err(),
+            ViewMiss::Declined,
+            "shard 1 holds 2; the lease decides whether to gather"
+        );
+        assert_eq!(
+            view.debit(CostUnits(1), at(1_000)).unwrap_err(),
+            ViewMiss::Declined,
+            "I2: the window has closed"
+        );
+        assert_eq!(lease.remaining(), CostUnits(4));
+        assert!(view.is_live());
+        drop(lease);
+        assert!(!view.is_live());
+        assert_eq!(
+            view.debit(CostUnits(1), at(0)).unwrap_err(),
+            ViewMiss::Stale
+        );
+    }
+
+    /// I7: a debit through a view rings at low water as one through the
+    /// lease does, once until the refill task re-arms.
+    #[test]
+    fn a_debit_through_a_view_rings_at_low_water() {
+        let (lease, bell) = lease_with_doorbell(LocalLease::new(grant(10), CostUnits(5)));
+        let view = lease.view_at(Locality::new(0));
+        drop(view.debit(CostUnits(4), at(0)).unwrap());
+        assert_eq!(bell.rings(), 0, "6 left, above the mark");
+        drop(view.debit(CostUnits(1), at(0)).unwrap());
+        assert_eq!(bell.rings(), 1, "5 left, at the mark");
+        drop(view.debit(CostUnits(1), at(0)).unwrap());
+        assert_eq!(bell.rings(), 1, "rung once");
+    }
+
+    /// I26, I6: with the retired mark set, every reading of the lease
+    /// counts units only, a debit through the slot's guard is refused
+    /// exactly when the lease is short and keeps the mark when it is not,
+    /// and credits, gathers and spreads keep it too, so views stay refused
+    /// until the lease is put back.
+    #[test]
+    fn a_retired_lease_counts_and_debits_through_its_slot_as_before() {
+        let (lease, bell) = lease_with_doorbell(LocalLease::with_sharding(
+            grant(10),
+            CostUnits(4),
+            SignedDuration::ZERO,
+            LocalSharding::shards(2).unwrap(),
+        ));
+        lease.retire();
+        assert_eq!(lease.remaining(), CostUnits(10));
+        assert_eq!(lease.settled_remaining(), Some(CostUnits(10)));
+        let occupancy = lease.occupancy();
+        assert_eq!(
+            (occupancy.remaining_min, occupancy.remaining_max),
+            (CostUnits(5), CostUnits(5))
+        );
+        assert_eq!(occupancy.below_low_water, 0);
+        assert_eq!(lease.refill_due_or_rearm(), RefillVerdict::Idle);
+
+        // Short: refused, however large the marked word is.
+        assert_eq!(
+            lease
+                .try_reserve_at(CostUnits(11), at(0), Locality::new(0))
+                .unwrap_err(),
+            DenyReason::LeaseExhausted
+        );
+        assert_eq!(lease.remaining(), CostUnits(10));
+        // A gather of 7 from both shards, then a credit.
+        let gathered = lease
+            .try_reserve_at(CostUnits(7), at(0), Locality::new(0))
+            .expect("the lease holds 10");
+        assert_eq!(lease.remaining(), CostUnits(3));
+        assert!(bell.rings() > 0, "I7: a gather that empties a shard rings");
+        assert_eq!(word(&lease, 0) & RETIRED, RETIRED);
+        assert_eq!(word(&lease, 1) & RETIRED, RETIRED);
+        lease.credit(gathered);
+        assert_eq!(lease.remaining(), CostUnits(10));
+        // Drain shard 1 and let the check spread the units again.
+        let spent = lease
+            .try_reserve_at(CostUnits(5), at(0), Locality::new(1))
+            .unwrap();
+        drop(spent);
+        assert_eq!(
+            lease.refill_due_or_rearm(),
+            RefillVerdict::Refused,
+            "the quote of 11 refused above"
+        );
+        assert_eq!(lease.occupancy().remaining_min, CostUnits(2));
+        assert_eq!(lease.occupancy().remaining_max, CostUnits(3));
+        for index in 0..2 {
+            assert_eq!(word(&lease, index) & RETIRED, RETIRED, "shard {index}");
+            assert_eq!(
+                lease
+                    .view_at(Locality::new(index))
+                    .debit(CostUnits(1), at(0))
+                    .unwrap_err(),
+                ViewMiss::Stale
+            );
+        }
+        assert!(lease.is_only_local_view());
+        assert_eq!(lease.remaining(), CostUnits(5), "I6: exact once quiescent");
+        lease.unretire();
+        assert_eq!(word(&lease, 0) + word(&lease, 1), 5);
+    }
+
+    /// The retired mark is the top bit of a shard's count, so a lease
+    /// holds at most `i64::MAX` units, as every store grants.
+    #[test]
+    #[should_panic(expected = "at most i64::MAX units")]
+    fn a_lease_above_i64_max_is_refused() {
+        let _ = LocalLease::new(grant(1 << 63), CostUnits::ZERO);
+    }
+
+    #[test]
+    fn the_largest_lease_holds_i64_max() {
+        let largest = i64::MAX.unsigned_abs();
+        let lease = LocalLease::new(grant(largest), CostUnits::ZERO);
+        lease.retire();
+        assert_eq!(lease.remaining(), CostUnits(largest));
+        let debit = lease.try_debit(CostUnits(largest), at(0)).unwrap();
+        assert_eq!(lease.remaining(), CostUnits::ZERO);
+        lease.credit(debit);
+        assert_eq!(lease.remaining(), CostUnits(largest));
+        assert_eq!(word(&lease, 0), u64::MAX, "units and the mark");
     }
 }

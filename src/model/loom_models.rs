@@ -8,7 +8,9 @@
 //! Everything an atomic lives in is built inside `loom::model`, so each
 //! execution starts fresh. `Arc` is std's, as in the library: the models
 //! reach quiescence by joining the threads, never by reading reference
-//! counts concurrently. Debits name their locality explicitly, because loom
+//! counts concurrently, except the two cached-view models (I26), which
+//! shadow one shard's strong count in a loom atomic with std's orderings
+//! ([`ShardCount`]). Debits name their locality explicitly, because loom
 //! runs its threads on one OS thread and `Locality::current` would hand them
 //! all the same shard.
 //!
@@ -21,14 +23,14 @@ use std::sync::Arc;
 use CancelOutcome::ZeroCharged;
 use CommitError::AlreadyReleased;
 use jiff::{SignedDuration, Timestamp};
-use loom::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use loom::sync::atomic::{AtomicBool, AtomicUsize, Ordering, fence};
 use loom::thread;
 
 use crate::admission::{UsagePermit, UsageRecorder};
 use crate::model::{
     AccountId, AccountOverage, CancelOutcome, CommitError, CommitFunding, CostUnits, DenyReason,
     FencingToken, LeaseGrant, LeaseId, LocalLease, LocalSharding, Locality, PolicyRevision,
-    RefillSignal, RefillVerdict, RequestId, Reservation, UsageEvent, UsageSource,
+    RefillSignal, RefillVerdict, RequestId, Reservation, UsageEvent, UsageSource, ViewMiss,
 };
 
 const ACCOUNT: AccountId = AccountId(7);
@@ -1236,4 +1238,147 @@ fn a_worker_whose_commit_loses_to_a_cancel_sees_it_requested() {
             other => panic!("I3: exactly one of commit and cancel must win, got {other:?}"),
         }
     });
+}
+
+/// The strong count of one shard as std's `Arc` keeps it, shadowed in a
+/// loom atomic so that its orderings are part of the model (the library's
+/// own counts are std's, which loom does not see; see the module's docs).
+/// Each method mirrors one std operation, with std's orderings.
+struct ShardCount(AtomicUsize);
+
+impl ShardCount {
+    /// The lease's own reference to the shard.
+    fn new() -> Self {
+        Self(AtomicUsize::new(1))
+    }
+
+    /// `Weak::upgrade`: an increment unless zero, acquire on success.
+    fn upgrade(&self) -> bool {
+        let mut count = self.0.load(Ordering::Relaxed);
+        loop {
+            if count == 0 {
+                return false;
+            }
+            match self.0.compare_exchange_weak(
+                count,
+                count + 1,
+                Ordering::Acquire,
+                Ordering::Relaxed,
+            ) {
+                Ok(_) => return true,
+                Err(actual) => count = actual,
+            }
+        }
+    }
+
+    /// Dropping an `Arc` that is not the last: a release decrement.
+    fn let_go(&self) {
+        self.0.fetch_sub(1, Ordering::Release);
+    }
+
+    /// `Arc::strong_count(shard) == 1` (a relaxed load, the weakest std has
+    /// used) and the acquire fence after it in `is_only_local_view`.
+    fn is_only(&self) -> bool {
+        let only = self.0.load(Ordering::Relaxed) == 1;
+        fence(Ordering::Acquire);
+        only
+    }
+}
+
+/// How a request in [`view_debit_racing_a_take`] ends.
+#[derive(Clone, Copy)]
+enum RequestEnd {
+    /// Committed: the units stay spent.
+    Commit,
+    /// Ended before its handler: the units go back to the shard.
+    Release,
+}
+
+/// One request debiting through its cached view of a lease (admission's
+/// fast path, no slot guard) and ending as `end`, while the lease manager
+/// takes the lease out of its slot (the retire mark) and tests it for
+/// quiescence, putting it back if it is busy, as a fold does.
+///
+/// A lease found quiescent is never debited or credited after: the count
+/// the manager reads then is final, so the `unspent` it would release is
+/// exact (I26, I6).
+fn view_debit_racing_a_take(end: RequestEnd) {
+    const GRANTED: u64 = 1;
+    loom::model(move || {
+        let lease = Arc::new(LocalLease::new(grant(GRANTED), CostUnits::ZERO));
+        let count = Arc::new(ShardCount::new());
+        // Cached by the request's thread while the lease served.
+        let view = lease.view_at(Locality::new(0));
+        let request = {
+            let count = Arc::clone(&count);
+            thread::spawn(move || {
+                // `ShardView::debit` upgrades, then takes the units.
+                if !count.upgrade() {
+                    return 0;
+                }
+                let kept = match view.debit(ONE, inside_window()) {
+                    Ok(debit) => match end {
+                        RequestEnd::Commit => {
+                            drop(debit);
+                            ONE.get()
+                        }
+                        RequestEnd::Release => {
+                            debit.refund();
+                            drop(debit);
+                            0
+                        }
+                    },
+                    Err(miss) => {
+                        assert_eq!(miss, ViewMiss::Stale, "the lease funds the quote");
+                        0
+                    }
+                };
+                count.let_go();
+                kept
+            })
+        };
+
+        // The lease manager: the slot's `take_counted`, then `is_quiescent`
+        // (its own `Arc` to the lease is the only one: the request holds
+        // none).
+        lease.retire();
+        let kept = if count.is_only() {
+            let unspent = lease.remaining();
+            let kept = join(request);
+            // I26: what a release would claim is what the lease holds.
+            assert_eq!(
+                lease.remaining(),
+                unspent,
+                "I26: a lease found quiescent was debited or credited after"
+            );
+            kept
+        } else {
+            // Busy: put back in the slot, as a fold that finds it busy does.
+            lease.unretire();
+            join(request)
+        };
+        // I6: granted − committed, exactly.
+        assert_eq!(lease.remaining(), CostUnits(GRANTED - kept));
+    });
+}
+
+/// I26, I6: a request that debits through a cached view and commits
+/// cannot land in a lease its manager found quiescent. This rests on the
+/// retired check in the view's compare-exchange: without it the debit
+/// may upgrade its view after the manager read the shard's count, and
+/// spend units the manager has already counted as unspent.
+#[test]
+fn a_cached_view_cannot_debit_a_lease_found_quiescent() {
+    view_debit_racing_a_take(RequestEnd::Commit);
+}
+
+/// I26, I6: a request that debits through a cached view before the lease
+/// is retired, and releases after, is seen by the manager's quiescence
+/// test: the retire's read-modify-write acquires the debit's exchange,
+/// and with it the upgrade before it, so the manager's reading of the
+/// shard's count cannot miss the view and call the lease quiescent while
+/// a credit is still to come.
+#[test]
+fn a_cached_view_debited_before_the_retire_is_seen_by_the_quiescence_test() {
+    view_debit_racing_a_take(RequestEnd::Release);
 }

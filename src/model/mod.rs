@@ -39,8 +39,8 @@ pub use deny::{DenyReason, Retry};
 pub use funding::{BalanceExhaustion, BalanceShortfall};
 pub use ids::{AccountId, FencingToken, KeyId, LeaseId, PolicyRevision, Principal, RequestId};
 pub use key_hash::KeyHash;
-pub(crate) use lease::LeaseHold;
 pub use lease::{LeaseDebit, LeaseGrant, LocalLease, RefillSignal, RefillVerdict};
+pub(crate) use lease::{LeaseHold, ShardView, ViewMiss};
 pub use overage::{AccountOverage, TentativeOverage};
 pub use reservation::{
     CancelHandle, CancelOutcome, CommitError, CommitFunding, Reservation, SharedCharge,

@@ -195,7 +195,7 @@ impl Reservation {
     }
 
     #[inline]
-    fn leased(debit: LeaseDebit, units: CostUnits) -> Self {
+    pub(crate) fn leased(debit: LeaseDebit, units: CostUnits) -> Self {
         Self {
             funding: Funding::Lease(debit),
             units,
