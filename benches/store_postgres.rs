@@ -227,15 +227,18 @@ impl Counted {
 
 #[async_trait]
 impl LeaseAllocator for Counted {
-    async fn acquire(
+    async fn acquire_at_least(
         &self,
         account: AccountId,
         requested: CostUnits,
+        needed: CostUnits,
         ttl: SignedDuration,
         now: Timestamp,
     ) -> Result<Allocation, AllocateError> {
         self.count("acquire");
-        self.inner.acquire(account, requested, ttl, now).await
+        self.inner
+            .acquire_at_least(account, requested, needed, ttl, now)
+            .await
     }
 
     async fn release(

@@ -52,16 +52,19 @@ impl Distant {
 
 #[async_trait]
 impl LeaseAllocator for Distant {
-    async fn acquire(
+    async fn acquire_at_least(
         &self,
         account: AccountId,
         requested: CostUnits,
+        needed: CostUnits,
         ttl: SignedDuration,
         now: Timestamp,
     ) -> Result<Allocation, AllocateError> {
         self.acquires.fetch_add(1, Ordering::SeqCst);
         tokio::time::sleep(self.delay()).await;
-        self.store.acquire(account, requested, ttl, now).await
+        self.store
+            .acquire_at_least(account, requested, needed, ttl, now)
+            .await
     }
 
     async fn release(

@@ -367,15 +367,18 @@ impl Faulty {
 
 #[async_trait]
 impl LeaseAllocator for Faulty {
-    async fn acquire(
+    async fn acquire_at_least(
         &self,
         account: AccountId,
         requested: CostUnits,
+        needed: CostUnits,
         ttl: SignedDuration,
         now: Timestamp,
     ) -> Result<Allocation, AllocateError> {
         let what = format!("{now} acquire {requested}");
-        let call = self.store.acquire(account, requested, ttl, now);
+        let call = self
+            .store
+            .acquire_at_least(account, requested, needed, ttl, now);
         self.under(Call::Acquire, what, call).await
     }
 

@@ -555,6 +555,48 @@ async fn a_quote_a_busy_lease_refused_is_funded_by_a_rotation() {
     assert!(w.store.audit().unwrap().is_empty());
 }
 
+/// I27: a quote above the whole balance, refused by a busy lease, is chased
+/// with the quote as a floor, so the store refuses it and names the balance
+/// instead of granting the balance, short of the quote, onto this instance.
+/// The quote is answered 402 from then on, and the lease keeps serving.
+#[tokio::test(start_paused = true)]
+async fn a_quote_above_the_balance_draws_no_units_onto_a_busy_instance() {
+    let w = world(1_000_000);
+    let (runtime, handle, open) = w.spawn_gated(config());
+    tokio::time::sleep(ms(200)).await;
+    // The event waits at the gate, so the lease stays busy.
+    assert_eq!(w.begin(&handle, 5), Ok(CostUnits(5)));
+    assert_eq!(w.begin(&handle, 1_000_001), Err(DenyReason::LeaseExhausted));
+    tokio::time::sleep(ms(300)).await;
+    let view = w.store.account(w.account, w.clock.now()).unwrap();
+    assert_eq!(
+        view.leased,
+        CostUnits(500),
+        "the serving lease alone: the chase drew nothing"
+    );
+    assert_eq!(
+        w.begin(&handle, 1_000_001),
+        Err(DenyReason::BalanceInsufficient {
+            remaining: CostUnits(1_000_000 - 5),
+            period_end: None,
+        }),
+        "the balance and the lease's units together fall one short"
+    );
+    assert_eq!(w.begin(&handle, 5), Ok(CostUnits(5)), "the lease serves");
+    let leases = handle.report().leases.unwrap();
+    assert_eq!((leases.acquired, leases.acquired_units), (1, 500));
+    assert!(leases.consolidations_deferred >= 1);
+
+    open.send(true).unwrap();
+    let report = runtime.shutdown().await;
+    assert_eq!(report.lost_events(), 0);
+    assert_eq!(w.billed(), vec![5, 5]);
+    let view = w.store.account(w.account, w.clock.now()).unwrap();
+    assert_eq!(view.balance, CostUnits(1_000_000 - 10));
+    assert_eq!(view.leased, CostUnits::ZERO);
+    assert!(w.store.audit().unwrap().is_empty());
+}
+
 /// Real threads, so the background tasks run while the test looks.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn readiness_never_runs_ahead_of_the_funds_it_promises() {
@@ -1293,10 +1335,11 @@ enum Releases {
 
 #[async_trait]
 impl LeaseAllocator for Misbehaving {
-    async fn acquire(
+    async fn acquire_at_least(
         &self,
         account: AccountId,
         requested: CostUnits,
+        needed: CostUnits,
         ttl: SignedDuration,
         now: Timestamp,
     ) -> Result<Allocation, AllocateError> {
@@ -1325,7 +1368,9 @@ impl LeaseAllocator for Misbehaving {
         {
             panic!("a bug in the allocator client");
         }
-        self.store.acquire(account, requested, ttl, now).await
+        self.store
+            .acquire_at_least(account, requested, needed, ttl, now)
+            .await
     }
 
     async fn release(

@@ -84,8 +84,10 @@ fn exhausted(period_end: Option<Timestamp>) -> Reply {
 /// One allocator call as the scripted allocator saw it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Call {
+    /// A grant of up to `requested`, and at least `needed`.
     Acquire {
         requested: u64,
+        needed: u64,
     },
     Release {
         lease: u64,
@@ -100,7 +102,10 @@ enum Call {
 }
 
 fn acquire() -> Call {
-    Call::Acquire { requested: TARGET }
+    Call::Acquire {
+        requested: TARGET,
+        needed: 0,
+    }
 }
 
 fn release(lease: u64, unspent: u64) -> Call {
@@ -285,15 +290,17 @@ impl Scripted {
 
 #[async_trait]
 impl LeaseAllocator for Scripted {
-    async fn acquire(
+    async fn acquire_at_least(
         &self,
         _account: AccountId,
         requested: CostUnits,
+        needed: CostUnits,
         ttl: SignedDuration,
         now: Timestamp,
     ) -> Result<Allocation, AllocateError> {
         self.record(Call::Acquire {
             requested: requested.get(),
+            needed: needed.get(),
         });
         let reply = lock(&self.acquire)
             .pop_front()
@@ -945,7 +952,13 @@ async fn a_consolidation_deferred_by_a_reservation_in_flight_rotates_instead() {
 
     assert_eq!(
         h.allocator.calls(),
-        [acquire(), Call::Acquire { requested: 175 }],
+        [
+            acquire(),
+            Call::Acquire {
+                requested: 175,
+                needed: 95
+            }
+        ],
         "no fold on an inexact count: a replacement instead, sized for the \
          quote (I27)"
     );
@@ -986,7 +999,13 @@ async fn a_rotation_for_a_refused_quote_asks_for_the_quote() {
     settle().await;
     assert_eq!(
         h.allocator.calls(),
-        [acquire(), Call::Acquire { requested: 230 }]
+        [
+            acquire(),
+            Call::Acquire {
+                requested: 230,
+                needed: 150
+            }
+        ]
     );
     assert_eq!(h.serving(), Some((2, 150)));
     drop(h.reserve(150));
@@ -994,7 +1013,7 @@ async fn a_rotation_for_a_refused_quote_asks_for_the_quote() {
 }
 
 /// I27, I28: a replacement for a refused quote that comes back smaller than
-/// the quote (the allocator shares a low balance between instances) is
+/// the quote (from an allocator that ignores the floor it was asked for) is
 /// used, but the quote is not chased again: the next deferred fold waits for
 /// the lease to quiesce and folds it, instead of splitting the account's
 /// funds into ever smaller leases.
@@ -1008,7 +1027,13 @@ async fn a_rotation_that_falls_short_of_the_quote_is_not_repeated() {
     settle().await;
     assert_eq!(
         h.allocator.calls(),
-        [acquire(), Call::Acquire { requested: 230 }]
+        [
+            acquire(),
+            Call::Acquire {
+                requested: 230,
+                needed: 150
+            }
+        ]
     );
     assert_eq!(h.serving(), Some((2, 60)), "the short grant serves");
 
@@ -1034,8 +1059,8 @@ async fn a_rotation_that_falls_short_of_the_quote_is_not_repeated() {
 }
 
 /// I27: a quote a lease refused sizes later leases only once a grant
-/// covers it. A replacement chased for it that comes back short (the
-/// allocator shares a low balance) leaves leases sized as configured; once
+/// covers it. A replacement chased for it that comes back short (from an
+/// allocator that ignores the floor) leaves leases sized as configured; once
 /// one covers it, every later lease is marked at the quote, ringing once
 /// it may no longer fund one, and asks for the mark and the configured
 /// span between rotations.
@@ -1080,11 +1105,26 @@ async fn only_a_grant_that_covers_a_chased_quote_marks_later_leases_for_it() {
     assert_eq!(
         acquires,
         [
-            Call::Acquire { requested: 100 },
-            Call::Acquire { requested: 140 },
-            Call::Acquire { requested: 100 },
-            Call::Acquire { requested: 140 },
-            Call::Acquire { requested: 140 },
+            Call::Acquire {
+                requested: 100,
+                needed: 0
+            },
+            Call::Acquire {
+                requested: 140,
+                needed: 60
+            },
+            Call::Acquire {
+                requested: 100,
+                needed: 0
+            },
+            Call::Acquire {
+                requested: 140,
+                needed: 60
+            },
+            Call::Acquire {
+                requested: 140,
+                needed: 0
+            },
         ],
         "a chase, and once learnt every grant, asks for the quote and the \
          configured span between rotations (80)"
@@ -1168,7 +1208,13 @@ async fn a_grant_that_shows_funds_again_lets_a_short_rotation_be_retried() {
         .allocator
         .calls()
         .into_iter()
-        .filter(|call| *call == Call::Acquire { requested: 230 })
+        .filter(|call| {
+            *call
+                == Call::Acquire {
+                    requested: 230,
+                    needed: 150,
+                }
+        })
         .count();
     assert_eq!(chases, 2, "chased again: {:?}", h.allocator.calls());
     drop((busy, busy_again));
@@ -2516,7 +2562,14 @@ async fn a_quote_refused_as_the_window_closes_is_chased_by_the_replacement() {
     settle().await;
     assert_eq!(
         h.allocator.calls(),
-        [acquire(), acquire(), Call::Acquire { requested: 230 },]
+        [
+            acquire(),
+            acquire(),
+            Call::Acquire {
+                requested: 230,
+                needed: 150
+            },
+        ]
     );
     assert_eq!(h.serving(), Some((2, 150)), "the retry is funded");
 }
@@ -4419,7 +4472,10 @@ async fn a_busy_lease_that_refused_a_quote_never_leaves_the_slot() {
     assert_eq!(manager.stats().consolidations_deferred, 2, "put off");
     assert_eq!(
         allocator.calls()[1],
-        Call::Acquire { requested: 200 },
+        Call::Acquire {
+            requested: 200,
+            needed: 120
+        },
         "a replacement is chased, sized for the quote"
     );
     assert_eq!(

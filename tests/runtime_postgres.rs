@@ -306,15 +306,18 @@ impl Drop for Stopwatch<'_> {
 
 #[async_trait]
 impl LeaseAllocator for Timed {
-    async fn acquire(
+    async fn acquire_at_least(
         &self,
         account: AccountId,
         requested: CostUnits,
+        needed: CostUnits,
         ttl: SignedDuration,
         now: Timestamp,
     ) -> Result<Allocation, AllocateError> {
         let _watch = Stopwatch(&self.longest_us, Instant::now());
-        self.inner.acquire(account, requested, ttl, now).await
+        self.inner
+            .acquire_at_least(account, requested, needed, ttl, now)
+            .await
     }
 
     async fn release(

@@ -130,10 +130,11 @@ impl ScriptedAllocator {
 
 #[async_trait]
 impl LeaseAllocator for ScriptedAllocator {
-    async fn acquire(
+    async fn acquire_at_least(
         &self,
         _account: AccountId,
         _requested: CostUnits,
+        _needed: CostUnits,
         _ttl: SignedDuration,
         _now: Timestamp,
     ) -> Result<Allocation, AllocateError> {

@@ -261,6 +261,68 @@ async fn grants_shrink_in_the_tail_and_say_what_is_left<S: TestStore>() {
 
 // ---- release --------------------------------------------------------------
 
+/// A floor is granted whole, even where tail sharing would give less, and a
+/// balance short of it is refused, naming the balance, with nothing moved:
+/// the lease manager chases a single quote this way (I27), and a grant
+/// short of the quote would only move the balance onto one instance.
+async fn an_acquire_with_a_floor_grants_at_least_it_or_nothing<S: TestStore>() {
+    let Some(store) = S::fresh(policy(4)).await else {
+        return;
+    };
+    let acct = account(&store, 300).await;
+    let floored = store
+        .acquire_at_least(acct, CostUnits(100), CostUnits(90), TTL, at(0))
+        .await
+        .unwrap();
+    assert_eq!(floored.grant.units, CostUnits(90), "not the tail's 75");
+    assert_eq!(floored.funding, None, "210 left funds another 100");
+    assert_eq!(
+        store
+            .acquire_at_least(acct, CostUnits(100), CostUnits(211), TTL, at(0))
+            .await,
+        Err(AllocateError::BalanceInsufficient(BalanceShortfall {
+            remaining: CostUnits(210),
+            period_end: None,
+        }))
+    );
+    assert_eq!(balance(&store, acct, at(0)).await, 210, "nothing moved");
+    let whole = store
+        .acquire_at_least(acct, CostUnits(10), CostUnits(210), TTL, at(0))
+        .await
+        .unwrap();
+    assert_eq!(whole.grant.units, CostUnits(210));
+    assert_eq!(
+        whole.funding,
+        Some(BalanceShortfall {
+            remaining: CostUnits::ZERO,
+            period_end: None,
+        }),
+        "judged against the floor, the larger of the two"
+    );
+    assert_eq!(
+        store
+            .acquire_at_least(acct, CostUnits(10), CostUnits(1), TTL, at(0))
+            .await,
+        Err(AllocateError::BalanceExhausted(BalanceExhaustion {
+            period_end: None
+        }))
+    );
+    // A refill that resets the balance above what is left names its period
+    // end as the time to ask again.
+    let refilled = refilled_account(&store, 50, 500).await;
+    assert_eq!(
+        store
+            .acquire_at_least(refilled, CostUnits(100), CostUnits(100), TTL, at(0))
+            .await,
+        Err(AllocateError::BalanceInsufficient(BalanceShortfall {
+            remaining: CostUnits(50),
+            period_end: Some(at(100)),
+        }))
+    );
+    assert_eq!(balance(&store, refilled, at(0)).await, 50);
+    audited(&store).await;
+}
+
 async fn release_credits_the_unspent_units_and_settles_once<S: TestStore>() {
     let Some(store) = S::fresh(policy(1)).await else {
         return;
@@ -1831,6 +1893,7 @@ store_tests! {
             a_long_ttl_is_clamped_to_the_policy_maximum,
             acquire_refuses_each_invalid_request_without_touching_the_balance,
             grants_shrink_in_the_tail_and_say_what_is_left,
+            an_acquire_with_a_floor_grants_at_least_it_or_nothing,
             release_credits_the_unspent_units_and_settles_once,
             a_fenced_release_changes_nothing_and_the_holder_can_still_release,
             a_release_claiming_more_than_the_lease_can_hold_is_refused,

@@ -79,7 +79,12 @@
 //! it goes straight back and a replacement large enough for the quote is
 //! acquired beside it instead, unless the allocator's last word rules the
 //! quote out, or an earlier replacement for it came back short; the old
-//! lease is released once quiescent, like any replaced one. Otherwise the
+//! lease is released once quiescent, like any replaced one. The replacement
+//! is asked for with the quote as its floor
+//! ([`LeaseAllocator::acquire_at_least`]): a balance short of it is refused
+//! with the allocator's word on the balance, which rules the quote out,
+//! rather than granted short, which would move as much of the balance as
+//! was asked for onto this instance for a quote it still cannot fund. Otherwise the
 //! account's requests are denied for the length of that one call. The answer
 //! decides where the old lease goes: a grant settles it (it is dropped); a domain
 //! refusal rolled back (it returns to the slot); a lease the store no longer
@@ -1146,7 +1151,8 @@ struct Task {
     /// are never claimed again, and are reported abandoned at shutdown.
     withheld: Vec<Arc<LocalLease>>,
     /// A replacement acquired for a refused quote came back smaller than
-    /// the quote (the allocator shares a low balance between instances).
+    /// the quote, which an allocator that honours the floor it is asked
+    /// for never grants.
     /// Until a fold succeeds or a grant shows no shortfall, a deferred fold
     /// no longer chases the quote, so one quote cannot split the account's
     /// funds into ever smaller leases.
@@ -1662,7 +1668,7 @@ impl Task {
     }
 
     async fn acquire(&mut self) -> Result<(), Stopped> {
-        self.acquire_sized(self.sizing(CostUnits::ZERO).request)
+        self.acquire_sized(self.sizing(CostUnits::ZERO).request, CostUnits::ZERO)
             .await
             .map(drop)
     }
@@ -1716,9 +1722,6 @@ impl Task {
         );
     }
 
-    /// Acquires a lease of `requested` units and installs it, parking what
-    /// it replaces. Returns the units granted, which may be fewer than
-    /// requested, or `None` when nothing was.
     /// No grant call starts once shutdown is asked for: one cut off after
     /// it was sent may have granted a lease nobody holds, stranded until
     /// reclaim. (A stop that arrives while a call runs still cuts it off,
@@ -1738,7 +1741,15 @@ impl Task {
         self.shared.grants_held.load(Ordering::Acquire)
     }
 
-    async fn acquire_sized(&mut self, requested: CostUnits) -> Result<Option<CostUnits>, Stopped> {
+    /// Acquires a lease of `requested` units, and at least `needed`, and
+    /// installs it, parking what it replaces. Returns the units granted,
+    /// which may be fewer than requested (fewer than `needed` only from an
+    /// allocator that breaks its contract), or `None` when nothing was.
+    async fn acquire_sized(
+        &mut self,
+        requested: CostUnits,
+        needed: CostUnits,
+    ) -> Result<Option<CostUnits>, Stopped> {
         self.no_grant_call_after_stop()?;
         if self.grants_held()
             || self
@@ -1752,9 +1763,10 @@ impl Task {
         self.note_holdings();
         let config = &self.config;
         let asked_at = Instant::now();
-        let call = self.allocator.acquire(
+        let call = self.allocator.acquire_at_least(
             config.account,
             requested,
+            needed,
             config.lease_ttl,
             self.clock.now(),
         );
@@ -2051,8 +2063,10 @@ impl Task {
     /// serving and a replacement large enough for the quote is acquired
     /// beside it (a rotation, I28); the old lease is released once
     /// quiescent, returning its unspent units. A quote the account's last
-    /// known funds rule out is not chased, nor one an earlier replacement
-    /// came back short of (tail sharing): then the lease is replaced only if
+    /// known funds rule out is not chased (the replacement is asked for
+    /// with the quote as its floor, so a balance short of it is refused and
+    /// rules it out from then on), nor one an earlier replacement came back
+    /// short of: then the lease is replaced only if
     /// it is also low, as after a refused fold, so one unfundable quote
     /// neither drains the account's lease, nor churns grants, nor splits the
     /// balance into ever smaller leases.
@@ -2161,8 +2175,13 @@ impl Task {
         } = deferred;
         if chase {
             self.chasing = needed;
-            // Sized for the quote, which is learnt once a grant covers it.
-            let granted = self.acquire_sized(self.sizing(needed).request).await;
+            // Sized for the quote, which is learnt once a grant covers it,
+            // and no smaller than it: a balance short of the quote is
+            // refused with its evidence, which rules the quote out from then
+            // on, rather than granted short onto this instance.
+            let granted = self
+                .acquire_sized(self.sizing(needed).request, needed)
+                .await;
             self.chasing = CostUnits::ZERO;
             let granted = granted?;
             self.rotation_fell_short = granted.is_some_and(|units| units < needed);

@@ -693,11 +693,12 @@ impl MemoryStore {
         &self,
         account: AccountId,
         requested: CostUnits,
+        needed: CostUnits,
         ttl: SignedDuration,
         now: Timestamp,
     ) -> Result<Allocation, AllocateError> {
         let expires_at = self.expiry(ttl, now)?;
-        if requested.is_zero() {
+        if requested.max(needed).is_zero() {
             return Err(AllocateError::InvalidRequest);
         }
         let mut ledger = self.lock()?;
@@ -710,6 +711,7 @@ impl MemoryStore {
             entry.balance,
             entry.refill,
             requested,
+            needed,
         )?;
         entry.balance = planned.left;
         let grant = ledger.open_lease(account, planned.size, expires_at);
@@ -1218,14 +1220,15 @@ impl LeaseAllocator for MemoryStore {
         self.policy.tail.instances > 1
     }
 
-    async fn acquire(
+    async fn acquire_at_least(
         &self,
         account: AccountId,
         requested: CostUnits,
+        needed: CostUnits,
         ttl: SignedDuration,
         now: Timestamp,
     ) -> Result<Allocation, AllocateError> {
-        self.acquire_now(account, requested, ttl, now)
+        self.acquire_now(account, requested, needed, ttl, now)
     }
 
     async fn release(
@@ -1419,6 +1422,7 @@ mod tests {
             .acquire_now(
                 account,
                 CostUnits(40),
+                CostUnits::ZERO,
                 SignedDuration::from_secs(5),
                 Timestamp::UNIX_EPOCH,
             )
@@ -1475,6 +1479,7 @@ mod tests {
             store.acquire_now(
                 account,
                 CostUnits(1),
+                CostUnits::ZERO,
                 SignedDuration::from_secs(5),
                 Timestamp::UNIX_EPOCH
             ),

@@ -77,11 +77,38 @@ pub trait LeaseAllocator: Send + Sync {
     /// The grant may be smaller than asked near the end of the balance, so
     /// several instances can share the tail; when the balance left after the
     /// grant could not fund another such request, the allocation carries that
-    /// evidence.
+    /// evidence. [`acquire_at_least`](Self::acquire_at_least) with a floor
+    /// of zero.
     async fn acquire(
         &self,
         account: AccountId,
         requested: CostUnits,
+        ttl: SignedDuration,
+        now: Timestamp,
+    ) -> Result<Allocation, AllocateError> {
+        self.acquire_at_least(account, requested, CostUnits::ZERO, ttl, now)
+            .await
+    }
+
+    /// [`acquire`](Self::acquire), granting no fewer than `needed` units:
+    /// at least `needed` whenever the balance holds that many (tail sharing
+    /// never shrinks the grant below it, as for
+    /// [`consolidate`](Self::consolidate)), and otherwise nothing.
+    ///
+    /// # Implementors
+    ///
+    /// A balance short of a positive `needed` must be refused with
+    /// [`AllocateError::BalanceInsufficient`] naming the balance (or
+    /// `BalanceExhausted` when it is empty), never granted short. The lease
+    /// manager asks with a floor when it acquires beside a busy lease for
+    /// one refused quote (I27): a short grant could not fund the quote, and
+    /// would move as much of the balance as it was asked for onto one
+    /// instance, where other instances cannot reach it.
+    async fn acquire_at_least(
+        &self,
+        account: AccountId,
+        requested: CostUnits,
+        needed: CostUnits,
         ttl: SignedDuration,
         now: Timestamp,
     ) -> Result<Allocation, AllocateError>;

@@ -39,14 +39,19 @@ pub(crate) struct Grant {
 }
 
 /// The grant an account with `balance` units and `refill` (its schedule and
-/// the end of its current period) may give for `requested` units, or why
-/// not: suspended, then empty.
+/// the end of its current period) may give for `requested` units, but no
+/// fewer than `needed` (zero: any grant), or why not: suspended, then
+/// empty, then not enough for `needed`. A floor the balance cannot meet is
+/// refused with the balance as evidence rather than granted short: the
+/// caller wants the units for one quote, and a grant below it would only
+/// move the balance onto its lease.
 pub(crate) fn plan_acquire(
     policy: &GrantPolicy,
     status: AccountStatus,
     balance: u64,
     refill: Option<(RefillSchedule, Timestamp)>,
     requested: CostUnits,
+    needed: CostUnits,
 ) -> Result<Grant, AllocateError> {
     if status == AccountStatus::Suspended {
         return Err(AllocateError::AccountInactive);
@@ -56,8 +61,14 @@ pub(crate) fn plan_acquire(
             period_end: refill_above(refill, 0),
         }));
     }
-    let size = policy.grant_size(requested, CostUnits(balance)).get();
-    Ok(grant(size, balance - size, requested, refill))
+    let size = policy
+        .consolidation_size(requested, needed, CostUnits(balance))
+        .ok_or(AllocateError::BalanceInsufficient(BalanceShortfall {
+            remaining: CostUnits(balance),
+            period_end: refill_above(refill, balance),
+        }))?
+        .get();
+    Ok(grant(size, balance - size, requested.max(needed), refill))
 }
 
 /// The grant a consolidation may give, counting the `unspent` units the
@@ -202,12 +213,19 @@ mod tests {
         let refill = Some(refill_to(50));
         let active = AccountStatus::Active;
         assert_eq!(
-            plan_acquire(&POLICY, AccountStatus::Suspended, 0, refill, CostUnits(5)),
+            plan_acquire(
+                &POLICY,
+                AccountStatus::Suspended,
+                0,
+                refill,
+                CostUnits(5),
+                CostUnits::ZERO
+            ),
             Err(AllocateError::AccountInactive),
             "suspension before emptiness"
         );
         assert_eq!(
-            plan_acquire(&POLICY, active, 0, refill, CostUnits(5)),
+            plan_acquire(&POLICY, active, 0, refill, CostUnits(5), CostUnits::ZERO),
             Err(AllocateError::BalanceExhausted(BalanceExhaustion {
                 period_end: end
             }))
@@ -247,7 +265,14 @@ mod tests {
     #[test]
     fn a_retry_time_is_named_only_when_the_refill_brings_more() {
         let active = AccountStatus::Active;
-        let empty = plan_acquire(&POLICY, active, 0, Some(refill_to(50)), CostUnits(5));
+        let empty = plan_acquire(
+            &POLICY,
+            active,
+            0,
+            Some(refill_to(50)),
+            CostUnits(5),
+            CostUnits::ZERO,
+        );
         assert_eq!(
             empty,
             Err(AllocateError::BalanceExhausted(BalanceExhaustion {
@@ -255,7 +280,14 @@ mod tests {
             }))
         );
         assert_eq!(
-            plan_acquire(&POLICY, active, 0, Some(refill_to(0)), CostUnits(5)),
+            plan_acquire(
+                &POLICY,
+                active,
+                0,
+                Some(refill_to(0)),
+                CostUnits(5),
+                CostUnits::ZERO
+            ),
             Err(AllocateError::BalanceExhausted(BalanceExhaustion {
                 period_end: None
             })),
@@ -300,8 +332,15 @@ mod tests {
         );
         // The evidence a grant hands back follows the same rule.
         let evidence = |balance| {
-            plan_acquire(&POLICY, active, balance, Some(refill_to(50)), CostUnits(60))
-                .map(|grant| grant.funding)
+            plan_acquire(
+                &POLICY,
+                active,
+                balance,
+                Some(refill_to(50)),
+                CostUnits(60),
+                CostUnits::ZERO,
+            )
+            .map(|grant| grant.funding)
         };
         assert_eq!(
             evidence(70),
@@ -322,8 +361,81 @@ mod tests {
     }
 
     #[test]
+    fn an_acquire_with_a_floor_is_refused_rather_than_granted_short() {
+        let active = AccountStatus::Active;
+        // Asked for more than the balance with no floor, the tail is
+        // granted; with a floor above the balance, nothing is, and the
+        // refusal names the balance.
+        assert_eq!(
+            plan_acquire(
+                &POLICY,
+                active,
+                1_000,
+                None,
+                CostUnits(1_041),
+                CostUnits::ZERO
+            )
+            .map(|grant| grant.size),
+            Ok(1_000)
+        );
+        assert_eq!(
+            plan_acquire(
+                &POLICY,
+                active,
+                1_000,
+                None,
+                CostUnits(1_041),
+                CostUnits(1_001)
+            ),
+            Err(AllocateError::BalanceInsufficient(BalanceShortfall {
+                remaining: CostUnits(1_000),
+                period_end: None,
+            }))
+        );
+        // A floor the balance meets is granted whole, even where tail
+        // sharing would give a smaller share.
+        let shared = GrantPolicy {
+            tail: TailSharing {
+                instances: 4,
+                min_grant: CostUnits(1),
+            },
+            ..POLICY
+        };
+        assert_eq!(
+            plan_acquire(&shared, active, 100, None, CostUnits(90), CostUnits::ZERO)
+                .map(|grant| grant.size),
+            Ok(25)
+        );
+        assert_eq!(
+            plan_acquire(&shared, active, 100, None, CostUnits(90), CostUnits(60)),
+            Ok(Grant {
+                size: 60,
+                left: 40,
+                funding: Some(BalanceShortfall {
+                    remaining: CostUnits(40),
+                    period_end: None,
+                }),
+            })
+        );
+        // Suspension and an empty balance are refused first, as always.
+        assert_eq!(
+            plan_acquire(&POLICY, active, 0, None, CostUnits(5), CostUnits(5)),
+            Err(AllocateError::BalanceExhausted(BalanceExhaustion {
+                period_end: None
+            }))
+        );
+    }
+
+    #[test]
     fn a_grant_says_what_is_left_when_it_could_not_fund_another() {
-        let plenty = plan_acquire(&POLICY, AccountStatus::Active, 100, None, CostUnits(40));
+        let plenty = plan_acquire(
+            &POLICY,
+            AccountStatus::Active,
+            100,
+            None,
+            CostUnits(40),
+            CostUnits::ZERO,
+        );
         assert_eq!(
             plenty,
             Ok(Grant {
@@ -332,7 +444,14 @@ mod tests {
                 funding: None
             })
         );
-        let tail = plan_acquire(&POLICY, AccountStatus::Active, 50, None, CostUnits(40));
+        let tail = plan_acquire(
+            &POLICY,
+            AccountStatus::Active,
+            50,
+            None,
+            CostUnits(40),
+            CostUnits::ZERO,
+        );
         assert_eq!(
             tail,
             Ok(Grant {

@@ -225,6 +225,7 @@ impl PostgresStore {
         conn: &mut PgConnection,
         account: AccountId,
         requested: CostUnits,
+        needed: CostUnits,
         expires_at: Timestamp,
         now: Timestamp,
     ) -> Result<Allocation, AllocateError> {
@@ -238,6 +239,7 @@ impl PostgresStore {
             entry.balance,
             entry.refill,
             requested,
+            needed,
         )?;
         self.set_balance(conn, account, planned.left).await?;
         let grant = self
@@ -470,16 +472,17 @@ impl LeaseAllocator for PostgresStore {
         self.policy.tail.instances > 1
     }
 
-    async fn acquire(
+    async fn acquire_at_least(
         &self,
         account: AccountId,
         requested: CostUnits,
+        needed: CostUnits,
         ttl: SignedDuration,
         now: Timestamp,
     ) -> Result<Allocation, AllocateError> {
         let now = micros(now);
         let expires_at = self.expiry(ttl, now)?;
-        if requested.is_zero() {
+        if requested.max(needed).is_zero() {
             return Err(AllocateError::InvalidRequest);
         }
         if to_i64(account.get()).is_none() {
@@ -489,7 +492,7 @@ impl LeaseAllocator for PostgresStore {
         on_a_turn(self, Lane::Allocator, |mut caller| async move {
             let mut tx = begin(&store).await?;
             let outcome = store
-                .acquire_in(&mut tx, account, requested, expires_at, now)
+                .acquire_in(&mut tx, account, requested, needed, expires_at, now)
                 .await;
             finish(tx, outcome, &mut caller, allocate_storage).await
         })
