@@ -141,13 +141,22 @@ pub struct UsageWriter {
 /// Every event ever recorded is exactly one of `accepted`, `duplicate`,
 /// `rejected`, `lost`, `queued` or `in_flight` whenever the writer is between
 /// steps (I21: nothing is lost silently). The fields are read one at a time,
-/// so a reading taken while the writer moves a batch may be off by that batch.
+/// not as one snapshot: a reading taken while the writer delivers may be off
+/// by every event it moved during the reading (several batches, if the
+/// reader is descheduled), so the identity holds for the report
+/// [`shutdown`](UsageWriter::shutdown) returns and for readings of an idle
+/// writer, not for each live reading.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct WriterStats {
     /// Events the sink recorded, including those a failed attempt recorded
-    /// after all (its retry then finds them recorded).
+    /// after all (its retry then finds them recorded). Every event of a
+    /// retried batch that the sink answers `Duplicate` is counted here: the
+    /// writer cannot tell its own failed attempt's write from an earlier
+    /// one.
     pub accepted: u64,
-    /// Events the sink had recorded before this writer first offered them.
+    /// Events the sink answered `Duplicate` the first time this writer
+    /// offered them: recorded before, by another writer with the same
+    /// request ids.
     pub duplicate: u64,
     /// Events the sink refused; never retried.
     pub rejected: u64,
@@ -208,10 +217,12 @@ pub struct WriterReport {
     /// A writer whose task died drops nothing: its events' leases stay
     /// held, are abandoned at shutdown, and settle at TTL reclaim.
     pub lost: u64,
-    /// Places still held at the end by permits whose requests had not
-    /// committed. Once the writer has given up, a commit is refused (the
-    /// handler does not run and nothing is charged), so these count the
-    /// admitted requests the shutdown cut off.
+    /// Places still held, when this report is made, by permits whose
+    /// requests had not committed. Once the writer has given up, a commit is
+    /// refused (the handler does not run and nothing is charged), so these
+    /// count the admitted requests the shutdown cut off that were still
+    /// waiting then; one refused and dropped before the report gave its
+    /// place back and is not counted.
     ///
     /// The exception is a commit already past that check as the writer gave
     /// up: its event goes into the abandoned queue and its handler runs. If
