@@ -871,6 +871,43 @@ fn settings_come_from_a_file_then_the_environment_then_flags() {
         .arg("check-schema"))
     .ok();
     assert!(empty.contains("is current"), "{empty}");
+    // The file may be named by TOLLGATE_CONFIG; empty, it is unset and
+    // hides neither --config nor tollgate.toml; a flag wins over it.
+    let named = run(Cli::bare()
+        .env("TOLLGATE_CONFIG", &file)
+        .arg("check-schema"))
+    .ok();
+    assert!(named.contains("is current"), "{named}");
+    let flag_over_empty = run(Cli::bare()
+        .env("TOLLGATE_CONFIG", "")
+        .arg("--config")
+        .arg(&file)
+        .arg("check-schema"))
+    .ok();
+    assert!(flag_over_empty.contains("is current"), "{flag_over_empty}");
+    let default_over_empty = run(Cli::bare()
+        .current_dir(&dir)
+        .env("TOLLGATE_CONFIG", "")
+        .arg("check-schema"))
+    .ok();
+    assert!(
+        default_over_empty.contains("is current"),
+        "{default_over_empty}"
+    );
+    let flag_over_variable = run(Cli::bare()
+        .env("TOLLGATE_CONFIG", Path::new("/nonexistent.toml"))
+        .arg("--config")
+        .arg(&file)
+        .arg("check-schema"))
+    .ok();
+    assert!(
+        flag_over_variable.contains("is current"),
+        "{flag_over_variable}"
+    );
+    run(Cli::bare()
+        .env("TOLLGATE_CONFIG", Path::new("/nonexistent.toml"))
+        .arg("audit"))
+    .fails(1, "no configuration file");
     // The wrong file, too large to be a configuration, is not read.
     let large = dir.join("large.toml");
     std::fs::File::create(&large)

@@ -1,6 +1,6 @@
 //! Layered settings: a TOML file, then `TOLLGATE_*` variables, then flags.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use figment::Figment;
 use figment::providers::{Format, Toml};
@@ -64,8 +64,9 @@ pub(crate) struct Settings {
 }
 
 impl Settings {
-    /// Merges the layers, later ones winning: `file` (or `tollgate.toml`
-    /// when it exists), `TOLLGATE_DATABASE_URL` / `TOLLGATE_SCHEMA` /
+    /// Merges the layers, later ones winning: `file` (else
+    /// `TOLLGATE_CONFIG`, else `tollgate.toml` when it exists),
+    /// `TOLLGATE_DATABASE_URL` / `TOLLGATE_SCHEMA` /
     /// `TOLLGATE_RECLAIM_GRACE`, then the flags.
     pub(crate) fn load(
         file: Option<&Path>,
@@ -73,7 +74,13 @@ impl Settings {
         schema: Option<&str>,
     ) -> Result<Self, String> {
         let mut figment = Figment::new();
-        let file = match file {
+        // Read here rather than by the flag's parser, which refuses an
+        // empty path: an empty variable counts as unset, as every other
+        // variable's does, and a flag wins over it.
+        let from_env = std::env::var_os("TOLLGATE_CONFIG")
+            .filter(|path| !path.is_empty())
+            .map(PathBuf::from);
+        let file = match file.or(from_env.as_deref()) {
             Some(path) if !path.is_file() => {
                 return Err(format!("no configuration file at {}", path.display()));
             }

@@ -44,8 +44,9 @@ const PAGE: usize = 1_000;
 #[derive(Debug, Parser)]
 #[command(name = "tollgate", version, about, long_about = None)]
 struct Cli {
-    /// The configuration file (default: `tollgate.toml` if it exists).
-    #[arg(long, env = "TOLLGATE_CONFIG", global = true)]
+    /// The configuration file (default: `$TOLLGATE_CONFIG` if set and not
+    /// empty, else `tollgate.toml` if it exists).
+    #[arg(long, global = true)]
     config: Option<std::path::PathBuf>,
     /// The PostgreSQL URL, e.g. `postgres://user@host/db`.
     #[arg(long, env = "DATABASE_URL", global = true, hide_env_values = true)]
