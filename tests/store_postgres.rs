@@ -632,6 +632,20 @@ async fn usage_and_the_journal_read_by_page_are_the_whole_listing() {
         .await
         .unwrap();
     assert_eq!((outside.items.len(), outside.next), (0, None));
+    // Bounds finer than the stored microseconds are exact: a nanosecond
+    // past the events' instant is after them, as a lower bound and as an
+    // upper one.
+    let just_after = at(1) + SignedDuration::from_nanos(1);
+    let since = store
+        .usage_page(acct, Some(just_after), None, None, 10)
+        .await
+        .unwrap();
+    assert_eq!(since.items, [], "at or after 1 s + 1 ns: none");
+    let until = store
+        .usage_page(acct, None, Some(just_after), None, 10)
+        .await
+        .unwrap();
+    assert_eq!(until.items, whole, "before 1 s + 1 ns: all");
     let first = store.history_page(acct, None, 1).await.unwrap();
     let rest = store.history_page(acct, first.next, 1).await.unwrap();
     let last = store.history_page(acct, rest.next, 1).await.unwrap();

@@ -10,8 +10,8 @@ use crate::model::{
     PermissionBits, PolicyRevision, RequestId, UsageEvent, UsageSource,
 };
 use crate::store::postgres::convert::{
-    advisory_key, amount, get, get_at, get_opt_at, id, micros, parse_uuid, storage, to_i64, to_pg,
-    units,
+    advisory_key, amount, get, get_at, get_opt_at, id, micros, micros_up, parse_uuid, storage,
+    to_i64, to_pg, units,
 };
 use crate::store::postgres::ledger::{ACCOUNT_COLUMNS, AccountRow, Entry, UNITS_MAX};
 use crate::store::postgres::snapshots::{
@@ -751,7 +751,9 @@ impl PostgresStore {
         limit: usize,
     ) -> Result<Page<UsageEvent>, AdminError> {
         let account_id = self.known_account(account).await?;
-        let bound = |at: Option<Timestamp>| at.map(|at| to_pg(micros(at))).transpose();
+        // Rounded up: stored instants are whole microseconds (see
+        // `micros_up`).
+        let bound = |at: Option<Timestamp>| at.map(|at| to_pg(micros_up(at))).transpose();
         let sql = self.sql(
             "SELECT seq, request_id::text AS request_id, account_id, lease_id, fencing_token, \
              units, occurred_at, policy_revision, key_id FROM {schema}.usage_events \

@@ -27,6 +27,22 @@ pub(super) fn micros(at: Timestamp) -> Timestamp {
     Timestamp::from_nanosecond(floored).unwrap_or(at)
 }
 
+/// `at` rounded up to the microsecond: as a bound on stored instants, which
+/// are whole microseconds, `stored >= at` holds exactly when
+/// `stored >= micros_up(at)`, and likewise for `<`. (Rounded down, a bound
+/// a few nanoseconds past an event's instant would still take it in as a
+/// lower bound and leave it out as an upper one.) At the last representable
+/// microsecond, where there is nothing to round up to, `at` floored.
+pub(super) fn micros_up(at: Timestamp) -> Timestamp {
+    let floored = micros(at);
+    if floored == at {
+        return at;
+    }
+    floored
+        .checked_add(jiff::SignedDuration::from_micros(1))
+        .unwrap_or(floored)
+}
+
 /// `at` as `PostgreSQL`'s `timestamptz`.
 pub(super) fn to_pg(at: Timestamp) -> Result<OffsetDateTime, StoreError> {
     OffsetDateTime::from_unix_timestamp_nanos(at.as_nanosecond())
@@ -125,6 +141,18 @@ mod tests {
         assert_eq!(micros(Timestamp::MIN), Timestamp::MIN);
         let stored = to_pg(micros(at)).unwrap();
         assert_eq!(from_pg(stored, "at").unwrap(), micros(at));
+    }
+
+    #[test]
+    fn bounds_round_up_to_the_microsecond() {
+        let at = Timestamp::from_nanosecond(1_000_001_001).unwrap();
+        assert_eq!(micros_up(at).as_nanosecond(), 1_000_002_000);
+        let whole = Timestamp::from_nanosecond(1_000_001_000).unwrap();
+        assert_eq!(micros_up(whole), whole);
+        let before = Timestamp::from_nanosecond(-1).unwrap();
+        assert_eq!(micros_up(before).as_nanosecond(), 0);
+        assert_eq!(micros_up(Timestamp::MAX), micros(Timestamp::MAX));
+        assert_eq!(micros_up(Timestamp::MIN), Timestamp::MIN);
     }
 
     #[test]
