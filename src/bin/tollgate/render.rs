@@ -3,6 +3,8 @@
 
 use std::fmt::Write as _;
 
+use jiff::SignedDuration;
+use jiff::fmt::friendly::{Spacing, SpanPrinter};
 use tollgate::store::{AccountView, BalanceChange, JournalEntry, KeyInfo, SchemaStatus};
 use tollgate::{AccountId, AccountStatus, EnforcementMode, KeyStatus, UsageEvent, UsageSource};
 
@@ -32,15 +34,23 @@ pub(crate) fn account(view: &AccountView) -> String {
     if let Some(refill) = view.refill {
         let _ = write!(
             line,
-            " refill={}/{:#}",
+            " refill={}/{}",
             refill.amount.get(),
-            refill.interval
+            duration(refill.interval)
         );
     }
     if let Some(end) = view.period_end {
         let _ = write!(line, " period_end={end}");
     }
     line
+}
+
+/// A duration as one word (`1ms500µs`, not `1ms 500µs`), so a value never
+/// splits its `key=value` pair; the command's duration flags read it back.
+fn duration(duration: SignedDuration) -> String {
+    SpanPrinter::new()
+        .spacing(Spacing::None)
+        .duration_to_string(&duration)
 }
 
 pub(crate) fn balance_change(account: AccountId, change: &BalanceChange) -> String {
@@ -131,5 +141,23 @@ pub(crate) fn schema_status(schema: &str, status: &SchemaStatus) -> String {
             format!("schema {schema}: migration {version} differs from the one this build ships")
         }
         other => format!("schema {schema}: {other:?}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_duration_is_one_word_the_flags_read_back() {
+        for duration in [
+            SignedDuration::from_micros(1_500),
+            SignedDuration::from_secs(90),
+            SignedDuration::from_hours(24 * 30) + SignedDuration::from_micros(1),
+        ] {
+            let printed = super::duration(duration);
+            assert!(!printed.contains(' '), "{printed}");
+            assert_eq!(crate::parse::duration(&printed), Ok(duration), "{printed}");
+        }
     }
 }
