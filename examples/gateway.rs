@@ -270,9 +270,18 @@ impl Backend {
         }
         match store.check_schema().await? {
             SchemaStatus::Current { .. } => Ok(Self::Postgres(Arc::new(store))),
-            other => Err(format!(
-                "schema {schema} is not ready ({other:?}): run with --migrate, or \
+            // Only a schema this build can migrate is worth the hint:
+            // migrating refuses one a newer build migrated, or one whose
+            // applied migrations were changed.
+            status @ (SchemaStatus::Missing | SchemaStatus::Behind { .. }) => Err(format!(
+                "schema {schema} is not ready ({status:?}): run with --migrate, or \
                  `tollgate migrate --schema {schema}`",
+                schema = store.schema()
+            )
+            .into()),
+            status => Err(format!(
+                "schema {schema} is not one this build can serve or migrate ({status:?}): \
+                 run the tollgate version that migrated it",
                 schema = store.schema()
             )
             .into()),
