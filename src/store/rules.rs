@@ -53,22 +53,17 @@ pub(crate) fn plan_acquire(
     requested: CostUnits,
     needed: CostUnits,
 ) -> Result<Grant, AllocateError> {
-    if status == AccountStatus::Suspended {
-        return Err(AllocateError::AccountInactive);
-    }
-    if balance == 0 {
-        return Err(AllocateError::BalanceExhausted(BalanceExhaustion {
-            period_end: refill_above(refill, 0),
-        }));
-    }
-    let size = policy
-        .consolidation_size(requested, needed, CostUnits(balance))
-        .ok_or(AllocateError::BalanceInsufficient(BalanceShortfall {
-            remaining: CostUnits(balance),
-            period_end: refill_above(refill, balance),
-        }))?
-        .get();
-    Ok(grant(size, balance - size, requested.max(needed), refill))
+    // A consolidation that settles nothing: a stored balance is at most
+    // `UNITS_MAX`, so crediting no units cannot overflow.
+    plan_consolidation(
+        policy,
+        status,
+        balance,
+        refill,
+        CostUnits::ZERO,
+        requested,
+        needed,
+    )
 }
 
 /// The grant a consolidation may give, counting the `unspent` units the
