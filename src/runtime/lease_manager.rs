@@ -84,11 +84,12 @@
 //! ([`LeaseAllocator::acquire_at_least`]): a balance short of it is refused
 //! with the allocator's word on the balance, which rules the quote out,
 //! rather than granted short, which would move as much of the balance as
-//! was asked for onto this instance for a quote it still cannot fund. Otherwise the
-//! account's requests are denied for the length of that one call. The answer
-//! decides where the old lease goes: a grant settles it (it is dropped); a domain
-//! refusal rolled back (it returns to the slot); a lease the store no longer
-//! holds for us is dropped; an answer that never came may or may not have
+//! was asked for onto this instance for a quote it still cannot fund.
+//! Otherwise (the lease is quiescent, and folded) the account's requests
+//! are denied for the length of that one call. The answer decides where the
+//! old lease goes: a grant settles it (it is dropped); a domain refusal
+//! rolled back (it returns to the slot); a lease the store no longer holds
+//! for us is dropped; an answer that never came may or may not have
 //! committed, so the lease is parked and the release pass finds out which.
 //!
 //! # Release refusals
