@@ -1616,6 +1616,30 @@ fn every_configuration_rule_is_checked_in_field_order() {
         },
         Ok(()),
     );
+    // A call longer than the interval delays the next refresh to its end:
+    // the map is then as old as two calls just before it is verified.
+    let slow_call = Duration::from_secs(2);
+    let one_interval = Duration::from_secs(1);
+    check(
+        &SnapshotManagerConfig {
+            refresh_interval: one_interval,
+            fetch_timeout: slow_call,
+            // Above the interval and one call (3 s), not above two calls.
+            max_staleness: SignedDuration::try_from(slow_call * 2).unwrap(),
+            ..valid.clone()
+        },
+        Err(Broken::MaxStalenessNotAboveRefreshAndCall),
+    );
+    check(
+        &SnapshotManagerConfig {
+            refresh_interval: one_interval,
+            fetch_timeout: slow_call,
+            max_staleness: SignedDuration::try_from(slow_call * 2).unwrap()
+                + SignedDuration::from_millis(1),
+            ..valid.clone()
+        },
+        Ok(()),
+    );
     // Each plan is held to the timeout of the call its refresh makes.
     check(
         &SnapshotManagerConfig {

@@ -4,7 +4,8 @@
 //! # Refresh
 //!
 //! The first refresh runs as soon as the task starts; after a refresh that
-//! succeeded the next one starts `refresh_interval` after it began. What a
+//! succeeded the next one starts `refresh_interval` after it began, or when
+//! it (and any lookup made meanwhile) ends, if that is later. What a
 //! refresh reads depends on the [`PrincipalSelection`]:
 //!
 //! - `Fixed`: one `fetch` of the listed principals (plus any principal
@@ -143,9 +144,11 @@ pub struct SnapshotManagerConfig {
     /// Which principals to keep loaded.
     pub principals: PrincipalSelection,
     /// The time from the start of one successful refresh to the start of the
-    /// next: the longest a change in the source takes to reach admission
-    /// while the source is healthy. At least one millisecond, the timer's
-    /// resolution.
+    /// next, unless the refresh, or a lookup of principals admission asked
+    /// about (a `Fixed` list), is still running then: the next starts when
+    /// they end. With calls shorter than the interval and no lookups, the
+    /// longest a change in the source takes to reach admission while the
+    /// source is healthy. At least one millisecond, the timer's resolution.
     pub refresh_interval: Duration,
     /// The pause after a failed or timed-out call before the next attempt.
     /// At least one millisecond, the timer's resolution; it may be longer
@@ -166,12 +169,13 @@ pub struct SnapshotManagerConfig {
     /// millisecond, the timer's resolution.
     pub enumeration_timeout: Duration,
     /// How long after the last successful refresh readiness stays true.
-    /// Must exceed `refresh_interval` plus the timeout of a refresh's call,
-    /// so that a healthy refresh that takes its whole timeout does not take
-    /// the instance out of service; that is a minimum, and an enumeration of
-    /// many pages, or lookups answered between refreshes, take longer; set it to the snapshot
-    /// map's own `max_staleness`, the point where admission refuses the
-    /// snapshots anyway.
+    /// Must exceed the longer of `refresh_interval` and the timeout of a
+    /// refresh's call, plus that timeout, so that a healthy refresh that
+    /// takes its whole timeout does not take the instance out of service;
+    /// that is a minimum, and an enumeration of many pages, or lookups
+    /// answered between refreshes (see `refresh_interval`), take longer; set
+    /// it to the snapshot map's own `max_staleness`, the point where
+    /// admission refuses the snapshots anyway.
     pub max_staleness: SignedDuration,
 }
 
@@ -197,12 +201,13 @@ pub enum SnapshotManagerConfigError {
     EnumerationTimeoutBelowTimerResolution,
     /// `max_staleness` is not longer than `refresh_interval`.
     MaxStalenessNotAboveRefreshInterval,
-    /// `max_staleness` is not longer than `refresh_interval` plus the
-    /// timeout of the call a refresh makes (`fetch_timeout` for a fixed
-    /// list, `enumeration_timeout` for an enumeration): a refresh vouches
-    /// for the instant it started only once it ends, so a healthy one that
-    /// takes its whole timeout would leave the snapshots stale in every
-    /// interval.
+    /// `max_staleness` is not longer than the longer of `refresh_interval`
+    /// and the timeout of the call a refresh makes (`fetch_timeout` for a
+    /// fixed list, `enumeration_timeout` for an enumeration), plus that
+    /// timeout: a refresh vouches for the instant it started only once it
+    /// ends, and one that outlasts the interval delays the next to its end,
+    /// so a healthy one that takes its whole timeout would leave the
+    /// snapshots stale in every interval.
     MaxStalenessNotAboveRefreshAndCall,
     /// `max_staleness` is longer than the snapshot map's (checked by
     /// [`SnapshotManager::spawn`]): readiness would outlive the snapshots
@@ -230,8 +235,12 @@ impl SnapshotManagerConfig {
             PrincipalSelection::Fixed(_) => self.fetch_timeout,
             PrincipalSelection::All { .. } => self.enumeration_timeout,
         };
+        // A refresh that outlasts the interval delays the next one to its
+        // end, so just before a verification the map's age is the longer of
+        // the two plus the call.
         let staleness_covers_a_slow_refresh = self
             .refresh_interval
+            .max(refresh_call)
             .checked_add(refresh_call)
             .and_then(|span| SignedDuration::try_from(span).ok())
             .is_some_and(|span| self.max_staleness > span);
@@ -297,9 +306,10 @@ impl fmt::Display for SnapshotManagerConfigError {
                 "snapshot manager: max_staleness must exceed refresh_interval"
             }
             Self::MaxStalenessNotAboveRefreshAndCall => {
-                "snapshot manager: max_staleness must exceed refresh_interval plus the timeout \
-                 of a refresh's call (fetch_timeout for a fixed list, enumeration_timeout for \
-                 an enumeration), since a refresh vouches only once it ends"
+                "snapshot manager: max_staleness must exceed the longer of refresh_interval and \
+                 the timeout of a refresh's call (fetch_timeout for a fixed list, \
+                 enumeration_timeout for an enumeration), plus that timeout, since a refresh \
+                 vouches only once it ends and a long one delays the next"
             }
             Self::MaxStalenessAboveMap => {
                 "snapshot manager: max_staleness must not be longer than the snapshot map's \
